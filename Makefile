@@ -1,0 +1,16 @@
+# Two commands do all the set-up: `make run` (the main job) and `make test` (the test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv run test gpu-test
+venv:
+	@tools/venv.sh $(VENV)
+
+run: venv
+	$(VENV)/bin/layerflow score
+
+test: venv
+	$(PY) -m pytest -m "not gpu" -q
+
+gpu-test: venv
+	$(PY) -m pytest -m gpu -q

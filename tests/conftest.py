@@ -1,0 +1,30 @@
+"""Shared test fixtures: a small fp32 model, and the `gpu` marker (skipped without CUDA)."""
+
+import pytest
+import torch
+
+from layerflow.hstu import HSTUConfig, HSTUWeights
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def small_config() -> HSTUConfig:
+    return HSTUConfig(num_layers=2, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=512,
+                      dtype=torch.float32, item_vocab_size=1000, position_table_size=512)
+
+
+@pytest.fixture(scope="session")
+def small_weights(small_config) -> HSTUWeights:
+    return HSTUWeights.init(small_config, seed=0)
