@@ -1,0 +1,285 @@
+"""The eventfd wait node: a native host function that a CUDA graph runs before each layer.
+
+CUDA runs host functions on one callback thread. A Python host function there needs the GIL, so a
+main thread busy in Python stalls every layer by up to the switch interval (5 ms). The wait is therefore
+a tiny C function (csrc/eventfd_wait.c), compiled on first use with the system C compiler and loaded
+with ctypes; it is launched with the CUDA runtime's own `cudaLaunchHostFunc` through ctypes (the
+cuda.bindings wrapper crashed with a raw function pointer), which during stream capture becomes a host
+node of the graph.
+
+Each wait reads a slot at a fixed host address (`WaitSlots`), so the runtime can point a captured graph
+at fresh eventfds before every replay without recapturing it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import enum
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+SOURCE = Path(__file__).parent / "csrc" / "eventfd_wait.c"
+CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror")
+
+_build_lock = threading.Lock()
+
+
+class WaitStatus(enum.IntEnum):
+    """What a wait node reports; the values are the C shim's."""
+
+    PENDING = -1
+    OK = 0
+    TIMEOUT = 1
+    POISONED = 2
+    READ_ERROR = 3
+
+
+class WaitSlot(ctypes.Structure):
+    """Mirror of `layerflow_wait_slot` in csrc/eventfd_wait.c (same field order and widths)."""
+
+    _fields_ = [
+        ("fd", ctypes.c_int32),
+        ("timeout_ms", ctypes.c_int32),
+        ("status", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("released_ns", ctypes.c_int64),
+        ("poison", ctypes.c_void_p),
+    ]
+
+
+def cache_dir() -> Path:
+    """Where compiled shims live: $LAYERFLOW_CACHE_DIR, else ~/.cache/layerflow."""
+    configured = os.environ.get("LAYERFLOW_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "layerflow"
+
+
+def find_compiler() -> str:
+    """The C compiler to use: $CC, else cc, else gcc; RuntimeError naming what was tried."""
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+    for name in candidates:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise RuntimeError(
+        f"layerflow needs a C compiler to build its eventfd wait node; none of {candidates} was found "
+        "on PATH (install gcc or set CC)"
+    )
+
+
+def build_shim() -> Path:
+    """Compile the shim into the cache dir, keyed by the source and flags, unless already there."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"eventfd_wait-{key}.so"
+    if target.exists():
+        return target
+    compiler = find_compiler()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock:
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{done.stderr}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def shim() -> ctypes.CDLL:
+    """The loaded shim with its C signatures declared (built on first use)."""
+    lib = ctypes.CDLL(str(build_shim()))
+    lib.layerflow_eventfd_wait.argtypes = [ctypes.c_void_p]
+    lib.layerflow_eventfd_wait.restype = None
+    lib.layerflow_eventfd_post_at.argtypes = [
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_int32,
+    ]
+    lib.layerflow_eventfd_post_at.restype = ctypes.c_int32
+    return lib
+
+
+def eventfd_wait_address() -> int:
+    """Address of the native `layerflow_eventfd_wait`, the function a host node runs."""
+    return ctypes.cast(shim().layerflow_eventfd_wait, ctypes.c_void_p).value
+
+
+def call_eventfd_wait(slot_addr: int) -> None:
+    """Run the wait on this thread (CPU path, tests). ctypes releases the GIL for the call."""
+    if slot_addr <= 0:
+        raise ValueError(f"slot_addr={slot_addr!r}: must be a slot's address")
+    shim().layerflow_eventfd_wait(slot_addr)
+
+
+def post_eventfds_at(fds: Sequence[int], at_ns: Sequence[int]) -> list[int]:
+    """Add one to fds[i] at CLOCK_MONOTONIC time at_ns[i], all in native code (no GIL); returns write times.
+
+    A notifier for benchmarks and tests whose post times must not depend on the interpreter.
+    """
+    if len(fds) != len(at_ns):
+        raise ValueError(f"len(fds)={len(fds)} != len(at_ns)={len(at_ns)}")
+    n = len(fds)
+    c_fds = (ctypes.c_int32 * n)(*fds)
+    c_at = (ctypes.c_int64 * n)(*at_ns)
+    written = (ctypes.c_int64 * n)()
+    failed = shim().layerflow_eventfd_post_at(c_fds, c_at, written, n)
+    if failed:
+        raise OSError(f"{failed} of {n} eventfd writes failed (fds={list(fds)})")
+    return list(written)
+
+
+class PoisonWord:
+    """An int32 in host memory that fails the waits pointing at it when nonzero (a failed transfer)."""
+
+    def __init__(self) -> None:
+        self._word = ctypes.c_int32(0)
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._word)
+
+    def set(self) -> None:
+        self._word.value = 1
+
+    def clear(self) -> None:
+        self._word.value = 0
+
+    def __bool__(self) -> bool:
+        return self._word.value != 0
+
+
+class WaitSlots:
+    """One wait slot per layer at fixed host addresses, for graphs captured once and replayed many times."""
+
+    def __init__(self, num_layers: int) -> None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+            raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
+        self.num_layers = num_layers
+        self._slots = (WaitSlot * num_layers)()
+        for slot in self._slots:
+            slot.fd = -1
+            slot.timeout_ms = 1
+        self.reset()
+
+    def _check_layer(self, layer: int) -> WaitSlot:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer!r}: expected 0 <= layer < {self.num_layers}")
+        return self._slots[layer]
+
+    def address(self, layer: int) -> int:
+        """The slot's address: what a host node for this layer is launched with."""
+        self._check_layer(layer)
+        return ctypes.addressof(self._slots) + layer * ctypes.sizeof(WaitSlot)
+
+    def set(self, layer: int, fd: int, timeout_ms: int, poison_addr: int = 0) -> None:
+        """Point layer's wait at fd (fd < 0: no wait) with a timeout and an optional poison word."""
+        slot = self._check_layer(layer)
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or not 0 < timeout_ms < 2**31:
+            raise ValueError(f"timeout_ms={timeout_ms!r}: must be a positive int32")
+        if not isinstance(fd, int) or not -(2**31) <= fd < 2**31:
+            raise ValueError(f"fd={fd!r}: must be an int32")
+        if not isinstance(poison_addr, int) or poison_addr < 0:
+            raise ValueError(f"poison_addr={poison_addr!r}: must be an address or 0")
+        slot.fd = fd
+        slot.timeout_ms = timeout_ms
+        slot.poison = poison_addr or None
+
+    def status(self, layer: int) -> WaitStatus:
+        return WaitStatus(self._check_layer(layer).status)
+
+    def released_ns(self, layer: int) -> int:
+        """CLOCK_MONOTONIC ns at which the layer's wait returned (0 while pending)."""
+        return self._check_layer(layer).released_ns
+
+    def reset(self) -> None:
+        """Mark every wait pending before a replay; fds, timeouts and poison words stay."""
+        for slot in self._slots:
+            slot.status = WaitStatus.PENDING
+            slot.released_ns = 0
+
+
+def _loaded_cudart() -> str | None:
+    """Path of a libcudart already mapped into this process (the one torch loaded), if any."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and re.search(r"/libcudart\.so[.\d]*$", fields[5]):
+                return fields[5]
+    return None
+
+
+def _candidate_cudarts() -> list[str]:
+    """libcudart files next to torch or in the nvidia wheels, then the system's."""
+    roots = [Path(p) for p in sys.path if p and Path(p, "nvidia").is_dir()]
+    patterns = ["nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"]
+    found = [str(f) for root in roots for pat in patterns for f in sorted(root.glob(pat))]
+    try:
+        import torch
+
+        found += [str(f) for f in sorted(Path(torch.__file__).parent.joinpath("lib").glob("libcudart*.so*"))]
+    except ImportError:
+        pass
+    system = ctypes.util.find_library("cudart")
+    return found + ([system] if system else [])
+
+
+@functools.cache
+def cudart() -> ctypes.CDLL:
+    """The CUDA runtime torch uses (so host nodes land in torch's context), with signatures declared."""
+    path = _loaded_cudart()
+    if path is None:
+        try:
+            import torch  # noqa: F401  (loading torch maps its libcudart)
+        except ImportError:
+            pass
+        path = _loaded_cudart()
+    paths = [path] if path else _candidate_cudarts()
+    errors = []
+    for candidate in paths:
+        try:
+            lib = ctypes.CDLL(candidate)
+            break
+        except OSError as exc:
+            errors.append(f"{candidate}: {exc}")
+    else:
+        raise RuntimeError(f"no loadable libcudart (tried: {errors or 'nothing found'})")
+    lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaLaunchHostFunc.restype = ctypes.c_int
+    lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def launch_host_func(stream: int, fn_addr: int, user_data: int) -> None:
+    """cudaLaunchHostFunc(stream, fn, user_data); raises RuntimeError with CUDA's message on failure."""
+    lib = cudart()
+    err = lib.cudaLaunchHostFunc(stream or None, fn_addr, user_data or None)
+    if err != 0:
+        raise RuntimeError(f"cudaLaunchHostFunc failed: {lib.cudaGetErrorString(err).decode()} ({err})")
+
+
+def launch_eventfd_wait(stream: int, slot_addr: int) -> None:
+    """Enqueue the native eventfd wait on stream (a cudaStream_t as int); a host node when capturing."""
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise ValueError(f"stream={stream!r}: must be a cudaStream_t as int")
+    if not isinstance(slot_addr, int) or slot_addr <= 0:
+        raise ValueError(f"slot_addr={slot_addr!r}: must be a slot's address")
+    launch_host_func(stream, eventfd_wait_address(), slot_addr)
