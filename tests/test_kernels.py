@@ -1,0 +1,110 @@
+"""Paged attention and KV append against their torch references, on small shapes.
+
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set before triton is imported).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from layerflow.kernels import (AttentionTiling, PagedAttention, kv_append, kv_append_reference,  # noqa: E402
+                               paged_attention_reference)
+from layerflow.kernels.synthetic import make_paged_batch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ALPHA, MAX_SEQ_LEN = 0.125, 300
+SMALL = AttentionTiling(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+# Ragged: a 0-history user with candidates only, a user whose appended tokens span a page boundary, a 1-token user,
+# a user with appended tokens only and a history that is not a multiple of the page size, an empty user.
+RAGGED = dict(history_lens=[0, 37, 1, 20, 0], appended_lens=[0, 3, 1, 20, 0], candidate_lens=[3, 2, 0, 0, 0])
+
+
+def attention_vs_reference(lengths: dict, *, num_heads: int, head_dim: int, page_size: int, tiling: AttentionTiling,
+                           dtype: torch.dtype = torch.float32, max_batch: int | None = None,
+                           max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    batch = make_paged_batch(**lengths, num_heads=num_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                             device=DEVICE, max_batch=max_batch, max_tokens=max_tokens)
+    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
+    attn = PagedAttention(batch.page_table.shape[0], batch.q.shape[0], batch.page_table.shape[1], num_heads,
+                          head_dim, page_size, dtype, DEVICE, ALPHA, MAX_SEQ_LEN, tiling=tiling)
+    out = torch.full_like(batch.q, 7.0)
+    attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, out)
+    expected = paged_attention_reference(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths,
+                                         torch.full_like(batch.q, 7.0), alpha=ALPHA, max_seq_len=MAX_SEQ_LEN)
+    return out, expected, batch.total_tokens
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_ragged_batch_matches_reference(num_splits):
+    tiling = AttentionTiling(16, 16, 4, 1, num_splits)
+    out, expected, total = attention_vs_reference(RAGGED, num_heads=2, head_dim=64, page_size=16, tiling=tiling,
+                                                  max_batch=6, max_tokens=40)
+    assert torch.isfinite(out[:total]).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
+    assert (out[total:] == 7.0).all()     # rows past the batch are not written
+
+
+def test_many_candidates_span_query_blocks():
+    lengths = dict(history_lens=[45, 9], appended_lens=[20, 9], candidate_lens=[30, 21])
+    out, expected, _ = attention_vs_reference(lengths, num_heads=1, head_dim=64, page_size=16,
+                                              tiling=AttentionTiling(16, 16, 4, 1, 2))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(16, 128), (32, 64), (64, 256), (128, 64)])
+def test_page_sizes_and_head_dims(page_size, head_dim):
+    lengths = dict(history_lens=[page_size + 5, 3], appended_lens=[4, 3], candidate_lens=[2, 1])
+    out, expected, _ = attention_vs_reference(lengths, num_heads=1, head_dim=head_dim, page_size=page_size,
+                                              tiling=AttentionTiling(16, 16, 4, 1, 2))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_default_tiling_and_split_choice():
+    out, expected, _ = attention_vs_reference(RAGGED, num_heads=2, head_dim=64, page_size=32, tiling=None)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_half_precision_close_to_fp32_reference():
+    lengths = dict(history_lens=[40], appended_lens=[8], candidate_lens=[4])
+    batch = make_paged_batch(**lengths, num_heads=2, head_dim=64, page_size=16, dtype=torch.float16, device=DEVICE)
+    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
+    attn = PagedAttention(1, batch.q.shape[0], batch.page_table.shape[1], 2, 64, 16, torch.float16, DEVICE, ALPHA,
+                          MAX_SEQ_LEN, tiling=AttentionTiling(16, 16, 4, 1, 2))
+    out = attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.empty_like(batch.q))
+    f32 = [t.float() for t in (batch.q, batch.k, batch.v, batch.kv_cache)]
+    expected = paged_attention_reference(*f32, *batch.lengths, torch.empty_like(f32[0]), alpha=ALPHA,
+                                         max_seq_len=MAX_SEQ_LEN)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-5)
+
+
+def test_kv_append_writes_exactly_the_appended_slots():
+    lengths = dict(history_lens=[0, 37, 1, 20, 50], appended_lens=[0, 3, 1, 20, 0], candidate_lens=[3, 2, 0, 0, 4])
+    batch = make_paged_batch(**lengths, num_heads=2, head_dim=64, page_size=16, dtype=torch.float32, device=DEVICE,
+                             max_batch=6, max_tokens=40, poison=-1234.0)
+    before = batch.kv_cache.clone()
+    expected = batch.kv_cache.clone()
+    kv_append_reference(batch.k, batch.v, expected, *batch.lengths)
+    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
+    assert torch.equal(batch.kv_cache, expected)
+    changed = (batch.kv_cache != before).any(dim=(1, 3, 4)).sum().item()
+    assert changed == 3 + 1 + 20                  # slots (page, position) of appended tokens, no candidates
+
+
+def test_bad_configuration_raises():
+    with pytest.raises(ValueError, match="page_size=24"):
+        PagedAttention(1, 8, 2, 1, 64, 24, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        PagedAttention(1, 8, 2, 1, 96, 16, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN)
+    attn = PagedAttention(1, 8, 2, 1, 64, 16, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN, tiling=SMALL)
+    batch = make_paged_batch([4], [4], [0], num_heads=1, head_dim=64, page_size=16, dtype=torch.float32,
+                             device=DEVICE)
+    with pytest.raises(ValueError, match="q dtype"):
+        attn.run(batch.q.double(), batch.k, batch.v, batch.kv_cache, *batch.lengths, batch.q)
+    with pytest.raises(ValueError, match="q_offsets dtype"):
+        attn.run(batch.q, batch.k, batch.v, batch.kv_cache, batch.page_table, batch.q_offsets.long(),
+                 batch.history_lens, batch.appended_lens, batch.q)
