@@ -1,0 +1,45 @@
+"""Paged KV on the GPU: one page tensor per layer, page lists per user, LRU eviction of offloaded users."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from layerflow.transfer.layout import KVLayout
+from layerflow.transfer.lru import User, UserPages
+
+
+class GpuKVPool(UserPages):
+    """`kv[layer]` is `[num_pages, 2, page_size, H, D]`; a page index means the same tokens in every layer.
+
+    Eviction never happens behind the caller's back: a GPU page may only be dropped once its KV is safe elsewhere,
+    which only the KV manager knows, so `allocate` evicts only with a `can_drop`, and `evict_until` needs one.
+    """
+
+    drop_by_default = False
+    unit = "page"
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(num_pages, layout.page_size)
+        self.layout = layout
+        self.device = torch.device(device)
+        self.kv: list[torch.Tensor] = [
+            torch.empty((num_pages, *layout.gpu_page_shape(g)), dtype=layout.groups[g].dtype, device=self.device)
+            for g, _ in layout.layer_map
+        ]
+
+    def page_table_tensor(self, users: Sequence[User], max_pages: int, fill: int = 0) -> torch.Tensor:
+        """int32 `[len(users), max_pages]` page table on the pool's device, rows padded with `fill`.
+
+        The default fill 0 is a valid page, so a kernel that reads past a user's length cannot fault.
+        """
+        if isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages < 0:
+            raise ValueError(f"max_pages={max_pages!r}: must be a non-negative integer")
+        rows = []
+        for user in users:
+            pages = self.pages(user)
+            if len(pages) > max_pages:
+                raise ValueError(f"user {user!r} holds {len(pages)} pages > max_pages={max_pages}")
+            rows.append(list(pages) + [fill] * (max_pages - len(pages)))
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(rows), max_pages)
