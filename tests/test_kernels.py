@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 from layerflow.kernels import (AttentionTiling, PagedAttention, kv_append, kv_append_reference,  # noqa: E402
                                paged_attention_reference)
+from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference  # noqa: E402
 from layerflow.kernels.synthetic import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,3 +109,11 @@ def test_bad_configuration_raises():
     with pytest.raises(ValueError, match="q_offsets dtype"):
         attn.run(batch.q, batch.k, batch.v, batch.kv_cache, batch.page_table, batch.q_offsets.long(),
                  batch.history_lens, batch.appended_lens, batch.q)
+
+
+def test_gated_layer_norm_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    u, a = (torch.randn(5, 48, generator=gen).to(DEVICE) for _ in range(2))
+    weight, bias = torch.randn(48, generator=gen).to(DEVICE), torch.randn(48, generator=gen).to(DEVICE)
+    torch.testing.assert_close(gated_layer_norm(u, a, weight, bias, 1e-6),
+                               gated_layer_norm_reference(u, a, weight, bias, 1e-6), rtol=1e-5, atol=1e-6)
