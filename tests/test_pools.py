@@ -391,3 +391,13 @@ def test_host_pool_over_given_buffer():
         HostKVPool(TWO_GROUPS, buffer=torch.zeros(100, dtype=torch.float32))
     with pytest.raises(ValueError, match="pin_memory=True"):
         HostKVPool(TWO_GROUPS, buffer=buffer, pin_memory=True)
+
+
+@pytest.mark.gpu
+def test_pools_on_cuda():
+    pool = GpuKVPool(TWO_GROUPS, num_pages=4, device="cuda")
+    assert all(t.is_cuda for t in pool.kv)
+    pool.allocate("a", 2 * PAGE)
+    assert pool.page_table_tensor(["a"], max_pages=3).cpu().tolist() == [[0, 1, 0]]
+    host = HostKVPool(TWO_GROUPS, num_blocks=4)
+    assert host.pinned and all(t.is_pinned() for t in host.blocks)

@@ -44,7 +44,7 @@ class LayerGroup:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def page_shape(self, page_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's page on the GPU: `[2, page_size, H, D]`."""
