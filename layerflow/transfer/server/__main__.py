@@ -1,0 +1,5 @@
+"""`python -m layerflow.transfer.server --config transfer.yaml [--run-dir DIR]`."""
+
+from layerflow.transfer.server.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""Command line of the transfer server (the lead wires `layerflow transfer-server` to `main`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from layerflow.transfer.config import load_config
+from layerflow.transfer.server.launcher import READY
+from layerflow.transfer.server.server import TransferServer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="layerflow transfer-server",
+                                     description="Serve a shared host (and SSD) KV cache to inference processes.")
+    parser.add_argument("--config", help="transfer YAML (cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, ...)")
+    parser.add_argument("--run-dir", help="private directory for the socket and token (default: a new temp dir)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config)
+    server = TransferServer(config, args.run_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    threading.Thread(target=server.serve_forever, daemon=True, name="layerflow-server-accept").start()
+    print(f"{READY} socket={server.socket_path} token={server.token_path}", flush=True)
+    stop.wait()
+    server.close()
+    return 0

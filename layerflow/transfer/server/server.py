@@ -1,0 +1,335 @@
+"""The transfer server process: one host pool in shared memory, shared by every client on the host.
+
+Each client (an inference process, e.g. one GPU worker) hands over its per-layer eventfds and
+maps its KV pool into the server; the server then runs the copy engine for its onboard and
+offload requests and posts the client's eventfds layer by layer. Users live in the host pool
+(LRU); with an SSD tier, a user evicted from the host is first written to SSD, and an onboard
+of a user found only on SSD reads it back in groups, each group handed to the copy engine as it
+lands (SSD -> host -> GPU pipelined; the layer signals fire once the last group's copies are done).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from layerflow.transfer.config import TransferConfig
+from layerflow.transfer.copy_engine import CopyEngine, Transfer
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.host_pool import HostKVPool
+from layerflow.transfer.layout import KVLayout
+from layerflow.transfer.server import protocol
+from layerflow.transfer.server.auth import PeerCred, check_peer, make_private_dir, read_token, write_token
+from layerflow.transfer.server.handoff import HandoffError, Session, server_handoff
+from layerflow.transfer.server.protocol import Op, ProtocolError
+from layerflow.transfer.server.registration import ClientPool, import_pool, layout_to_dict
+from layerflow.transfer.server.remote_signal import ClientSignal, Notifier
+from layerflow.transfer.server.shm import SharedMemory
+from layerflow.transfer.ssd import Miss, SsdStore, tensor_block_views
+
+log = logging.getLogger(__name__)
+SOCKET_FILE = "transfer.sock"
+
+
+def make_engine(cuda: bool) -> CopyEngine:
+    """The CUDA engine when the server has a GPU, else the CPU thread engine."""
+    if cuda:
+        from layerflow.transfer.cuda_copy import CudaCopyEngine
+        return CudaCopyEngine()
+    from layerflow.transfer.thread_copy import ThreadCopyEngine
+    return ThreadCopyEngine()
+
+
+class _Client:
+    """One connected client: its socket, eventfds and mapped KV pool."""
+
+    def __init__(self, sock: socket.socket, session: Session) -> None:
+        self.sock = sock
+        self.session = session
+        self.pool: ClientPool | None = None
+        self.send_lock = threading.Lock()
+
+    def send(self, op: Op, **fields) -> None:
+        with self.send_lock:
+            protocol.send(self.sock, op, **fields)
+
+
+class TransferServer:
+    """Listens on `run_dir/transfer.sock`; `serve_forever()` accepts clients until `close()`."""
+
+    def __init__(self, config: TransferConfig, run_dir: str | os.PathLike | None = None,
+                 peer_check: Callable[[PeerCred, int], None] = check_peer) -> None:
+        self.config = config
+        self.run_dir = make_private_dir(run_dir)
+        self.token_path = write_token(self.run_dir)
+        self._token = read_token(self.token_path)
+        self.socket_path = self.run_dir / SOCKET_FILE
+        self._peer_check = peer_check
+        self._listener = protocol.new_socket()
+        self._listener.bind(str(self.socket_path))
+        os.chmod(self.socket_path, 0o600)
+        self._listener.listen(16)
+        self._lock = threading.Lock()  # host pool + SSD bookkeeping
+        self._cuda = torch.cuda.is_available()
+        self._engine = make_engine(self._cuda)
+        self._notifier = Notifier() if self._cuda else None
+        self.layout: KVLayout | None = None
+        self.host: HostKVPool | None = None
+        self._host_shm: SharedMemory | None = None
+        self.ssd: SsdStore | None = None
+        self._clients: set[_Client] = set()
+        self._closed = threading.Event()
+        self._handlers: dict[Op, Callable[[_Client, protocol.Message], None]] = {
+            Op.REGISTER_POOL: self._register_pool,
+            Op.ONBOARD: self._onboard,
+            Op.OFFLOAD: self._offload,
+            Op.LOOKUP: self._lookup,
+            Op.DROP: self._drop,
+        }
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                break
+            threading.Thread(target=self._serve_client, args=(sock,), daemon=True,
+                             name="layerflow-server-client").start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self.socket_path.unlink(missing_ok=True)
+        for client in list(self._clients):
+            client.sock.close()
+        self._engine.close()
+        if self._notifier is not None:
+            self._notifier.stop()
+        if self.ssd is not None:
+            self.ssd.close()
+
+    # ---- per client ----------------------------------------------------------------------
+
+    def _serve_client(self, sock: socket.socket) -> None:
+        try:
+            session = server_handoff(sock, self._token, os.getuid(), self._peer_check)
+        except (HandoffError, OSError):
+            sock.close()
+            return
+        client = _Client(sock, session)
+        self._clients.add(client)
+        log.info("client pid=%d rank=%d connected (%d layers x %d counters)",
+                 session.peer.pid, session.rank, session.layers, session.counters)
+        try:
+            while True:
+                msg = protocol.recv(sock)
+                handler = self._handlers.get(msg.op)
+                if handler is None:
+                    msg.close_fds()
+                    client.send(Op.NACK, reason=f"unexpected {msg.op.value} message")
+                    continue
+                handler(client, msg)
+        except (ProtocolError, OSError) as e:
+            log.info("client pid=%d rank=%d gone: %s", session.peer.pid, session.rank, e)
+        finally:
+            self._clients.discard(client)
+            session.close()
+            sock.close()
+
+    def _register_pool(self, client: _Client, msg: protocol.Message) -> None:
+        try:
+            pool = import_pool(msg.fields, msg.fds, msg.payload)
+            if pool.layout.num_layers != client.session.layers:
+                raise ValueError(f"pool has {pool.layout.num_layers} layers, the handoff said {client.session.layers}")
+            with self._lock:
+                self._ensure_host(pool.layout)
+        except (ValueError, OSError, RuntimeError) as e:
+            msg.close_fds()
+            client.send(Op.NACK, reason=f"pool registration refused: {e}")
+            return
+        client.pool = pool
+        client.send(Op.ACK)
+
+    def _ensure_host(self, layout: KVLayout) -> None:
+        """The first registered layout sizes the host pool; later clients must match it."""
+        if self.layout is not None:
+            if layout != self.layout:
+                raise ValueError(f"layout {layout_to_dict(layout)} differs from the server's {layout_to_dict(self.layout)}")
+            return
+        num_blocks = layout.pages_for_gb(self.config.cpu_cache_gb)
+        if num_blocks <= 0:
+            raise ValueError(f"cpu_cache_gb={self.config.cpu_cache_gb} holds no block of {layout.page_bytes} bytes")
+        shm = SharedMemory(num_blocks * layout.page_bytes, name="layerflow-host-kv")
+        if self._cuda:
+            torch.cuda.cudart().cudaHostRegister(shm.tensor.data_ptr(), shm.size, 0)
+        self.host = HostKVPool(layout, buffer=shm.tensor)
+        self._host_shm = shm
+        self.layout = layout
+        if self.config.ssd_cache_gb > 0:
+            self.ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), layout.page_bytes,
+                                io_threads=self.config.ssd_io_threads)
+        log.info("host pool: %d blocks of %d bytes in shared memory%s", num_blocks, layout.page_bytes,
+                 f", SSD tier {self.config.ssd_cache_gb} GiB" if self.ssd else "")
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _request(self, client: _Client, msg: protocol.Message, work: Callable[[], dict]) -> None:
+        """Run `work`; answer DONE with its fields or ERROR naming the user (then non-resident)."""
+        msg.close_fds()
+        try:
+            if client.pool is None:
+                raise ValueError(f"{msg.op.value} before register_pool")
+            fields = work()
+        except (TransferError, ValueError, LookupError, OSError, RuntimeError) as e:
+            log.warning("%s of user %r failed: %s", msg.op.value, msg.get("user"), e)
+            client.send(Op.ERROR, req=msg.get("req"), users=[msg.get("user")], reason=str(e))
+            return
+        client.send(Op.DONE, req=msg["req"], **fields)
+
+    def _views(self):
+        return tensor_block_views(self.host.blocks)
+
+    def _spill(self, user) -> bool:
+        """Host eviction hook: write the victim to SSD first when there is an SSD tier."""
+        if self.ssd is not None and not self.ssd.contains(user):
+            try:
+                self.ssd.store(user, self._views(), self.host.pages(user))
+            except (OSError, ValueError) as e:
+                log.warning("could not spill user %r to SSD: %s", user, e)
+        return True
+
+    def _groups(self, client: _Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
+                onboard: bool) -> list[Transfer]:
+        out, first = [], 0
+        for g, group in enumerate(self.layout.groups):
+            layers = client.pool.group_layers(g)
+            if onboard:
+                out.append(self._engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, first))
+            else:
+                out.append(self._engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
+            first += group.num_layers
+        return out
+
+    def _wait(self, transfers: list[Transfer]) -> None:
+        for t in transfers:
+            t.wait(self.config.transfer_timeout_s)
+
+    def _onboard(self, client: _Client, msg: protocol.Message) -> None:
+        def work() -> dict:
+            user, gpu_pages = msg["user"], [int(p) for p in msg["gpu_pages"]]
+            counter = msg["counter_id"]
+            if not isinstance(counter, int) or not 0 <= counter < client.session.counters:
+                raise ValueError(f"counter_id={counter!r} outside [0, {client.session.counters})")
+            signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), self._notifier)
+            blocks, from_ssd = self._pin_for_onboard(user, len(gpu_pages))
+            try:
+                if from_ssd:
+                    self._onboard_from_ssd(client, user, gpu_pages, blocks, signal)
+                else:
+                    self._wait(self._groups(client, gpu_pages, blocks, signal, onboard=True))
+                signal.flush(self.config.transfer_timeout_s)
+                if signal.error is not None:
+                    raise TransferError(str(signal.error))
+            except Miss as e:
+                with self._lock:
+                    self.host.unpin(user)
+                    self.host.free(user)
+                raise LookupError(f"user {user!r} is not resident: {e}") from e
+            except BaseException:
+                with self._lock:
+                    self.host.unpin(user)
+                raise
+            with self._lock:
+                self.host.unpin(user)
+            return {"tier": "ssd" if from_ssd else "host"}
+
+        self._request(client, msg, work)
+
+    def _pin_for_onboard(self, user, num_pages: int) -> tuple[list[int], bool]:
+        with self._lock:
+            if user in self.host:
+                blocks = list(self.host.pages(user))
+                from_ssd = False
+            elif self.ssd is not None and self.ssd.contains(user):
+                blocks = list(self.host.allocate(user, self.ssd.num_blocks(user) * self.layout.page_size,
+                                                 can_drop=self._spill).pages)
+                from_ssd = True
+            else:
+                raise LookupError(f"user {user!r} is not resident on this server (host or SSD)")
+            if len(blocks) != num_pages:
+                raise ValueError(f"gpu_pages has {num_pages} pages, user {user!r} holds {len(blocks)} blocks")
+            self.host.touch(user)
+            self.host.pin(user)
+            return blocks, from_ssd
+
+    def _onboard_from_ssd(self, client: _Client, user, gpu_pages: list[int], blocks: list[int],
+                          signal: ClientSignal) -> None:
+        """SSD -> host in groups, each group handed to the copy engine as it lands; signal at the end."""
+        page_of = dict(zip(blocks, gpu_pages))
+        transfers: list[Transfer] = []
+
+        def landed(group_blocks: list[int]) -> None:
+            transfers.extend(self._groups(client, [page_of[b] for b in group_blocks], group_blocks, None, True))
+
+        try:
+            self.ssd.load(user, self._views(), blocks, on_group=landed)
+        finally:
+            self._wait(transfers)
+        for layer in range(signal.num_layers):
+            signal.complete_layer(layer)
+
+    def _offload(self, client: _Client, msg: protocol.Message) -> None:
+        def work() -> dict:
+            user, gpu_pages = msg["user"], [int(p) for p in msg["gpu_pages"]]
+            with self._lock:
+                if user in self.host:
+                    self.host.free(user)
+                blocks = list(self.host.allocate(user, len(gpu_pages) * self.layout.page_size,
+                                                 can_drop=self._spill).pages)
+                self.host.pin(user)
+                if self.ssd is not None:
+                    self.ssd.evict(user)
+            try:
+                self._wait(self._groups(client, gpu_pages, blocks, None, onboard=False))
+            except BaseException:
+                with self._lock:
+                    self.host.unpin(user)
+                    self.host.free(user)
+                raise
+            with self._lock:
+                self.host.unpin(user)
+            return {"blocks": len(blocks)}
+
+        self._request(client, msg, work)
+
+    def _lookup(self, client: _Client, msg: protocol.Message) -> None:
+        def work() -> dict:
+            user = msg["user"]
+            with self._lock:
+                if user in self.host:
+                    return {"tier": "host", "blocks": len(self.host.pages(user))}
+                if self.ssd is not None and self.ssd.contains(user):
+                    return {"tier": "ssd", "blocks": self.ssd.num_blocks(user)}
+            return {"tier": None, "blocks": 0}
+
+        self._request(client, msg, work)
+
+    def _drop(self, client: _Client, msg: protocol.Message) -> None:
+        def work() -> dict:
+            user = msg["user"]
+            with self._lock:
+                on_host = user in self.host
+                if on_host:
+                    self.host.free(user)
+                on_ssd = self.ssd.evict(user) if self.ssd is not None else False
+            return {"dropped": on_host or on_ssd}
+
+        self._request(client, msg, work)
