@@ -1,0 +1,129 @@
+"""The copy-engine seam: onboarding (host -> GPU, layer by layer, signalled) and offload (GPU -> host, whole).
+
+An engine knows tensors and index lists only, never the pools. Data layout (one layer group):
+- GPU: one tensor per layer, `[num_pages, 2, page_size, H, D]` (the layers need not be adjacent in memory);
+- host: block-first `[num_blocks, num_layers, 2, page_size, H, D]`, so the pitch from block i to i+1 within one layer
+  is `num_layers * layer_page_bytes`.
+A transfer moves the pairs `(gpu_pages[i], host_blocks[i])`; the engines split them into runs contiguous on both sides
+(`copy_plan`). Several layer groups are several calls, each with its `first_layer` (the global index of its layer 0).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from layerflow.transfer.copy_plan import CopyPlan, plan_runs
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signal_base import SignalHandle
+
+
+class Transfer(ABC):
+    """One submitted transfer: completion is observable without blocking, and an error is kept, not lost."""
+
+    error: BaseException | None = None
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copies finished or failed (then `error` is set)."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raise TransferError on failure or when `timeout` seconds pass first."""
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """A validated transfer: what the concrete engines execute."""
+
+    gpu_layers: tuple[torch.Tensor, ...]
+    host: torch.Tensor
+    plan: CopyPlan
+    signal: SignalHandle | None
+    first_layer: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.gpu_layers)
+
+    @property
+    def layer_page_bytes(self) -> int:
+        return self.gpu_layers[0][0].numel() * self.gpu_layers[0].element_size()
+
+
+def make_job(gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
+             host_blocks: Sequence[int] | np.ndarray, signal: SignalHandle | None, first_layer: int,
+             unique_gpu: bool) -> CopyJob:
+    """Check shapes, dtypes and index bounds once, so a bad call fails here and not inside a copy."""
+    layers = tuple(gpu_layers)
+    if not layers:
+        raise ValueError("gpu_layers: empty")
+    if host.dim() != 6 or host.shape[1] != len(layers):
+        raise ValueError(f"host: expected [num_blocks, {len(layers)}, 2, page, H, D], got {tuple(host.shape)}")
+    if not host.is_contiguous():
+        raise ValueError("host: must be contiguous (block-first layout)")
+    for i, layer in enumerate(layers):
+        if layer.dim() != 5 or tuple(layer.shape[1:]) != tuple(host.shape[2:]) or layer.dtype != host.dtype:
+            raise ValueError(f"gpu_layers[{i}]: shape {tuple(layer.shape)} {layer.dtype} does not match host pages "
+                             f"{tuple(host.shape[2:])} {host.dtype}")
+        if not layer.is_contiguous():
+            raise ValueError(f"gpu_layers[{i}]: must be contiguous")
+    plan = plan_runs(gpu_pages, host_blocks)
+    if plan.num_pages:
+        num_pages = min(layer.shape[0] for layer in layers)
+        if int(plan.gpu_pages.max()) >= num_pages:
+            raise ValueError(f"gpu_pages: index {int(plan.gpu_pages.max())} out of range [0, {num_pages})")
+        if int(plan.host_blocks.max()) >= host.shape[0]:
+            raise ValueError(f"host_blocks: index {int(plan.host_blocks.max())} out of range [0, {host.shape[0]})")
+        dst = plan.gpu_pages if unique_gpu else plan.host_blocks
+        if np.unique(dst).size != dst.size:
+            raise ValueError(f"{'gpu_pages' if unique_gpu else 'host_blocks'}: a destination appears twice")
+    if signal is not None and (first_layer < 0 or first_layer + len(layers) > signal.num_layers):
+        raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(layers) - 1} exceed "
+                         f"the signal's {signal.num_layers} layers")
+    return CopyJob(layers, host, plan, signal, first_layer)
+
+
+class CopyEngine(ABC):
+    """Moves KV pages between the GPU pool tensors and the host block tensor.
+
+    `fail_at_layer` injects a TransferError when the engine reaches that layer (tests and the runtime's
+    failure-path tests use it: the layers before it land and are signalled, the rest are poisoned).
+    """
+
+    def __init__(self, fail_at_layer: int | None = None) -> None:
+        self.fail_at_layer = fail_at_layer
+
+    def onboard(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
+                host_blocks: Sequence[int] | np.ndarray, signal: SignalHandle | None = None,
+                first_layer: int = 0) -> Transfer:
+        """Host -> GPU, layer by layer: every run of layer 0, signal layer 0, then layer 1, ...
+
+        `signal` (from `LayerSignals.acquire`) is posted per layer as `first_layer + l`; on failure it is poisoned.
+        """
+        job = make_job(gpu_layers, host, gpu_pages, host_blocks, signal, first_layer, unique_gpu=True)
+        return self._onboard(job)
+
+    def offload(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
+                host_blocks: Sequence[int] | np.ndarray) -> Transfer:
+        """GPU -> host, all layers, asynchronously; the host blocks are valid once the Transfer is done."""
+        job = make_job(gpu_layers, host, gpu_pages, host_blocks, None, 0, unique_gpu=False)
+        return self._offload(job)
+
+    def _check_injected(self, layer: int) -> None:
+        if self.fail_at_layer is not None and layer == self.fail_at_layer:
+            raise TransferError(f"injected failure at layer {layer}")
+
+    @abstractmethod
+    def _onboard(self, job: CopyJob) -> Transfer: ...
+
+    @abstractmethod
+    def _offload(self, job: CopyJob) -> Transfer: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop workers and release streams; pending transfers finish first."""

@@ -1,0 +1,56 @@
+"""Split a transfer's (gpu page, host block) pairs into runs contiguous on both sides, once per transfer.
+
+Each run becomes one strided 2D copy per layer, so the per-call work of the copy engines is a loop over runs, never
+over pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """The pairs of one transfer and their runs (all int64 arrays)."""
+
+    gpu_pages: np.ndarray
+    host_blocks: np.ndarray
+    run_gpu: np.ndarray
+    run_host: np.ndarray
+    run_len: np.ndarray
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.gpu_pages.size)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.run_len.size)
+
+
+def _as_index(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"{name}: negative index {int(arr.min())}")
+    return arr
+
+
+def plan_runs(gpu_pages: Sequence[int] | np.ndarray, host_blocks: Sequence[int] | np.ndarray) -> CopyPlan:
+    """Pair `gpu_pages[i]` with `host_blocks[i]`; a run continues while both sides advance by one."""
+    gpu = _as_index("gpu_pages", gpu_pages)
+    host = _as_index("host_blocks", host_blocks)
+    if gpu.size != host.size:
+        raise ValueError(f"gpu_pages has {gpu.size} entries but host_blocks has {host.size}")
+    if gpu.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return CopyPlan(gpu, host, empty, empty, empty)
+    breaks = (np.diff(gpu) != 1) | (np.diff(host) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.concatenate((starts, [gpu.size])))
+    return CopyPlan(gpu, host, gpu[starts], host[starts], lengths)

@@ -1,0 +1,89 @@
+"""CUDA streams and events through cuda.bindings.runtime, as plain helpers the copy engine and signals share.
+
+Handles cross the API as ints (stream) or cuda.bindings event objects; torch streams pass `stream.cuda_stream`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from cuda.bindings import runtime as rt
+
+from layerflow.transfer.cuda_util import check
+from layerflow.transfer.errors import TransferError
+
+
+def current_device() -> int:
+    return check(rt.cudaGetDevice(), "cudaGetDevice")
+
+
+def set_device(device: int) -> None:
+    """Make the device's primary context current on this thread (the one torch uses)."""
+    check(rt.cudaSetDevice(device), "cudaSetDevice")
+
+
+def create_stream() -> int:
+    """A non-blocking stream: no implicit sync with the legacy default stream."""
+    return int(check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"))
+
+
+def destroy_stream(stream: int) -> None:
+    check(rt.cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+def create_event(timing: bool = False) -> rt.cudaEvent_t:
+    flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
+    return check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+
+
+def destroy_event(event: rt.cudaEvent_t) -> None:
+    check(rt.cudaEventDestroy(event), "cudaEventDestroy")
+
+
+def record(event: rt.cudaEvent_t, stream: int) -> None:
+    check(rt.cudaEventRecord(event, stream), "cudaEventRecord")
+
+
+def synchronize(event: rt.cudaEvent_t) -> None:
+    check(rt.cudaEventSynchronize(event), "cudaEventSynchronize")
+
+
+def query(event: rt.cudaEvent_t) -> bool:
+    """True once the event's work completed, False while pending; TransferError on an execution error."""
+    err = rt.cudaEventQuery(event)[0]
+    if err == rt.cudaError_t.cudaSuccess:
+        return True
+    if err == rt.cudaError_t.cudaErrorNotReady:
+        return False
+    raise TransferError(f"cudaEventQuery failed: {err!r}")
+
+
+def elapsed_ms(start: rt.cudaEvent_t, end: rt.cudaEvent_t) -> float:
+    return check(rt.cudaEventElapsedTime(start, end), "cudaEventElapsedTime")
+
+
+def stream_wait(stream: int, event: rt.cudaEvent_t, external: bool = False) -> None:
+    """`stream` waits on the GPU for `event`; `external` makes it an external wait node under graph capture."""
+    flags = rt.cudaEventWaitExternal if external else rt.cudaEventWaitDefault
+    check(rt.cudaStreamWaitEvent(stream, event, flags), "cudaStreamWaitEvent")
+
+
+class EventPool:
+    """Reusable timing-free events: creating one per layer per transfer would cost a driver call each."""
+
+    def __init__(self) -> None:
+        self._free: list[rt.cudaEvent_t] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> rt.cudaEvent_t:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return create_event()
+
+    def give(self, event: rt.cudaEvent_t) -> None:
+        with self._lock:
+            self._free.append(event)
+
+    def record(self, event: rt.cudaEvent_t, stream: int) -> None:
+        record(event, stream)

@@ -1,0 +1,115 @@
+"""`waitvalue` signals: 32-bit words written by `cuStreamWriteValue32` after a layer's copies, waited with GEQ.
+
+Words never go back to 0 (a reset-to-zero protocol races across back-to-back replays, design.md): each acquisition of
+a counter takes that counter's next epoch, the copy stream writes the epoch into the (counter, layer) word, and waiters
+wait for `word - epoch >= 0` as int32 (the cyclic GEQ cuStreamWaitValue32 implements, so wrap-around is harmless).
+The counter words live in pinned host memory (device-visible via UVA) so host waiters poll them directly.
+
+Graph capture: a captured cuStreamWaitValue32 would freeze its target epoch. We chose "read the target from memory":
+every onboarding also writes a global, monotonically increasing epoch into one device word per layer, and
+`capture_gpu_wait(layer, stream)` captures a one-thread Triton kernel that spins until
+`capture_word[layer] - target >= 0`, with `target` read from a device word. `prepare_replay(handle, stream)` writes
+that target with cuStreamWriteValue32 on the launch stream just before the graph launch, so it is stream-ordered with
+the replay it aims: no host write can retarget a replay already queued. Onboardings are issued in order on one H2D
+stream, so a word >= this onboarding's epoch means this onboarding's layer landed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import triton
+import triton.language as tl
+from cuda.bindings import driver
+
+from layerflow.transfer.config import SignalMode
+from layerflow.transfer.cuda_util import check, poll_until, require_cuda
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signal_base import LayerSignals, SignalHandle
+
+_MASK = 0xFFFFFFFF
+
+
+@triton.jit
+def _wait_geq_kernel(word_ptr, target_ptr):
+    target = tl.load(target_ptr, volatile=True)
+    current = tl.load(word_ptr, volatile=True)
+    while current - target < 0:
+        current = tl.load(word_ptr, volatile=True)
+
+
+def _reached(value: int, epoch: int) -> bool:
+    """Cyclic int32 GEQ, as cuStreamWaitValue32 evaluates it."""
+    return ((value - epoch) & _MASK) < 2**31
+
+
+def _write(stream: int, address: int, value: int) -> None:
+    check(driver.cuStreamWriteValue32(stream, address, value & _MASK,
+                                      driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+          "cuStreamWriteValue32")
+
+
+class WaitValueSignals(LayerSignals):
+    mode = SignalMode.WAITVALUE
+
+    def __init__(self, num_layers: int, num_counters: int = 4, timeout_s: float = 10.0) -> None:
+        require_cuda("signal mode 'waitvalue'")
+        super().__init__(num_layers, num_counters, timeout_s)
+        self._words = torch.zeros(num_counters * num_layers, dtype=torch.int32, pin_memory=True)
+        self._host = self._words.numpy()
+        self._capture = torch.zeros(num_layers + 1, dtype=torch.int32, device="cuda")
+        self._epochs = [0] * num_counters
+        self._targets = [0] * num_counters
+        self._global = 0
+        _wait_geq_kernel[(1,)](self._capture[0:1], self._capture[num_layers:], num_warps=1)
+        torch.cuda.synchronize()
+
+    def epoch(self, handle: SignalHandle) -> int:
+        """The value `handle`'s layer words reach once landed (for native or custom waiters)."""
+        return self._epochs[handle.counter_id]
+
+    def word_address(self, handle: SignalHandle, layer: int) -> int:
+        """Device-visible (UVA) address of `handle`'s word for `layer`."""
+        return self._words.data_ptr() + 4 * self._index(handle.counter_id, layer)
+
+    def capture_gpu_wait(self, layer: int, stream: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer!r}: expected an int in [0, {self.num_layers})")
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            _wait_geq_kernel[(1,)](self._capture[layer:layer + 1], self._capture[self.num_layers:], num_warps=1)
+
+    def prepare_replay(self, handle: SignalHandle | None, stream: int) -> None:
+        target = self._global if handle is None else self._targets[handle.counter_id]
+        _write(stream, self._capture[self.num_layers:].data_ptr(), target)
+
+    def _index(self, counter: int, layer: int) -> int:
+        return counter * self.num_layers + layer
+
+    def _reset_counter(self, counter: int) -> None:
+        self._epochs[counter] = (self._epochs[counter] + 1) & _MASK
+        self._global = (self._global + 1) & _MASK
+        self._targets[counter] = self._global
+
+    def _signal(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
+        counter = handle.counter_id
+        epoch, target = self._epochs[counter], self._targets[counter]
+        for layer in layers:
+            if stream is None:
+                self._host[self._index(counter, layer)] = epoch - 2**32 if epoch >= 2**31 else epoch
+            else:
+                _write(stream, self.word_address(handle, layer), epoch)
+                _write(stream, self._capture[layer:].data_ptr(), target)
+
+    def _poison(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
+        self._signal(handle, layers, stream)
+
+    def _host_wait(self, handle: SignalHandle, layer: int, deadline: float) -> bool:
+        counter = handle.counter_id
+        index, epoch = self._index(counter, layer), self._epochs[counter]
+        return poll_until(lambda: self.status[counter] != 0 or _reached(int(self._host[index]), epoch), deadline)
+
+    def _gpu_wait(self, handle: SignalHandle, layer: int, stream: int) -> None:
+        check(driver.cuStreamWaitValue32(stream, self.word_address(handle, layer), self.epoch(handle),
+                                         driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+              "cuStreamWaitValue32")

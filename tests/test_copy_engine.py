@@ -1,0 +1,175 @@
+"""Copy engines: byte-exact onboarding/offload for contiguous and fragmented placements, run planning, failures."""
+
+import numpy as np
+import pytest
+import torch
+
+from layerflow.transfer.copy_plan import plan_runs
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.thread_copy import ThreadCopyEngine
+
+LAYERS, PAGES, BLOCKS, PAGE, HEADS, DIM = 3, 24, 20, 4, 2, 8
+POISON = -7.0
+
+
+def make_tensors(device="cpu", pages=PAGES, blocks=BLOCKS, layers=LAYERS, page=PAGE, heads=HEADS, dim=DIM,
+                 dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    host = torch.randn((blocks, layers, 2, page, heads, dim), generator=gen).to(dtype)
+    if device != "cpu":
+        host = host.pin_memory()
+    gpu = [torch.full((pages, 2, page, heads, dim), POISON, dtype=dtype, device=device) for _ in range(layers)]
+    return gpu, host
+
+
+PLACEMENTS = {
+    "contiguous": (list(range(3, 13)), list(range(5, 15))),
+    "fragmented": ([7, 8, 2, 3, 4, 19, 0, 11, 12, 13, 23], [1, 2, 9, 10, 11, 3, 17, 4, 5, 6, 0]),
+}
+
+
+def check_onboarded(gpu, host, pages, blocks):
+    for layer, tensor in enumerate(gpu):
+        got = tensor.cpu()
+        for page, block in zip(pages, blocks):
+            assert torch.equal(got[page], host[block, layer]), (layer, page, block)
+        untouched = sorted(set(range(tensor.shape[0])) - set(pages))
+        assert bool((got[untouched] == POISON).all()), f"layer {layer}: a page outside the transfer was written"
+
+
+def check_offloaded(gpu, host, before, pages, blocks):
+    for layer, tensor in enumerate(gpu):
+        src = tensor.cpu()
+        for page, block in zip(pages, blocks):
+            assert torch.equal(host[block, layer], src[page]), (layer, page, block)
+    untouched = sorted(set(range(host.shape[0])) - set(blocks))
+    assert torch.equal(host[untouched], before[untouched]), "a block outside the transfer was written"
+
+
+@pytest.fixture
+def engine():
+    eng = ThreadCopyEngine()
+    yield eng
+    eng.close()
+
+
+def test_plan_runs_splits_where_either_side_breaks():
+    plan = plan_runs([4, 5, 6, 9, 10, 11, 2], [0, 1, 2, 3, 7, 8, 9])
+    assert plan.run_gpu.tolist() == [4, 9, 10, 2]
+    assert plan.run_host.tolist() == [0, 3, 7, 9]
+    assert plan.run_len.tolist() == [3, 1, 2, 1]
+    assert plan_runs(range(100, 164), range(64)).num_runs == 1
+    assert plan_runs([], []).num_runs == 0
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_thread_onboard_byte_exact(engine, placement):
+    pages, blocks = PLACEMENTS[placement]
+    gpu, host = make_tensors()
+    engine.onboard(gpu, host, pages, blocks).wait(5)
+    check_onboarded(gpu, host, pages, blocks)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_thread_offload_byte_exact(engine, placement):
+    pages, blocks = PLACEMENTS[placement]
+    gpu, host = make_tensors(seed=1)
+    for layer in gpu:
+        layer.copy_(torch.randn(layer.shape))
+    before = host.clone()
+    transfer = engine.offload(gpu, host, pages, blocks)
+    transfer.wait(5)
+    assert transfer.done() and transfer.error is None
+    check_offloaded(gpu, host, before, pages, blocks)
+
+
+def test_bad_inputs_raise_value_error(engine):
+    gpu, host = make_tensors()
+    with pytest.raises(ValueError, match="gpu_pages"):
+        engine.onboard(gpu, host, [PAGES], [0])
+    with pytest.raises(ValueError, match="host_blocks"):
+        engine.onboard(gpu, host, [0], [BLOCKS])
+    with pytest.raises(ValueError, match="twice"):
+        engine.onboard(gpu, host, [1, 1], [0, 2])
+    with pytest.raises(ValueError, match="entries"):
+        engine.onboard(gpu, host, [1, 2], [0])
+    with pytest.raises(ValueError, match="host"):
+        engine.onboard(gpu[:2], host, [1], [0])
+
+
+def test_injected_failure_keeps_earlier_layers_and_reports():
+    engine = ThreadCopyEngine(fail_at_layer=1)
+    try:
+        gpu, host = make_tensors()
+        transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
+        with pytest.raises(TransferError, match="layer 1"):
+            transfer.wait(5)
+        assert transfer.done() and isinstance(transfer.error, TransferError)
+        assert torch.equal(gpu[0][0], host[2, 0])
+        assert bool((gpu[1] == POISON).all())
+    finally:
+        engine.close()
+
+
+def test_copy_error_becomes_transfer_error():
+    def broken(layer):
+        if layer == 2:
+            raise OSError("disk on fire")
+
+    engine = ThreadCopyEngine(layer_hook=broken)
+    try:
+        gpu, host = make_tensors()
+        transfer = engine.offload(gpu, host, [0], [0])
+        with pytest.raises(TransferError, match="disk on fire"):
+            transfer.wait(5)
+    finally:
+        engine.close()
+
+
+# GPU ---------------------------------------------------------------------------------------------------------------
+
+GPU_PLACEMENTS = {
+    "contiguous": (np.arange(10, 200), np.arange(40, 230)),
+    "fragmented": (np.random.default_rng(0).permutation(256)[:190], np.random.default_rng(1).permutation(240)[:190]),
+    "runs": (np.r_[0:50, 100:150, 60:90], np.r_[200:250, 0:50, 120:150]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_below_pages", [4.0, 1e9], ids=["2d", "batch"])
+@pytest.mark.parametrize("placement", GPU_PLACEMENTS)
+def test_cuda_onboard_offload_byte_exact(placement, batch_below_pages):
+    from layerflow.transfer.cuda_copy import CudaCopyEngine
+
+    pages, blocks = (a.tolist() for a in GPU_PLACEMENTS[placement])
+    engine = CudaCopyEngine(batch_below_pages=batch_below_pages)
+    try:
+        gpu, host = make_tensors("cuda", pages=256, blocks=256, layers=4, page=32, heads=4, dim=64,
+                                 dtype=torch.bfloat16)
+        engine.onboard(gpu, host, pages, blocks).wait(10)
+        check_onboarded(gpu, host, pages, blocks)
+
+        for layer in gpu:
+            layer.copy_(torch.randn(layer.shape, device="cuda"))
+        before = host.clone()
+        transfer = engine.offload(gpu, host, pages, blocks)
+        transfer.wait(10)
+        assert transfer.done() and transfer.error is None
+        check_offloaded(gpu, host, before, pages, blocks)
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_cuda_injected_failure_reports():
+    from layerflow.transfer.cuda_copy import CudaCopyEngine
+
+    engine = CudaCopyEngine(fail_at_layer=2)
+    try:
+        gpu, host = make_tensors("cuda")
+        transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
+        with pytest.raises(TransferError, match="layer 2"):
+            transfer.wait(5)
+        assert torch.equal(gpu[1][1].cpu(), host[3, 1])
+    finally:
+        engine.close()
