@@ -123,20 +123,22 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_batch,
-                       HD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum of the split partials, in split order, over the batch's tokens only."""
+                       HD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum of the split partials over the batch's tokens only.
+
+    All partials of a block are loaded at once (a loop would wait on one L2 round trip per split) and reduced by a
+    tree whose shape is fixed at compile time, so the result is the same bits on every run.
+    """
     total = tl.load(q_offsets_ptr + max_batch).to(tl.int64) * HD
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if start >= total:
         return
     offsets = start + tl.arange(0, BLOCK)
+    splits = tl.arange(0, SPLITS_P2)
     ok = offsets < total
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    ptrs = partial_ptr + offsets
-    for _ in range(NUM_SPLITS):
-        acc += tl.load(ptrs, mask=ok, other=0.0)
-        ptrs += split_stride
-    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    ptrs = partial_ptr + splits[:, None].to(tl.int64) * split_stride + offsets[None, :]
+    parts = tl.load(ptrs, mask=(splits[:, None] < NUM_SPLITS) & ok[None, :], other=0.0)
+    tl.store(out_ptr + offsets, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -247,14 +249,16 @@ class PagedAttention:
         _paged_attention_kernel[grid](
             q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, dst,
             page_table.stride(0), split_stride, self.max_batch, self.alpha, 1.0 / self.max_seq_len,
-            H=self.num_heads, D=self.head_dim, PAGE=self.page_size, BATCH_P2=triton.next_power_of_2(self.max_batch),
+            H=self.num_heads, D=self.head_dim, PAGE=self.page_size,
+            BATCH_P2=max(2, triton.next_power_of_2(self.max_batch)),
             NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PRECISION=precision,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None:
-            block = 1024
+            splits_p2 = triton.next_power_of_2(self.num_splits)
+            block = max(16, 8192 // splits_p2)
             _sum_splits_kernel[(triton.cdiv(split_stride, block),)](
-                self.partials, out, q_offsets, split_stride, self.max_batch,
-                HD=self.num_heads * self.head_dim, NUM_SPLITS=self.num_splits, BLOCK=block, num_warps=4,
+                self.partials, out, q_offsets, split_stride, self.max_batch, HD=self.num_heads * self.head_dim,
+                NUM_SPLITS=self.num_splits, SPLITS_P2=splits_p2, BLOCK=block, num_warps=4,
             )
         return out

@@ -66,6 +66,7 @@ def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_tab
         return
     _kv_append_kernel[(k.shape[0],)](
         k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, page_table.stride(0), max_batch,
-        HD=hd, HD_P2=triton.next_power_of_2(hd), PAGE=page_size, BATCH_P2=triton.next_power_of_2(max_batch),
+        HD=hd, HD_P2=triton.next_power_of_2(hd), PAGE=page_size,
+        BATCH_P2=max(2, triton.next_power_of_2(max_batch)),
         num_warps=4,
     )

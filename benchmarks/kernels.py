@@ -1,0 +1,222 @@
+"""Microbenchmark of the paged HSTU attention (and the fused output gate) on one GPU.
+
+Effective KV bandwidth = K and V bytes of every history token read / kernel time; it is compared with a
+device-to-device copy measured in the same run (copy bandwidth counts read + write bytes, the traffic HBM serves).
+Each timed CUDA graph runs the attention over `rotations` disjoint sets of pages, more bytes than the L2 holds, so the
+history really comes from HBM; the time reported is per attention call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import triton
+
+from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
+from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
+
+APPENDED, HEADS, DTYPE, DEVICE = 64, 4, torch.bfloat16, "cuda"
+L2_FLUSH_BYTES = 256 << 20
+
+
+def median_ms(fn, iters: int) -> float:
+    """Median over `iters` timed calls (CUDA events around each)."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_of(fn, *, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), iters)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+class Case:
+    """One shape: inputs, a pool with `rotations` disjoint page sets, and the graph that runs over all of them."""
+
+    def __init__(self, batch: int, history: int, candidates: int, head_dim: int, page_size: int,
+                 tiling: AttentionTiling | None) -> None:
+        self.batch, self.history, self.candidates, self.head_dim = batch, history, candidates, head_dim
+        self.hist_len = history + APPENDED
+        pages = -(-self.hist_len // page_size)
+        self.kv_bytes = batch * self.hist_len * HEADS * head_dim * 2 * DTYPE.itemsize
+        self.rotations = max(2, min(32, math.ceil(L2_FLUSH_BYTES / self.kv_bytes)))
+        tokens = batch * (APPENDED + candidates)
+        dev = DEVICE
+        self.q, self.k, self.v = (torch.randn(tokens, HEADS, head_dim, device=dev, dtype=DTYPE) for _ in range(3))
+        self.pool = torch.randn(self.rotations * batch * pages, 2, page_size, HEADS, head_dim, device=dev,
+                                dtype=DTYPE)
+        self.tables = torch.randperm(self.pool.shape[0], device=dev).to(torch.int32).view(
+            self.rotations, batch, pages)
+        self.offsets = torch.arange(batch + 1, device=dev, dtype=torch.int32) * (APPENDED + candidates)
+        self.hist_lens = torch.full((batch,), self.hist_len, device=dev, dtype=torch.int32)
+        self.app_lens = torch.full((batch,), APPENDED, device=dev, dtype=torch.int32)
+        self.out = torch.empty_like(self.q)
+        self.attn = PagedAttention(batch, tokens, pages, HEADS, head_dim, page_size, DTYPE, dev, head_dim ** -0.5,
+                                   16384 + 512, tiling=tiling)
+
+    def run(self, rotation: int) -> None:
+        self.attn.run(self.q, self.k, self.v, self.pool, self.tables[rotation], self.offsets, self.hist_lens,
+                      self.app_lens, self.out)
+
+    def time_ms(self, iters: int) -> float:
+        graph = graph_of(lambda: [self.run(r) for r in range(self.rotations)])
+        return median_ms(graph.replay, iters) / self.rotations
+
+    def reference_ms(self, iters: int) -> float:
+        return median_ms(lambda: paged_attention_reference(
+            self.q, self.k, self.v, self.pool, self.tables[0], self.offsets, self.hist_lens, self.app_lens,
+            torch.empty_like(self.q), alpha=self.head_dim ** -0.5, max_seq_len=16384 + 512), iters)
+
+    def flops(self) -> float:
+        """Multiply-adds of QK^T and AV actually needed under the mask, times 2."""
+        causal = APPENDED * (self.hist_len - APPENDED) + APPENDED * (APPENDED + 1) / 2
+        pairs = causal + self.candidates * (self.hist_len + 1)
+        return 4.0 * pairs * HEADS * self.head_dim * self.batch
+
+
+def attention_row(case: Case, copy_bw: float, iters: int, reference: bool) -> dict:
+    ms = case.time_ms(iters)
+    bw = case.kv_bytes / (ms * 1e-3)
+    row = dict(batch=case.batch, history=case.history, appended=APPENDED, candidates=case.candidates,
+               head_dim=case.head_dim, heads=HEADS, num_splits=case.attn.num_splits,
+               tiling=asdict(case.attn.tiling), rotations=case.rotations, time_us=ms * 1e3,
+               kv_bytes=case.kv_bytes, kv_tb_s=bw / 1e12, copy_ratio=bw / copy_bw,
+               tflops=case.flops() / (ms * 1e-3) / 1e12)
+    if reference:
+        ref_ms = case.reference_ms(max(3, iters // 10))
+        row.update(reference_us=ref_ms * 1e3, speedup=ref_ms / ms)
+    return row
+
+
+def gate_rows(iters: int) -> list[dict]:
+    """Fused u * LayerNorm(a) against the model's torch ops, each in a CUDA graph, at the block's token counts."""
+    rows = []
+    for tokens in (64, 320, 2560):
+        u, a = (torch.randn(tokens, 1024, device="cuda", dtype=DTYPE) for _ in range(2))
+        w, b = torch.randn(1024, device="cuda", dtype=DTYPE), torch.randn(1024, device="cuda", dtype=DTYPE)
+        out = torch.empty_like(a)
+        reps = 20
+        fused = graph_of(lambda: [gated_layer_norm(u, a, w, b, 1e-6, out) for _ in range(reps)])
+        torch_ops = graph_of(lambda: [gated_layer_norm_reference(u, a, w, b, 1e-6) for _ in range(reps)])
+        fused_us = median_ms(fused.replay, iters) * 1e3 / reps
+        torch_us = median_ms(torch_ops.replay, iters) * 1e3 / reps
+        rows.append(dict(tokens=tokens, width=1024, fused_us=fused_us, torch_us=torch_us,
+                         speedup=torch_us / fused_us))
+    return rows
+
+
+SWEEP = {
+    # (batch, history, candidates, head_dim): tilings to try besides the default
+    (1, 16384, 0, 256): [AttentionTiling(64, bn, w, s) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+                        + [AttentionTiling(64, 64, 8, 2, n) for n in (16, 24, 33, 48)]
+                        + [AttentionTiling(64, 32, 8, 3, 33), AttentionTiling(64, 32, 4, 3, 33)],
+    (1, 16384, 256, 256): [AttentionTiling(bm, bn, 8, 2) for bm in (64, 128) for bn in (32, 64)],
+    (1, 16384, 0, 128): [AttentionTiling(64, bn, w, 2) for bn in (64, 128) for w in (4, 8)],
+}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| BS | history | cand | D | splits | time (us) | KV TB/s | / copy | TFLOP/s | torch ref (us) | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = f"{r['reference_us']:.0f} | {r['speedup']:.1f}x" if "reference_us" in r else "- | -"
+        lines.append(f"| {r['batch']} | {r['history']} | {r['candidates']} | {r['head_dim']} | {r['num_splits']} | "
+                     f"{r['time_us']:.1f} | {r['kv_tb_s']:.2f} | {r['copy_ratio']:.2f} | {r['tflops']:.0f} | {ref} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the results JSON here")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--history", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--candidates", type=int, nargs="+", default=[0, 256])
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[128, 256])
+    parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tiling sweep")
+    parser.add_argument("--no-gate", action="store_true", help="skip the fused u * LayerNorm(a) benchmark")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  command=" ".join([sys.executable.rsplit("/", 1)[-1]] + sys.argv), dtype=str(DTYPE),
+                  page_size=args.page_size, rows=[], sweep=[], gate=[])
+
+    def save() -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+
+    started = time.perf_counter()
+    copy_bw = copy_bandwidth(1 << 30, args.iters)
+    result["copy_tb_s"] = copy_bw / 1e12
+    print(f"# {result['gpu']}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    if not args.no_sweep:
+        for (bs, hist, cand, d), tilings in SWEEP.items():
+            for tiling in [None] + tilings:
+                try:
+                    row = attention_row(Case(bs, hist, cand, d, args.page_size, tiling), copy_bw, args.iters, False)
+                except Exception as error:  # a tiling that does not compile or fit is a result of the sweep
+                    row = dict(batch=bs, history=hist, candidates=cand, head_dim=d,
+                               tiling=asdict(tiling or default_tiling(d, DTYPE)), error=str(error)[:200])
+                result["sweep"].append(row)
+                save()
+                print("# sweep", json.dumps({k: row.get(k) for k in ("tiling", "num_splits", "time_us", "kv_tb_s",
+                                                                       "tflops", "error")}), flush=True)
+    for d in args.head_dim:
+        for bs in args.batch:
+            for cand in args.candidates:
+                for hist in args.history:
+                    row = attention_row(Case(bs, hist, cand, d, args.page_size, None), copy_bw, args.iters,
+                                        not args.no_reference)
+                    result["rows"].append(row)
+                    save()
+                    print(markdown([row]).splitlines()[-1], flush=True)
+                torch.cuda.empty_cache()
+    if not args.no_gate:
+        result["gate"] = gate_rows(args.iters)
+        save()
+        for g in result["gate"]:
+            print(f"# u*LayerNorm(a) T={g['tokens']}: fused {g['fused_us']:.2f} us, torch {g['torch_us']:.2f} us")
+    result["seconds"] = time.perf_counter() - started
+    save()
+    print()
+    print(markdown(result["rows"]))
+
+
+if __name__ == "__main__":
+    main()
