@@ -1,0 +1,169 @@
+"""The engine: requests in, candidate scores out, with every user's KV placed by the KV manager.
+
+`Engine(weights, transfer_config)` picks its parts from the machine: on CUDA the Triton kernels, the copy-engine
+transfers and a captured graph per shape bucket whose layers wait on their KV (native eventfd host node, CUDA event or
+stream wait-value); without CUDA the same pipeline runs eagerly with a transfer thread and eventfd signals.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from layerflow.hstu.weights import HSTUWeights
+from layerflow.runtime.buffers import BatchBuffers, Bucket
+from layerflow.runtime.graphs import GraphRunner
+from layerflow.runtime.kv_manager import BatchPlan, KVManager
+from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
+from layerflow.runtime.waits import EventfdNodeWait, GpuSignalWait, HostWait, LayerWait, NoWait
+from layerflow.runtime.workload import Request
+from layerflow.transfer.config import SignalMode, TransferConfig
+from layerflow.transfer.copy_engine import CopyEngine
+from layerflow.transfer.gpu_pool import GpuKVPool
+from layerflow.transfer.host_pool import HostKVPool
+from layerflow.transfer.layout import KVLayout
+from layerflow.transfer.signals import make_signals
+from layerflow.transfer.ssd import SsdStore
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8)
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+class Engine:
+    """Scores batches of returning-user requests; usable as a library and from the CLI."""
+
+    def __init__(self, weights: HSTUWeights, config: TransferConfig | None = None, *,
+                 device: torch.device | str | None = None, use_cuda_graph: bool = True,
+                 batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
+                 copy_engine: CopyEngine | None = None):
+        self.config = config or TransferConfig()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cuda = self.device.type == "cuda"
+        if not cuda and self.config.signal is not SignalMode.EVENTFD:
+            raise ValueError(f"signal={self.config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
+        self.weights = weights.to(self.device)
+        model = weights.config
+        self.layout = KVLayout.for_hstu(model, self.config.page_size)
+        self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
+        gpu = GpuKVPool(self.layout, self.layout.pages_for_gb(self.config.gpu_cache_gb), self.device)
+        host = HostKVPool(self.layout, cpu_cache_gb=self.config.cpu_cache_gb, pin_memory=cuda)
+        self.signals = make_signals(self.config.signal, model.num_layers, self.config.num_counters,
+                                    self.config.transfer_timeout_s)
+        if copy_engine is None:
+            copy_engine = self._default_copy_engine(cuda)
+        self.copy_engine = copy_engine
+        ssd = None
+        if self.config.ssd_cache_gb > 0:
+            ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), self.layout.page_bytes,
+                           io_threads=self.config.ssd_io_threads)
+        self.layerwise = self.config.enable_layerwise
+        if not self.layerwise:
+            log.info("layerwise onboarding is off: each onboarding completes before the block starts")
+        self.kv = KVManager(model, gpu, host, copy_engine, self.signals, self.layerwise, ssd)
+        kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages) if cuda \
+            else ReferenceKernels(self.weights)
+        self.pipeline = LayerPipeline(self.weights, gpu.kv, kernels)
+        self.buckets = sorted(Bucket(b, t) for b in batch_buckets for t in token_buckets)
+        self._buffers: dict[Bucket, BatchBuffers] = {}
+        self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
+        self.no_wait = NoWait()
+        self.layer_wait = self._layer_wait(cuda)
+
+    def _default_copy_engine(self, cuda: bool) -> CopyEngine:
+        if cuda:
+            from layerflow.transfer.cuda_copy import CudaCopyEngine
+            return CudaCopyEngine(device=self.device.index or 0)
+        from layerflow.transfer.thread_copy import ThreadCopyEngine
+        return ThreadCopyEngine()
+
+    def _layer_wait(self, cuda: bool) -> LayerWait:
+        if not cuda:
+            return HostWait()
+        if self.config.signal is SignalMode.EVENTFD:
+            return EventfdNodeWait(self.signals, self.config.transfer_timeout_s)
+        return GpuSignalWait(self.signals)
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Capture every bucket's graphs (with and without wait nodes) so no request pays a capture."""
+        if self.graphs is None:
+            return
+        for bucket in self.buckets:
+            bufs = self._bufs(bucket)
+            for wait in (self.no_wait, self.layer_wait):
+                if not self.graphs.captured(bufs, wait):
+                    self.graphs.capture(bufs, wait)
+        torch.cuda.synchronize(self.device)
+
+    def score(self, requests: list[Request]) -> list[torch.Tensor]:
+        """Candidate scores per request (fp32, on the host, in the order of each request's candidates).
+
+        A bad request raises ValueError and a failed transfer TransferError; either way the engine's state is
+        consistent and the next batch is served.
+        """
+        if not requests:
+            return []
+        plan = self.kv.prepare(requests)
+        try:
+            scores = self._run(plan)
+        except BaseException:
+            self.kv.abort(plan)
+            raise
+        self.kv.commit(plan)
+        offsets = plan.batch.candidate_offsets.tolist()
+        return [scores[offsets[b]:offsets[b + 1]] for b in range(len(requests))]
+
+    def close(self) -> None:
+        """Finish pending offloads and release streams, threads, eventfds and files."""
+        self.kv.wait_offloads()
+        self.copy_engine.close()
+        self.signals.close()
+        if self.kv.ssd is not None:
+            self.kv.ssd.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- one batch ----------------------------------------------------------------------------
+
+    def _bufs(self, bucket: Bucket) -> BatchBuffers:
+        if bucket not in self._buffers:
+            self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device)
+        return self._buffers[bucket]
+
+    def _bucket(self, batch_size: int, num_tokens: int) -> Bucket:
+        """The smallest captured bucket that fits, else an exact one run eagerly (e.g. a long miss)."""
+        fitting = [b for b in self.buckets if b.fits(batch_size, num_tokens)]
+        if fitting:
+            return min(fitting, key=lambda b: (b.max_tokens, b.max_batch))
+        return Bucket(batch_size, _round_up(num_tokens, 64))
+
+    def _run(self, plan: BatchPlan) -> torch.Tensor:
+        batch = plan.batch
+        bufs = self._bufs(self._bucket(batch.batch_size, sum(batch.query_lens)))
+        bufs.fill(batch, plan.page_rows)
+        wait = self.no_wait
+        if plan.handle is not None:
+            if self.layerwise:
+                wait = self.layer_wait
+            else:
+                plan.handle.wait()
+        wait.bind(plan.handle)
+        if self.graphs is not None and self.graphs.captured(bufs, wait):
+            self.graphs.replay(bufs, wait)
+        else:
+            self.pipeline.forward(bufs, wait)
+        scores = bufs.fetch_scores()
+        wait.check()
+        return scores
