@@ -242,7 +242,7 @@ class TransferServer:
                 with self._lock:
                     self.host.unpin(user)
                     self.host.free(user)
-                raise LookupError(f"user {user!r} is not resident: {e}") from e
+                raise LookupError(f"user {user!r} is not resident: {e.args[0]}") from e
             except BaseException:
                 with self._lock:
                     self.host.unpin(user)

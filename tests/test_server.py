@@ -1,0 +1,291 @@
+"""Transfer server: handoff, authentication, byte-exact copies, poison on failure or death, reconnect."""
+
+import os
+import select
+import signal
+import stat
+import threading
+
+import pytest
+import torch
+
+from layerflow.transfer.config import TransferConfig
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.layout import KVLayout, LayerGroup
+from layerflow.transfer.server import (HandoffError, NotResident, TransferClient, TransferServer, shared_cpu_pool,
+                                       spawn_server)
+from layerflow.transfer.server import protocol
+from layerflow.transfer.server.auth import (AuthError, PeerCred, check_peer, make_private_dir, read_token,
+                                            write_token)
+from layerflow.transfer.server.handoff import client_handoff, server_handoff
+
+LAYOUT = KVLayout((LayerGroup(2, 2, 8, torch.float32), LayerGroup(1, 1, 16, torch.bfloat16)), 4)
+EFD = os.EFD_SEMAPHORE | os.EFD_CLOEXEC
+
+
+def eventfd_grid(counters: int, layers: int) -> list[list[int]]:
+    return [[os.eventfd(0, EFD) for _ in range(layers)] for _ in range(counters)]
+
+
+def close_grid(grid) -> None:
+    for row in grid:
+        for fd in row:
+            os.close(fd)
+
+
+def run_server_side(sock, token: str, **kw) -> dict:
+    out: dict = {}
+
+    def target():
+        try:
+            out["session"] = server_handoff(sock, token, os.getuid(), **kw)
+        except HandoffError as e:
+            out["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    out["thread"] = t
+    return out
+
+
+def readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+# ---- handoff and authentication -------------------------------------------------------------
+
+def test_handoff_round_trip_fds_usable_both_ways():
+    a, b = protocol.socket_pair()
+    grid = eventfd_grid(3, 2)
+    side = run_server_side(b, "secret")
+    client_handoff(a, "secret", 5, grid)
+    side["thread"].join()
+    session = side["session"]
+    assert (session.rank, session.layers, session.counters) == (5, 2, 3)
+    assert session.peer.uid == os.getuid() and session.peer.pid == os.getpid()
+    os.eventfd_write(session.fds[2][1], 1)  # server writes, client reads its own fd
+    assert readable(grid[2][1]) and os.eventfd_read(grid[2][1]) == 1
+    assert not readable(grid[2][0])
+    os.eventfd_write(grid[0][0], 1)  # and the other way round: the same kernel object
+    assert os.eventfd_read(session.fds[0][0]) == 1
+    session.close()
+    close_grid(grid)
+
+
+def test_wrong_token_refused_with_reason():
+    a, b = protocol.socket_pair()
+    grid = eventfd_grid(1, 1)
+    side = run_server_side(b, "right")
+    with pytest.raises(HandoffError, match="wrong token"):
+        client_handoff(a, "wrong", 0, grid)
+    side["thread"].join()
+    assert "wrong token" in str(side["error"])
+    close_grid(grid)
+
+
+def test_foreign_uid_refused():
+    me = os.getuid()
+    check_peer(PeerCred(1, me, 0), me)
+    with pytest.raises(AuthError, match=f"uid {me + 1}"):
+        check_peer(PeerCred(1, me + 1, 0), me)
+
+    def pretend_foreign(cred: PeerCred, allowed: int) -> None:
+        check_peer(PeerCred(cred.pid, allowed + 1, cred.gid), allowed)
+
+    a, b = protocol.socket_pair()
+    grid = eventfd_grid(1, 1)
+    side = run_server_side(b, "t", peer_check=pretend_foreign)
+    with pytest.raises(HandoffError, match="only uid"):
+        client_handoff(a, "t", 0, grid)
+    side["thread"].join()
+    close_grid(grid)
+
+
+@pytest.mark.parametrize("bad", ["pipe", "plain_eventfd"])
+def test_counter_set_with_wrong_fds_is_nacked(bad):
+    a, b = protocol.socket_pair()
+    grid = eventfd_grid(2, 2)
+    r, w = os.pipe()
+    stray = os.eventfd(0)
+    grid[1][1] = r if bad == "pipe" else stray
+    side = run_server_side(b, "t")
+    with pytest.raises(HandoffError, match="counter set 1"):
+        client_handoff(a, "t", 0, grid)
+    side["thread"].join()
+    assert "session" not in side
+    close_grid(grid)
+    os.close(w)
+    os.close(r if bad != "pipe" else stray)
+
+
+def test_directory_token_and_socket_modes(tmp_path):
+    d = make_private_dir(tmp_path / "run")
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    token = write_token(d)
+    assert stat.S_IMODE(os.stat(token).st_mode) == 0o600
+    assert len(read_token(token)) == 64
+    os.chmod(token, 0o644)
+    with pytest.raises(AuthError, match="mode 644"):
+        read_token(token)
+    server = TransferServer(TransferConfig(cpu_cache_gb=0.001), tmp_path / "srv")
+    try:
+        assert stat.S_IMODE(os.stat(server.run_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(server.token_path).st_mode) == 0o600
+        assert stat.S_ISSOCK(os.stat(server.socket_path).st_mode)
+    finally:
+        server.close()
+
+
+# ---- in-process server ----------------------------------------------------------------------
+
+HOST_BLOCKS = 6
+SMALL_HOST_GB = (HOST_BLOCKS + 0.5) * LAYOUT.page_bytes / 2**30
+
+
+@pytest.fixture
+def server(tmp_path):
+    config = TransferConfig(cpu_cache_gb=SMALL_HOST_GB, ssd_cache_gb=0.01, ssd_cache_dir=str(tmp_path / "ssd"))
+    srv = TransferServer(config, tmp_path / "run")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.close()
+
+
+def make_client(srv_or_handle, num_pages: int = 16, seed: int = 0):
+    shm, kv = shared_cpu_pool(LAYOUT, num_pages)
+    g = torch.Generator().manual_seed(seed)
+    for t in kv:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    client = TransferClient(srv_or_handle.socket_path, srv_or_handle.token_path, LAYOUT, kv, shm=shm, num_counters=2)
+    return client, kv
+
+
+def onboard_and_check(client, kv, user, src_pages, dst_pages, expected) -> list[int]:
+    """Onboard and check each layer's bytes the moment its signal arrives; return the signalled order."""
+    for t in kv:
+        t[dst_pages] = 0
+    handle = client.onboard(user, dst_pages)
+    order = []
+    for layer in range(LAYOUT.num_layers):
+        handle.wait_layer(layer, 10)
+        assert torch.equal(kv[layer][dst_pages], expected[layer][src_pages])
+        order.append(layer)
+    handle.release()
+    return order
+
+
+def test_offload_onboard_byte_exact_two_clients_share_the_host_cache(server):
+    c1, kv1 = make_client(server, seed=1)
+    c2, kv2 = make_client(server, seed=2)
+    expected = [t.clone() for t in kv1]
+    c1.offload("alice", [3, 4, 9]).result(10)
+    assert c2.lookup("alice") == ("host", 3)
+    assert onboard_and_check(c2, kv2, "alice", [3, 4, 9], [0, 1, 2], expected) == [0, 1, 2]
+    assert onboard_and_check(c1, kv1, "alice", [3, 4, 9], [10, 12, 14], expected) == [0, 1, 2]
+    c1.close()
+    c2.close()
+
+
+def test_unknown_user_poisons_every_layer_and_names_the_user(server):
+    client, _ = make_client(server)
+    handle = client.onboard("ghost", [0, 1])
+    for layer in range(LAYOUT.num_layers):
+        with pytest.raises(TransferError, match="poisoned") as info:
+            handle.wait_layer(layer, 10)
+        assert isinstance(info.value.__cause__, NotResident) and info.value.__cause__.users == ["ghost"]
+    handle.release()
+    assert client.lookup("ghost") == (None, 0)
+    client.close()
+
+
+def test_host_eviction_spills_to_ssd_and_onboards_back(server):
+    client, kv = make_client(server)
+    expected = [t.clone() for t in kv]
+    client.offload("u0", [0, 1, 2, 3]).result(10)
+    client.offload("u1", [4, 5, 6, 7]).result(10)  # the host holds 6 blocks: u0 goes to SSD
+    assert server.host.total == HOST_BLOCKS
+    assert client.lookup("u0") == ("ssd", 4) and client.lookup("u1") == ("host", 4)
+    assert onboard_and_check(client, kv, "u0", [0, 1, 2, 3], [8, 9, 10, 11], expected) == [0, 1, 2]
+    assert client.lookup("u0") == ("host", 4) and client.lookup("u1") == ("ssd", 4)
+    assert onboard_and_check(client, kv, "u1", [4, 5, 6, 7], [12, 13, 14, 15], expected) == [0, 1, 2]
+    assert client.drop("u0") and client.lookup("u0") == (None, 0)
+    client.close()
+
+
+def test_corrupt_ssd_copy_is_reported_non_resident(server):
+    client, kv = make_client(server)
+    client.offload("u0", [0, 1, 2, 3]).result(10)
+    client.offload("u1", [4, 5, 6, 7]).result(10)
+    entry = server.ssd._entries["u0"]
+    path = server.ssd.dirs[entry.dir_index] / entry.file
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    handle = client.onboard("u0", [8, 9, 10, 11])
+    with pytest.raises(TransferError) as info:
+        handle.wait(10)
+    assert info.value.__cause__.users == ["u0"] and "checksum" in str(info.value)
+    handle.release()
+    assert client.lookup("u0") == (None, 0)  # dropped, never served
+    assert client.lookup("u1") == ("ssd", 4)  # spilled to make room for u0's read-back
+    client.close()
+
+
+# ---- a real server process: death and restart -----------------------------------------------
+
+def test_server_killed_mid_transfer_releases_waiter_then_reconnect(tmp_path):
+    config = TransferConfig(cpu_cache_gb=0.001)
+    first = spawn_server(config, tmp_path / "a")
+    client, kv = make_client(first)
+    expected = [t.clone() for t in kv]
+    try:
+        client.offload("alice", [1, 2]).result(10)
+        os.kill(first.pid, signal.SIGSTOP)  # the request below is in flight, never answered
+        handle = client.onboard("alice", [5, 6])
+        caught = {}
+
+        def waiter():
+            try:
+                handle.wait_layer(0, timeout=1.0)
+            except TransferError as e:
+                caught["error"] = e
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        first.kill()
+        t.join(5)
+        assert not t.is_alive()
+        cause = caught["error"].__cause__  # poisoned by the hang-up, not the 1 s timeout (which has no cause)
+        assert isinstance(cause, NotResident) and cause.users == ["alice"] and "connection lost" in cause.reason
+        handle.release()
+        assert not client.connected
+        with pytest.raises(NotResident, match="not connected"):
+            client.offload("bob", [0]).result(1)
+
+        second = spawn_server(config, tmp_path / "b")
+        try:
+            client.connect(second.socket_path, second.token_path)
+            assert client.lookup("alice") == (None, 0)  # the host cache died with the server
+            client.offload("alice", [1, 2]).result(10)
+            assert onboard_and_check(client, kv, "alice", [1, 2], [5, 6], expected) == [0, 1, 2]
+        finally:
+            client.close()
+            second.stop()
+    finally:
+        if first.alive():
+            first.kill()
+
+
+def test_spawn_with_bad_token_file_fails_start_up(tmp_path):
+    handle = spawn_server(TransferConfig(cpu_cache_gb=0.001), tmp_path / "run")
+    try:
+        shm, kv = shared_cpu_pool(LAYOUT, 4)
+        forged = tmp_path / "forged"
+        forged.write_text("0" * 64)
+        os.chmod(forged, 0o600)
+        with pytest.raises(HandoffError, match="wrong token"):
+            TransferClient(handle.socket_path, forged, LAYOUT, kv, shm=shm)
+        log = (handle.run_dir / "server.log").read_text()
+        assert "wrong token" in log
+    finally:
+        handle.stop()
