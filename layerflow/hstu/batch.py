@@ -30,14 +30,18 @@ class JaggedBatch:
 
     @classmethod
     def from_lists(cls, config: HSTUConfig, cached_lens: list[int], appended: list[list[int]],
-                   candidates: list[list[int]]) -> "JaggedBatch":
-        """Validate and pack per-user lists; every bad value raises ValueError naming the user and value."""
+                   candidates: list[list[int]], user_ids: list[int] | None = None) -> "JaggedBatch":
+        """Validate and pack per-user lists; every bad value raises ValueError naming the user and value.
+
+        Users are named by `user_ids` when given, else by their index in the batch.
+        """
         if not (len(cached_lens) == len(appended) == len(candidates)):
             raise ValueError(
                 f"batch sizes disagree: cached_lens={len(cached_lens)}, appended={len(appended)}, "
                 f"candidates={len(candidates)}"
             )
-        for b, (c, a, k) in enumerate(zip(cached_lens, appended, candidates)):
+        names = list(range(len(cached_lens))) if user_ids is None else user_ids
+        for b, c, a, k in zip(names, cached_lens, appended, candidates):
             if isinstance(c, bool) or not isinstance(c, int) or c < 0:
                 raise ValueError(f"user {b}: cached_len={c!r} must be a non-negative integer")
             total = c + len(a) + len(k)

@@ -90,7 +90,7 @@ class KVManager:
             keep = tier is not Tier.NONE
             cached.append(len(history) if keep else 0)
             appended.append(list(r.items) if keep else history + list(r.items))
-        batch = JaggedBatch.from_lists(self.config, cached, appended, [list(r.candidates) for r in requests])
+        batch = JaggedBatch.from_lists(self.config, cached, appended, [list(r.candidates) for r in requests], users)
         self._reap_offloads()
         plan = BatchPlan(requests, batch, tiers, [])
         pinned = []
@@ -141,15 +141,12 @@ class KVManager:
     def wait_offloads(self) -> None:
         """Block until every offload landed (benchmarks, shutdown)."""
         for entry in self.users.values():
-            if entry.offload is not None:
-                entry.offload.wait()
+            _settle(entry.offload)
         self._reap_offloads()
 
     def evict_from_gpu(self, user: int) -> None:
         """Drop a user's GPU pages once its host copy is complete (the cpu_hit set-up of the benchmark)."""
-        entry = self.users[user]
-        if entry.offload is not None:
-            entry.offload.wait()
+        _settle(self.users[user].offload)
         self._reap_offloads()
         self.gpu.free(user)
 
@@ -196,10 +193,7 @@ class KVManager:
 
     def _finish_onboarding(self, plan: BatchPlan) -> None:
         for t in plan.transfers:
-            try:
-                t.wait()
-            except TransferError:
-                pass  # already reported through the layer waits
+            _settle(t)
         for r, tier in zip(plan.requests, plan.tiers):
             if tier in (Tier.HOST, Tier.SSD) and r.user_id in self.host and self.host.pin_count(r.user_id):
                 self.host.unpin(r.user_id)
@@ -229,8 +223,8 @@ class KVManager:
         if total == 0:
             return
         if entry.offloading():
-            entry.offload.wait()
-            self._release_host_pin(user, entry)
+            _settle(entry.offload)
+            self._reap_offloads()
         blocks = self._host_allocate(user, total, keep={user}).pages
         ps = self.gpu.page_size
         first = entry.on_host // ps if user in self.host else 0
@@ -260,6 +254,16 @@ class KVManager:
                     log.warning("offload of user %s failed; its host copy is dropped", user)
                     entry.on_host = 0
                     self.host.free(user)
+
+
+def _settle(transfer: Transfer | None) -> None:
+    """Wait for a transfer to end; its failure was already reported (layer waits) or is handled by the reaper."""
+    if transfer is None:
+        return
+    try:
+        transfer.wait()
+    except TransferError:
+        pass
 
 
 class _AllOf(Transfer):

@@ -1,0 +1,197 @@
+"""The engine on the CPU path: every tier gives the full-recompute scores, faults fail fast, bad input is refused."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from layerflow.hstu import HSTUConfig, HSTUWeights, full_forward
+from layerflow.runtime.engine import Engine
+from layerflow.runtime.kv_manager import Tier
+from layerflow.runtime.workload import Request
+from layerflow.transfer.config import TransferConfig
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.thread_copy import ThreadCopyEngine
+
+CONFIG = HSTUConfig(num_layers=3, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
+                    dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return HSTUWeights.init(CONFIG, seed=1)
+
+
+def make_engine(weights, tmp_path=None, **overrides):
+    values = dict(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16, transfer_timeout_s=2.0)
+    if tmp_path is not None:
+        values.update(ssd_cache_gb=0.05, ssd_cache_dir=str(tmp_path / "ssd"))
+    copy_engine = overrides.pop("copy_engine", None)
+    values.update(overrides)
+    return Engine(weights, TransferConfig(**values), copy_engine=copy_engine)
+
+
+def items(rng, n):
+    return [rng.randrange(CONFIG.item_vocab_size) for _ in range(n)]
+
+
+def reference(weights, history, candidates):
+    return full_forward(weights, [history], [candidates]).scores
+
+
+def place(engine, user, tier):
+    """Move a resident user to `tier` (GPU stays; HOST: evict from GPU; SSD/NONE: evict from GPU and host)."""
+    kv = engine.kv
+    if tier is Tier.GPU:
+        return
+    kv.evict_from_gpu(user)
+    if tier is Tier.HOST:
+        return
+    blocks = len(kv.host.pages(user))
+    if tier is Tier.SSD:
+        kv.ssd.store(user, _views(kv), kv.host.pages(user))
+    kv.host.free(user)
+    kv.users[user].on_host = 0
+    assert blocks > 0
+
+
+def _views(kv):
+    from layerflow.transfer.ssd import tensor_block_views
+    return tensor_block_views(kv.host.blocks)
+
+
+@pytest.mark.parametrize("tier,layerwise", [(Tier.GPU, True), (Tier.HOST, True), (Tier.HOST, False),
+                                            (Tier.SSD, True), (Tier.NONE, True)])
+def test_every_tier_scores_like_a_full_recompute(weights, tmp_path, tier, layerwise):
+    rng = random.Random(0)
+    histories = {u: items(rng, n) for u, n in ((1, 0), (2, 37), (3, 300))}
+    with make_engine(weights, tmp_path, enable_layerwise=layerwise) as engine:
+        engine.score([Request(u, h, []) for u, h in histories.items() if h])
+        for u, h in histories.items():
+            if h:
+                place(engine, u, tier)
+                assert engine.kv.tier(u) is tier
+        appended = {u: items(rng, n) for u, n in ((1, 5), (2, 1), (3, 0))}
+        cands = {u: items(rng, n) for u, n in ((1, 4), (2, 0), (3, 7))}
+        out = engine.score([Request(u, appended[u], cands[u]) for u in histories])
+        for (u, h), scores in zip(histories.items(), out):
+            ref = reference(weights, h + appended[u], cands[u])
+            assert scores.shape == ref.shape
+            assert torch.allclose(scores, ref, atol=TOL, rtol=TOL), (tier, u)
+            assert engine.kv.tier(u) is Tier.GPU
+
+
+def test_host_hit_is_bitwise_the_gpu_hit(weights):
+    rng = random.Random(1)
+    history, more, cands = items(rng, 100), items(rng, 3), items(rng, 9)
+    results = []
+    for evict in (False, True):
+        with make_engine(weights) as engine:
+            engine.score([Request(7, history, [])])
+            if evict:
+                engine.kv.evict_from_gpu(7)
+            results.append(engine.score([Request(7, more, cands)])[0])
+    assert torch.equal(results[0], results[1])
+
+
+def test_mixed_batch_and_several_visits(weights, tmp_path):
+    rng = random.Random(2)
+    with make_engine(weights, tmp_path) as engine:
+        history = {u: items(rng, 20 + 13 * u) for u in range(4)}
+        engine.score([Request(u, h, []) for u, h in history.items()])
+        place(engine, 1, Tier.HOST)
+        place(engine, 2, Tier.SSD)
+        for visit in range(3):
+            reqs = [Request(u, items(rng, visit + u), items(rng, 3)) for u in (0, 1, 2, 3, 10 + visit)]
+            out = engine.score(reqs)
+            for r, scores in zip(reqs, out):
+                history[r.user_id] = history.get(r.user_id, []) + r.items
+                assert torch.allclose(scores, reference(weights, history[r.user_id], r.candidates), atol=TOL)
+
+
+def test_lru_eviction_under_gpu_pressure_stays_exact(weights):
+    rng = random.Random(3)
+    # 12 users x 200 tokens need 13 pages each; the GPU pool holds far fewer than 12 x 13 pages.
+    with make_engine(weights, gpu_cache_gb=60 * 16 * 3 * 2 * 2 * 16 * 4 / 2**30) as engine:
+        pages = engine.kv.gpu.total
+        history = {u: items(rng, 200) for u in range(12)}
+        for u, h in history.items():
+            engine.score([Request(u, h, [])])
+        assert len(engine.kv.gpu.users()) * 13 <= pages < 12 * 13
+        for u in rng.sample(list(history), 6):
+            r = Request(u, items(rng, 2), items(rng, 3))
+            history[u] += r.items
+            assert torch.allclose(engine.score([r])[0], reference(weights, history[u], r.candidates), atol=TOL)
+
+
+def test_injected_transfer_failure_fails_fast_then_the_engine_serves(weights):
+    copier = ThreadCopyEngine()
+    with make_engine(weights, copy_engine=copier, transfer_timeout_s=30.0) as engine:
+        engine.score([Request(5, list(range(60)), [])])
+        engine.kv.evict_from_gpu(5)
+        copier.fail_at_layer = 1
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="injected failure at layer 1"):
+            engine.score([Request(5, [1], [2, 3])])
+        assert time.monotonic() - start < 1.0
+        assert engine.kv.tier(5) is Tier.HOST  # its host copy is intact, the GPU pages were dropped
+        copier.fail_at_layer = None
+        scores = engine.score([Request(5, [1], [2, 3])])[0]
+        assert torch.allclose(scores, reference(weights, list(range(60)) + [1], [2, 3]), atol=TOL)
+
+
+@pytest.mark.parametrize("request_,match", [
+    (Request(1, [CONFIG.item_vocab_size], []), "user 1: appended item id 500"),
+    (Request(1, [1], [-4]), "user 1: candidate item id -4"),
+    (Request(1, [1] * 1100, []), "user 1: total length 1103"),
+])
+def test_bad_request_is_a_value_error_and_the_engine_keeps_serving(weights, request_, match):
+    with make_engine(weights) as engine:
+        engine.score([Request(1, [1, 2, 3], [])])
+        with pytest.raises(ValueError, match=match):
+            engine.score([request_, Request(2, [4], [5])])
+        assert engine.kv.tier(2) is Tier.NONE
+        scores = engine.score([Request(1, [4], [5, 6])])[0]
+        assert torch.allclose(scores, reference(weights, [1, 2, 3, 4], [5, 6]), atol=TOL)
+
+
+def test_duplicate_user_in_a_batch_is_refused(weights):
+    with make_engine(weights) as engine:
+        with pytest.raises(ValueError, match="user 3 appears twice"):
+            engine.score([Request(3, [1], []), Request(3, [2], [])])
+
+
+def test_layer_runs_only_after_its_copy_landed(weights):
+    """With a slowed transfer thread, layer l's KV append sees layer l's history already in its pages (the pool is
+    poisoned before the onboarding), and layer 0 runs before the last layer's copy: the pipeline overlaps."""
+    from layerflow.kernels.reference import gather_history
+
+    events = []
+    with make_engine(weights, copy_engine=ThreadCopyEngine(layer_hook=lambda l: time.sleep(0.03))) as engine:
+        engine.score([Request(9, list(range(80)), [])])
+        kv_layers = engine.pipeline.kv_layers
+        row = torch.tensor(engine.kv.gpu.pages(9))
+        expected = [gather_history(kv, row, 80) for kv in kv_layers]
+        engine.kv.evict_from_gpu(9)
+        for kv in kv_layers:
+            kv.fill_(float("nan"))
+        engine.copy_engine.layer_hook = lambda l: (time.sleep(0.03), events.append(("copy", l)))
+        kernels = engine.pipeline.kernels
+        real_append = kernels.append
+
+        def checking_append(k, v, kv_cache, bufs):
+            layer = next(i for i, kv in enumerate(kv_layers) if kv is kv_cache)
+            events.append(("compute", layer))
+            got_k, got_v = gather_history(kv_cache, bufs.page_table[0], 80)
+            assert torch.equal(got_k, expected[layer][0]) and torch.equal(got_v, expected[layer][1]), layer
+            real_append(k, v, kv_cache, bufs)
+
+        kernels.append = checking_append
+        scores = engine.score([Request(9, [1], [2])])[0]
+    assert torch.allclose(scores, reference(weights, list(range(80)) + [1], [2]), atol=TOL)
+    computes = [i for i, e in enumerate(events) if e[0] == "compute"]
+    last_copy = events.index(("copy", CONFIG.num_layers - 1))
+    assert len(computes) == CONFIG.num_layers and computes[0] < last_copy, events
