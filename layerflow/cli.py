@@ -7,34 +7,11 @@ import time
 
 import torch
 
-from layerflow.hstu import HSTUWeights, JaggedBatch, cached_forward
+from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS
-from layerflow.runtime.workload import Request, returning_users
-
-
-class ReferenceScorer:
-    """Scores requests through the model's reference cached path, keeping every user's K/V in memory."""
-
-    def __init__(self, weights: HSTUWeights):
-        self.weights = weights
-        cfg = weights.config
-        self.cache: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._empty = ([torch.zeros(0, cfg.num_heads, cfg.dqk, dtype=cfg.dtype)] * cfg.num_layers,
-                       [torch.zeros(0, cfg.num_heads, cfg.dv, dtype=cfg.dtype)] * cfg.num_layers)
-
-    def score(self, requests: list[Request]) -> list[torch.Tensor]:
-        cfg = self.weights.config
-        past = [self.cache.get(r.user_id, self._empty) for r in requests]
-        batch = JaggedBatch.from_lists(cfg, [p[0][0].shape[0] for p in past], [r.items for r in requests],
-                                       [r.candidates for r in requests])
-        ks = [torch.cat([p[0][l] for p in past]) for l in range(cfg.num_layers)]
-        vs = [torch.cat([p[1][l] for p in past]) for l in range(cfg.num_layers)]
-        out = cached_forward(self.weights, batch, ks, vs)
-        ao, co = batch.appended_offsets.tolist(), batch.candidate_offsets.tolist()
-        for b, (r, p) in enumerate(zip(requests, past)):
-            self.cache[r.user_id] = ([torch.cat([p[0][l], out.new_k[l][ao[b]:ao[b + 1]]]) for l in range(cfg.num_layers)],
-                                     [torch.cat([p[1][l], out.new_v[l][ao[b]:ao[b + 1]]]) for l in range(cfg.num_layers)])
-        return [out.scores[co[b]:co[b + 1]] for b in range(len(requests))]
+from layerflow.runtime.engine import Engine
+from layerflow.runtime.workload import returning_users
+from layerflow.transfer.config import load_config
 
 
 def _weights(args: argparse.Namespace) -> HSTUWeights:
@@ -44,19 +21,24 @@ def _weights(args: argparse.Namespace) -> HSTUWeights:
 
 def cmd_score(args: argparse.Namespace) -> None:
     weights = _weights(args)
-    scorer = ReferenceScorer(weights)
     first, rounds = returning_users(args.users, args.history_len, args.append_len, args.num_candidates, args.rounds,
                                     weights.config.item_vocab_size, seed=args.seed)
-    scorer.score(first)
-    print(f"model {args.preset}: {args.users} users with {args.history_len} cached tokens each")
-    for i, requests in enumerate(rounds):
-        for r in requests:
-            start = time.perf_counter()
-            scores = scorer.score([r])[0]
-            ms = (time.perf_counter() - start) * 1e3
-            top = scores.topk(min(args.top_k, scores.numel()))
-            best = ", ".join(f"{r.candidates[j]}:{s:.3f}" for s, j in zip(top.values.tolist(), top.indices.tolist()))
-            print(f"round {i} user {r.user_id}: {ms:7.2f} ms  top-{args.top_k} [{best}]")
+    with Engine(weights, load_config(args.config), use_cuda_graph=not args.disable_cudagraph) as engine:
+        engine.warmup()
+        engine.score(first)
+        print(f"model {args.preset} on {engine.device}: {args.users} users with {args.history_len} cached tokens each")
+        for i, requests in enumerate(rounds):
+            for r in requests:
+                tier = engine.kv.tier(r.user_id).value
+                start = time.perf_counter()
+                scores = engine.score([r])[0]
+                ms = (time.perf_counter() - start) * 1e3
+                top = scores.topk(min(args.top_k, scores.numel()))
+                best = ", ".join(f"{r.candidates[j]}:{s:.3f}" for s, j in zip(top.values.tolist(), top.indices.tolist()))
+                print(f"round {i} user {r.user_id} ({tier} hit): {ms:7.2f} ms  top-{args.top_k} [{best}]")
+            if args.evict_between_rounds:
+                for r in requests:
+                    engine.kv.evict_from_gpu(r.user_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--num-candidates", type=int, default=16, help="candidates scored per visit")
     score.add_argument("--rounds", type=int, default=2, help="return visits per user")
     score.add_argument("--top-k", type=int, default=3, help="best candidates printed per request")
+    score.add_argument("--evict-between-rounds", action="store_true",
+                       help="evict the users from the GPU after each round, so the next round is served from host")
+    score.add_argument("--config", help="transfer YAML config (default: $LAYERFLOW_CONFIG, else built-in defaults)")
+    score.add_argument("--disable-cudagraph", action="store_true", help="run the per-layer pipeline eagerly")
     score.set_defaults(func=cmd_score)
     return parser
 

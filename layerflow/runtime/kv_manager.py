@@ -144,6 +144,18 @@ class KVManager:
             _settle(entry.offload)
         self._reap_offloads()
 
+    def truncate(self, user: int, num_tokens: int) -> None:
+        """Forget the tail of a user's history past `num_tokens` (e.g. retracted interactions; benchmarks use it to
+        replay one request on a constant history). Cached K/V of the kept prefix stay valid: positions are absolute."""
+        entry = self.users.get(user)
+        if entry is None or not 0 <= num_tokens <= len(entry.history):
+            have = None if entry is None else len(entry.history)
+            raise ValueError(f"user {user}: cannot truncate to {num_tokens} tokens (history has {have})")
+        _settle(entry.offload)
+        self._reap_offloads()
+        entry.history = entry.history[:num_tokens]
+        entry.on_host = min(entry.on_host, num_tokens)
+
     def evict_from_gpu(self, user: int) -> None:
         """Drop a user's GPU pages once its host copy is complete (the cpu_hit set-up of the benchmark)."""
         _settle(self.users[user].offload)
