@@ -134,7 +134,12 @@ class TransferClient:
         return handle
 
     def offload(self, user, gpu_pages: Sequence[int]) -> Future:
-        """Copy `user`'s KV from `gpu_pages` to the server's host pool; the future completes when it is there."""
+        """Copy `user`'s KV from `gpu_pages` to the server's host pool; the future completes when it is there.
+
+        The server's copy stream cannot see this process's streams, so pending CUDA work is synchronized first.
+        """
+        if self._kv_layers[0].is_cuda:
+            torch.cuda.current_stream(self._kv_layers[0].device).synchronize()
         pending = _Pending([user], None)
         self._submit(Op.OFFLOAD, pending, user=user, gpu_pages=[int(p) for p in gpu_pages])
         return pending.future

@@ -169,7 +169,11 @@ class TransferServer:
             raise ValueError(f"cpu_cache_gb={self.config.cpu_cache_gb} holds no block of {layout.page_bytes} bytes")
         shm = SharedMemory(num_blocks * layout.page_bytes, name="layerflow-host-kv")
         if self._cuda:
-            torch.cuda.cudart().cudaHostRegister(shm.tensor.data_ptr(), shm.size, 0)
+            from cuda.bindings import runtime as rt
+
+            from layerflow.transfer.cuda_util import check
+            check(rt.cudaHostRegister(shm.tensor.data_ptr(), shm.size, rt.cudaHostRegisterDefault),
+                  "cudaHostRegister")
         self.host = HostKVPool(layout, buffer=shm.tensor)
         self._host_shm = shm
         self.layout = layout
