@@ -148,7 +148,8 @@ def test_injected_failure_releases_every_waiter_with_the_error(ring):
         assert outcomes[0] == "ok"
         for layer in range(1, LAYERS):
             assert "poisoned" in outcomes[layer] and "injected failure at layer 1" in outcomes[layer], outcomes[layer]
-        assert isinstance(transfer.error, TransferError)
+        with pytest.raises(TransferError, match="injected failure at layer 1"):
+            transfer.wait(1.0)
         status = ctypes.c_int32.from_address(handle.status_address).value
         assert status != 0
         assert handle.error is transfer.error

@@ -44,6 +44,11 @@ def record(event: rt.cudaEvent_t, stream: int) -> None:
     check(rt.cudaEventRecord(event, stream), "cudaEventRecord")
 
 
+def record_external(event: rt.cudaEvent_t, stream: int) -> None:
+    """Under graph capture: an event record node (each replay records `event`), e.g. for timing a replay."""
+    check(rt.cudaEventRecordWithFlags(event, stream, rt.cudaEventRecordExternal), "cudaEventRecordWithFlags")
+
+
 def synchronize(event: rt.cudaEvent_t) -> None:
     check(rt.cudaEventSynchronize(event), "cudaEventSynchronize")
 

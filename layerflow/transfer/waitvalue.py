@@ -29,6 +29,7 @@ from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signal_base import LayerSignals, SignalHandle
 
 _MASK = 0xFFFFFFFF
+_SPACING = 4  # int32s between device words: every word 16-byte aligned, so one Triton specialization serves all
 
 
 @triton.jit
@@ -58,11 +59,11 @@ class WaitValueSignals(LayerSignals):
         super().__init__(num_layers, num_counters, timeout_s)
         self._words = torch.zeros(num_counters * num_layers, dtype=torch.int32, pin_memory=True)
         self._host = self._words.numpy()
-        self._capture = torch.zeros(num_layers + 1, dtype=torch.int32, device="cuda")
+        self._capture = torch.zeros((num_layers + 1) * _SPACING, dtype=torch.int32, device="cuda")
         self._epochs = [0] * num_counters
         self._targets = [0] * num_counters
         self._global = 0
-        _wait_geq_kernel[(1,)](self._capture[0:1], self._capture[num_layers:], num_warps=1)
+        _wait_geq_kernel[(1,)](self._device_word(0), self._device_word(num_layers), num_warps=1)
         torch.cuda.synchronize()
 
     def epoch(self, handle: SignalHandle) -> int:
@@ -77,11 +78,15 @@ class WaitValueSignals(LayerSignals):
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer!r}: expected an int in [0, {self.num_layers})")
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            _wait_geq_kernel[(1,)](self._capture[layer:layer + 1], self._capture[self.num_layers:], num_warps=1)
+            _wait_geq_kernel[(1,)](self._device_word(layer), self._device_word(self.num_layers), num_warps=1)
 
     def prepare_replay(self, handle: SignalHandle | None, stream: int) -> None:
         target = self._global if handle is None else self._targets[handle.counter_id]
-        _write(stream, self._capture[self.num_layers:].data_ptr(), target)
+        _write(stream, self._device_word(self.num_layers).data_ptr(), target)
+
+    def _device_word(self, index: int) -> torch.Tensor:
+        """Capture word of layer `index`, or (index == num_layers) the replay target."""
+        return self._capture[index * _SPACING:index * _SPACING + 1]
 
     def _index(self, counter: int, layer: int) -> int:
         return counter * self.num_layers + layer
@@ -99,7 +104,7 @@ class WaitValueSignals(LayerSignals):
                 self._host[self._index(counter, layer)] = epoch - 2**32 if epoch >= 2**31 else epoch
             else:
                 _write(stream, self.word_address(handle, layer), epoch)
-                _write(stream, self._capture[layer:].data_ptr(), target)
+                _write(stream, self._device_word(layer).data_ptr(), target)
 
     def _poison(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
         self._signal(handle, layers, stream)

@@ -1,0 +1,279 @@
+"""Transfer microbenchmark: copy-engine onboarding/offload against one bulk pinned memcpy, and signal latency.
+
+Efficiency = bulk time / transfer time for the same bytes, both measured here, alternating, host wall clock from issue
+to completion (median). Placements of a user's pages:
+- contiguous: one run on both sides;
+- churn: first-fit (lowest free index) allocations on a GPU pool and a host pool fragmented by random users coming
+  and going, the allocator behaviour a bitmap pool gives;
+- scattered: random pages and blocks (every run one page: the cudaMemcpyBatchAsync path).
+Signal latency, per mode, per layer ("copy complete -> waiter released"): the copy stream is held behind a gate word
+(cuStreamWaitValue32) until every command is queued, then opened at host time t0. Host waiters: release time - t0 -
+GPU time from the gate to the layer's last copy (an upper bound: it includes the gate's few-microsecond wake-up).
+GPU waiters: CUDA-event time from the layer's last copy to an event recorded right after the wait on the compute
+stream (eager), or inside a captured graph (graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cuda.bindings
+import numpy as np
+import torch
+from cuda.bindings import driver
+
+from layerflow.transfer import cuda_events
+from layerflow.transfer.config import SignalMode
+from layerflow.transfer.cuda_copy import CudaCopyEngine
+from layerflow.transfer.signals import make_signals
+
+
+def first_fit(free: np.ndarray, n: int) -> np.ndarray:
+    taken = np.flatnonzero(free)[:n]
+    free[taken] = False
+    return taken
+
+
+def churned(total: int, n: int, seed: int, steps: int = 3000) -> np.ndarray:
+    """`n` first-fit indices from a pool of `total` after `steps` of churn.
+
+    Users' histories grow a few pages per visit (so their pages interleave), and whole users are evicted: the holes
+    left behind are the sizes of those growth steps.
+    """
+    rng = np.random.default_rng(seed)
+    free = np.ones(total, dtype=bool)
+    users: list[list[int]] = []
+    for _ in range(steps):
+        grow = int(rng.integers(1, 5))
+        if users and (free.sum() < grow + n // 4 or rng.random() < 0.05):
+            free[users.pop(int(rng.integers(len(users))))] = True
+        elif users and rng.random() < 0.9:
+            users[int(rng.integers(len(users)))].extend(first_fit(free, grow).tolist())
+        else:
+            users.append(first_fit(free, grow).tolist())
+    while free.sum() < n:
+        free[users.pop(int(rng.integers(len(users))))] = True
+    return first_fit(free, n)
+
+
+def placements(pages: int, total: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return {
+        "contiguous": (np.arange(pages), np.arange(pages)),
+        "churn": (churned(total, pages, seed), churned(total, pages, seed + 1000)),
+        "scattered": (rng.permutation(total)[:pages], rng.permutation(total)[:pages]),
+    }
+
+
+def wall(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def compare(engine_fn, bulk_fn, iters: int) -> tuple[float, float]:
+    """Median seconds of `engine_fn` and `bulk_fn`, alternated so drift hits both."""
+    engine_fn(), bulk_fn()
+    engine_times, bulk_times = [], []
+    for _ in range(iters):
+        engine_times.append(wall(engine_fn))
+        bulk_times.append(wall(bulk_fn))
+    return statistics.median(engine_times), statistics.median(bulk_times)
+
+
+def bandwidth(args, engine, gpu, host, host_bulk, gpu_bulk) -> list[dict]:
+    page_bytes = gpu[0][0].numel() * gpu[0].element_size()
+    stream = torch.cuda.Stream()
+    rows = []
+    for tokens in args.tokens:
+        pages = tokens // args.page
+        nbytes = pages * args.layers * page_bytes
+        for name, (gpu_pages, host_blocks) in placements(pages, args.pool_pages, tokens).items():
+            runs = int(1 + np.count_nonzero((np.diff(gpu_pages) != 1) | (np.diff(host_blocks) != 1)))
+
+            def h2d_bulk():
+                with torch.cuda.stream(stream):
+                    gpu_bulk[:nbytes].copy_(host_bulk[:nbytes], non_blocking=True)
+                stream.synchronize()
+
+            def d2h_bulk():
+                with torch.cuda.stream(stream):
+                    host_bulk[:nbytes].copy_(gpu_bulk[:nbytes], non_blocking=True)
+                stream.synchronize()
+
+            on, on_bulk = compare(lambda: engine.onboard(gpu, host, gpu_pages, host_blocks).wait(), h2d_bulk,
+                                  args.iters)
+            off, off_bulk = compare(lambda: engine.offload(gpu, host, gpu_pages, host_blocks).wait(), d2h_bulk,
+                                    args.iters)
+            issue = statistics.median(
+                _issue_time(engine, gpu, host, gpu_pages, host_blocks) for _ in range(5))
+            rows.append({
+                "tokens": tokens, "placement": name, "runs": runs, "bytes": nbytes,
+                "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
+                "onboard_efficiency": on_bulk / on,
+                "offload_GBps": nbytes / off / 1e9, "bulk_d2h_GBps": nbytes / off_bulk / 1e9,
+                "offload_efficiency": off_bulk / off,
+                "onboard_ms": on * 1e3, "issue_ms": issue * 1e3,
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _issue_time(engine, gpu, host, gpu_pages, host_blocks) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    transfer = engine.onboard(gpu, host, gpu_pages, host_blocks)
+    issued = time.perf_counter() - start
+    transfer.wait()
+    return issued
+
+
+class Gate:
+    """A pinned word the current stream waits on: queue everything, then open at a known host time."""
+
+    def __init__(self) -> None:
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.host = self.word.numpy()
+        self.value = 0
+
+    def close(self) -> None:
+        self.value += 1
+        stream = torch.cuda.current_stream().cuda_stream
+        err, = driver.cuStreamWaitValue32(stream, self.word.data_ptr(), self.value,
+                                          driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        assert int(err) == 0, err
+
+    def open(self) -> float:
+        now = time.perf_counter()
+        self.host[0] = self.value
+        return now
+
+
+def signal_latency(args, gpu, host) -> list[dict]:
+    engine = CudaCopyEngine(timing=True)
+    pages = args.latency_tokens // args.page
+    gate = Gate()
+    rows = []
+    for mode in SignalMode:
+        ring = make_signals(mode, args.layers, num_counters=4)
+        host_us: list[float] = []
+        gpu_us: list[float] = []
+        graph_us: list[float] = []
+        compute = torch.cuda.Stream()
+        after = [cuda_events.create_event(timing=True) for _ in range(args.layers)]
+        graph = None
+        if mode is not SignalMode.EVENTFD:
+            graph_events = [cuda_events.create_event(timing=True) for _ in range(args.layers)]
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                capture = torch.cuda.current_stream().cuda_stream
+                for layer in range(args.layers):
+                    ring.capture_gpu_wait(layer, capture)
+                    cuda_events.record_external(graph_events[layer], capture)
+        for it in range(args.latency_iters):
+            torch.cuda.synchronize()
+            gate.close()
+            handle = ring.acquire()
+            transfer = engine.onboard(gpu, host, np.arange(pages), np.arange(pages), handle)
+            use_graph = graph is not None and it % 2 == 1
+            if use_graph:
+                with torch.cuda.stream(compute):
+                    ring.prepare_replay(handle, compute.cuda_stream)
+                    graph.replay()
+            elif graph is not None:
+                for layer in range(args.layers):
+                    handle.gpu_wait_layer(layer, compute.cuda_stream)
+                    cuda_events.record(after[layer], compute.cuda_stream)
+            opened = gate.open()
+            released = []
+            for layer in range(args.layers):
+                handle.wait_layer(layer)
+                released.append(time.perf_counter())
+            transfer.wait()
+            compute.synchronize()
+            start, *layer_done = transfer.timing_events
+            for layer in range(args.layers):
+                gpu_done = cuda_events.elapsed_ms(start, layer_done[layer]) / 1e3
+                host_us.append((released[layer] - opened - gpu_done) * 1e6)
+                if use_graph:
+                    graph_us.append(cuda_events.elapsed_ms(layer_done[layer], graph_events[layer]) * 1e3)
+                elif graph is not None:
+                    gpu_us.append(cuda_events.elapsed_ms(layer_done[layer], after[layer]) * 1e3)
+            handle.release()
+        row = {"mode": mode.value}
+        for name, values in (("host_wait_us", host_us), ("gpu_wait_us", gpu_us), ("graph_wait_us", graph_us)):
+            if values:
+                row[name] = {"median": statistics.median(values), "p90": float(np.percentile(values, 90)),
+                             "n": len(values)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        ring.close()
+    engine.close()
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [f"GPU: {results['gpu']}", "",
+             "| tokens | placement | runs | onboard GB/s | bulk H2D GB/s | onboard eff. | offload GB/s | bulk D2H GB/s "
+             "| offload eff. | issue ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["bandwidth"]:
+        lines.append(f"| {r['tokens']} | {r['placement']} | {r['runs']} | {r['onboard_GBps']:.1f} | "
+                     f"{r['bulk_h2d_GBps']:.1f} | {r['onboard_efficiency']:.3f} | {r['offload_GBps']:.1f} | "
+                     f"{r['bulk_d2h_GBps']:.1f} | {r['offload_efficiency']:.3f} | {r['issue_ms']:.3f} |")
+    lines += ["", "| signal | host wait us (median / p90) | GPU wait us | captured-graph wait us |", "|---|---|---|---|"]
+    for r in results["signal_latency"]:
+        cells = [f"{r[k]['median']:.1f} / {r[k]['p90']:.1f}" if k in r else "-"
+                 for k in ("host_wait_us", "gpu_wait_us", "graph_wait_us")]
+        lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the results JSON here (and a .md table next to it)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--page", type=int, default=32)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--pool-pages", type=int, default=2048, help="GPU pages per layer = host blocks")
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--latency-tokens", type=int, default=2048)
+    parser.add_argument("--latency-iters", type=int, default=20)
+    args = parser.parse_args()
+
+    shape = (2, args.page, args.heads, args.dim)
+    gpu = [torch.randn((args.pool_pages, *shape), device="cuda").to(torch.bfloat16) for _ in range(args.layers)]
+    host = torch.randn((args.pool_pages, args.layers, *shape)).to(torch.bfloat16).pin_memory()
+    max_bytes = max(args.tokens) // args.page * args.layers * gpu[0][0].numel() * 2
+    host_bulk = torch.empty(max_bytes, dtype=torch.uint8).pin_memory()
+    gpu_bulk = torch.empty(max_bytes, dtype=torch.uint8, device="cuda")
+
+    engine = CudaCopyEngine()
+    results = {
+        "gpu": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_bindings": cuda.bindings.__version__,
+                     "driver": driver.cuDriverGetVersion()[1], "python": sys.version.split()[0]},
+        "command": " ".join(["python3", *sys.argv]),
+        "model": {"layers": args.layers, "heads": args.heads, "head_dim": args.dim, "dtype": "bf16", "page": args.page},
+        "bandwidth": bandwidth(args, engine, gpu, host, host_bulk, gpu_bulk),
+        "signal_latency": signal_latency(args, gpu, host),
+    }
+    engine.close()
+    table = markdown(results)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+        args.out.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
