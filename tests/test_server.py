@@ -289,3 +289,41 @@ def test_spawn_with_bad_token_file_fails_start_up(tmp_path):
         assert "wrong token" in log
     finally:
         handle.stop()
+
+
+def test_copy_failure_mid_transfer_poisons_remaining_layers(server, monkeypatch):
+    from layerflow.transfer.server import server as server_module
+    from layerflow.transfer.thread_copy import ThreadCopyEngine
+
+    engine = ThreadCopyEngine()
+    monkeypatch.setattr(server_module, "make_engine", lambda cuda: engine)
+    client, kv = make_client(server)
+    client.offload("alice", [0, 1]).result(10)
+    engine.fail_at_layer = 1
+    handle = client.onboard("alice", [4, 5])
+    with pytest.raises(TransferError, match="injected failure at layer 1") as info:
+        handle.wait(10)
+    assert info.value.__cause__.users == ["alice"]
+    handle.release()
+    assert client.lookup("alice") == ("host", 2)  # a failed copy to the GPU leaves the host copy intact
+    client.close()
+
+
+def test_protocol_rejects_malformed_and_foreign_version_messages():
+    a, b = protocol.socket_pair()
+    b.send(b"\x05\x00")
+    with pytest.raises(protocol.ProtocolError, match="shorter"):
+        protocol.recv(a)
+    b.send(protocol._LEN.pack(10) + b"{}")
+    with pytest.raises(protocol.ProtocolError, match="exceeds"):
+        protocol.recv(a)
+    header = b'{"v":99,"op":"ack"}'
+    b.send(protocol._LEN.pack(len(header)) + header)
+    with pytest.raises(protocol.ProtocolError, match="version"):
+        protocol.recv(a)
+    protocol.send(b, protocol.Op.ACK, payload=b"xyz", counter_id=3)
+    msg = protocol.recv(a)
+    assert (msg.op, msg["counter_id"], msg.payload) == (protocol.Op.ACK, 3, b"xyz")
+    b.close()
+    with pytest.raises(protocol.ProtocolError, match="closed"):
+        protocol.recv(a)

@@ -212,6 +212,8 @@ class SsdStore:
                 elif not problems and on_group is not None:
                     on_group(blocks[s:s + self.group_blocks])
         finally:
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the host pool is the cache, not the page cache
             os.close(fd)
         if problems:
             self._drop(key, entry, problems[0])

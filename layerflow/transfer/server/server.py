@@ -38,7 +38,7 @@ SOCKET_FILE = "transfer.sock"
 
 
 def make_engine(cuda: bool) -> CopyEngine:
-    """The CUDA engine when the server has a GPU, else the CPU thread engine."""
+    """The CUDA engine for a client pool on the GPU, the CPU thread engine for one in shared memory."""
     if cuda:
         from layerflow.transfer.cuda_copy import CudaCopyEngine
         return CudaCopyEngine()
@@ -53,6 +53,7 @@ class _Client:
         self.sock = sock
         self.session = session
         self.pool: ClientPool | None = None
+        self.engine: CopyEngine | None = None
         self.send_lock = threading.Lock()
 
     def send(self, op: Op, **fields) -> None:
@@ -77,7 +78,7 @@ class TransferServer:
         self._listener.listen(16)
         self._lock = threading.Lock()  # host pool + SSD bookkeeping
         self._cuda = torch.cuda.is_available()
-        self._engine = make_engine(self._cuda)
+        self._engines: dict[bool, CopyEngine] = {}  # keyed by "the client pool is on CUDA"
         self._notifier = Notifier() if self._cuda else None
         self.layout: KVLayout | None = None
         self.host: HostKVPool | None = None
@@ -110,7 +111,8 @@ class TransferServer:
         self.socket_path.unlink(missing_ok=True)
         for client in list(self._clients):
             client.sock.close()
-        self._engine.close()
+        for engine in self._engines.values():
+            engine.close()
         if self._notifier is not None:
             self._notifier.stop()
         if self.ssd is not None:
@@ -155,7 +157,12 @@ class TransferServer:
             msg.close_fds()
             client.send(Op.NACK, reason=f"pool registration refused: {e}")
             return
+        cuda = pool.layers[0].is_cuda
+        with self._lock:
+            if cuda not in self._engines:
+                self._engines[cuda] = make_engine(cuda)
         client.pool = pool
+        client.engine = self._engines[cuda]
         client.send(Op.ACK)
 
     def _ensure_host(self, layout: KVLayout) -> None:
@@ -192,7 +199,7 @@ class TransferServer:
             if client.pool is None:
                 raise ValueError(f"{msg.op.value} before register_pool")
             fields = work()
-        except (TransferError, ValueError, LookupError, OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever failed, the client's waiters must hear about it
             log.warning("%s of user %r failed: %s", msg.op.value, msg.get("user"), e)
             client.send(Op.ERROR, req=msg.get("req"), users=[msg.get("user")], reason=str(e))
             return
@@ -216,9 +223,9 @@ class TransferServer:
         for g, group in enumerate(self.layout.groups):
             layers = client.pool.group_layers(g)
             if onboard:
-                out.append(self._engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, first))
+                out.append(client.engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, first))
             else:
-                out.append(self._engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
+                out.append(client.engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
             first += group.num_layers
         return out
 
@@ -242,14 +249,13 @@ class TransferServer:
                 signal.flush(self.config.transfer_timeout_s)
                 if signal.error is not None:
                     raise TransferError(str(signal.error))
-            except Miss as e:
+            except BaseException as e:
                 with self._lock:
                     self.host.unpin(user)
-                    self.host.free(user)
-                raise LookupError(f"user {user!r} is not resident: {e.args[0]}") from e
-            except BaseException:
-                with self._lock:
-                    self.host.unpin(user)
+                    if from_ssd:  # half-read blocks must not pass for a host copy; the SSD entry decides
+                        self.host.free(user)
+                if isinstance(e, Miss):
+                    raise LookupError(f"user {user!r} is not resident: {e.args[0]}") from e
                 raise
             with self._lock:
                 self.host.unpin(user)
@@ -262,17 +268,21 @@ class TransferServer:
             if user in self.host:
                 blocks = list(self.host.pages(user))
                 from_ssd = False
+                self._check_pages(user, num_pages, len(blocks))
             elif self.ssd is not None and self.ssd.contains(user):
-                blocks = list(self.host.allocate(user, self.ssd.num_blocks(user) * self.layout.page_size,
-                                                 can_drop=self._spill).pages)
+                self._check_pages(user, num_pages, self.ssd.num_blocks(user))
+                blocks = list(self.host.allocate(user, num_pages * self.layout.page_size, can_drop=self._spill).pages)
                 from_ssd = True
             else:
                 raise LookupError(f"user {user!r} is not resident on this server (host or SSD)")
-            if len(blocks) != num_pages:
-                raise ValueError(f"gpu_pages has {num_pages} pages, user {user!r} holds {len(blocks)} blocks")
             self.host.touch(user)
             self.host.pin(user)
             return blocks, from_ssd
+
+    @staticmethod
+    def _check_pages(user, num_pages: int, num_blocks: int) -> None:
+        if num_pages != num_blocks:
+            raise ValueError(f"gpu_pages has {num_pages} pages, user {user!r} holds {num_blocks} blocks")
 
     def _onboard_from_ssd(self, client: _Client, user, gpu_pages: list[int], blocks: list[int],
                           signal: ClientSignal) -> None:
