@@ -1,7 +1,15 @@
-"""Shared test fixtures: a small fp32 model, and the `gpu` marker (skipped without CUDA)."""
+"""Shared test fixtures: a small fp32 model, and the `gpu` marker (skipped without CUDA).
+
+Without CUDA, Triton kernels run in its interpreter; the switch must be set before any module imports triton.
+"""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from layerflow.hstu import HSTUConfig, HSTUWeights
 
