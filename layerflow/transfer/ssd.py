@@ -20,7 +20,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,11 +200,11 @@ class SsdStore:
         except FileNotFoundError:
             self._drop(key, entry, "file is missing")
             raise Miss(f"user {key!r}: SSD file {path} is missing") from None
+        starts = range(0, len(blocks), self.group_blocks)
+        futures = [self._pool.submit(self._read_group, fd, views, entry.crcs, s, s + self.group_blocks)
+                   for s in starts]
+        problems = []
         try:
-            starts = range(0, len(blocks), self.group_blocks)
-            futures = [self._pool.submit(self._read_group, fd, views, entry.crcs, s, s + self.group_blocks)
-                       for s in starts]
-            problems = []
             for s, fut in zip(starts, futures):
                 problem = fut.result()
                 if problem is not None:
@@ -212,6 +212,7 @@ class SsdStore:
                 elif not problems and on_group is not None:
                     on_group(blocks[s:s + self.group_blocks])
         finally:
+            wait(futures)  # an on_group error must not close the fd under a read still in flight
             if not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the host pool is the cache, not the page cache
             os.close(fd)
@@ -266,7 +267,13 @@ class SsdStore:
 
     def _read_group(self, fd: int, views: list[list[memoryview]], crcs: list[int],
                     start: int, stop: int) -> str | None:
-        stop = min(stop, len(views))
+        try:
+            return self._read_checked(fd, views, crcs, start, min(stop, len(views)))
+        except OSError as e:
+            return f"read error at block {start}: {e}"
+
+    def _read_checked(self, fd: int, views: list[list[memoryview]], crcs: list[int], start: int,
+                      stop: int) -> str | None:
         if self.slot_bytes == self.block_bytes:
             iov = [v for i in range(start, stop) for v in views[i]]
             got = os.preadv(fd, iov, start * self.slot_bytes)
