@@ -1,7 +1,8 @@
 """Transfer microbenchmark: copy-engine onboarding/offload against one bulk pinned memcpy, and signal latency.
 
-Efficiency = bulk time / transfer time for the same bytes, both measured here, alternating, host wall clock from issue
-to completion (median). Placements of a user's pages:
+Efficiency = bulk time / transfer time for the same bytes, both measured here (median): "wall" is host wall clock from
+issue to completion (Python issue cost included, alternating engine and bulk), "GPU" is CUDA-event time on the copy
+stream. Fragmented placements are measured on both copy paths (per-run 2D copies, per-page batch). Placements of a user's pages:
 - contiguous: one run on both sides;
 - churn: first-fit (lowest free index) allocations on a GPU pool and a host pool fragmented by random users coming
   and going, the allocator behaviour a bitmap pool gives;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -87,41 +89,71 @@ def compare(engine_fn, bulk_fn, iters: int) -> tuple[float, float]:
     return statistics.median(engine_times), statistics.median(bulk_times)
 
 
-def bandwidth(args, engine, gpu, host, host_bulk, gpu_bulk) -> list[dict]:
+PATHS = {"2d": 0.0, "batch": math.inf}  # CudaCopyEngine.batch_below_pages forcing one copy path
+
+
+def gpu_seconds(transfer) -> float:
+    """GPU time from the transfer's start event to its last layer's event (timing engine)."""
+    transfer.wait()
+    start, *layers = transfer.timing_events
+    seconds = cuda_events.elapsed_ms(start, layers[-1]) / 1e3
+    for event in transfer.timing_events:
+        cuda_events.destroy_event(event)
+    return seconds
+
+
+def bulk_gpu_seconds(copy, stream) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record()
+        copy()
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def bandwidth(args, engine, timed, gpu, host, host_bulk, gpu_bulk) -> list[dict]:
     page_bytes = gpu[0][0].numel() * gpu[0].element_size()
     stream = torch.cuda.Stream()
     rows = []
     for tokens in args.tokens:
         pages = tokens // args.page
         nbytes = pages * args.layers * page_bytes
+
+        def h2d():
+            gpu_bulk[:nbytes].copy_(host_bulk[:nbytes], non_blocking=True)
+
+        def d2h():
+            host_bulk[:nbytes].copy_(gpu_bulk[:nbytes], non_blocking=True)
+
+        def synced(copy):
+            def run():
+                with torch.cuda.stream(stream):
+                    copy()
+                stream.synchronize()
+            return run
+
         for name, (gpu_pages, host_blocks) in placements(pages, args.pool_pages, tokens).items():
             runs = int(1 + np.count_nonzero((np.diff(gpu_pages) != 1) | (np.diff(host_blocks) != 1)))
-
-            def h2d_bulk():
-                with torch.cuda.stream(stream):
-                    gpu_bulk[:nbytes].copy_(host_bulk[:nbytes], non_blocking=True)
-                stream.synchronize()
-
-            def d2h_bulk():
-                with torch.cuda.stream(stream):
-                    host_bulk[:nbytes].copy_(gpu_bulk[:nbytes], non_blocking=True)
-                stream.synchronize()
-
-            on, on_bulk = compare(lambda: engine.onboard(gpu, host, gpu_pages, host_blocks).wait(), h2d_bulk,
-                                  args.iters)
-            off, off_bulk = compare(lambda: engine.offload(gpu, host, gpu_pages, host_blocks).wait(), d2h_bulk,
-                                    args.iters)
-            issue = statistics.median(
-                _issue_time(engine, gpu, host, gpu_pages, host_blocks) for _ in range(5))
-            rows.append({
-                "tokens": tokens, "placement": name, "runs": runs, "bytes": nbytes,
-                "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
-                "onboard_efficiency": on_bulk / on,
-                "offload_GBps": nbytes / off / 1e9, "bulk_d2h_GBps": nbytes / off_bulk / 1e9,
-                "offload_efficiency": off_bulk / off,
-                "onboard_ms": on * 1e3, "issue_ms": issue * 1e3,
-            })
-            print(json.dumps(rows[-1]), flush=True)
+            for path in (["2d"] if runs == 1 else list(PATHS)):
+                engine.batch_below_pages = timed.batch_below_pages = PATHS[path]
+                place = (gpu, host, gpu_pages, host_blocks)
+                on, on_bulk = compare(lambda: engine.onboard(*place).wait(), synced(h2d), args.iters)
+                off, off_bulk = compare(lambda: engine.offload(*place).wait(), synced(d2h), args.iters)
+                on_gpu = statistics.median(gpu_seconds(timed.onboard(*place)) for _ in range(args.iters))
+                off_gpu = statistics.median(gpu_seconds(timed.offload(*place)) for _ in range(args.iters))
+                h2d_gpu = statistics.median(bulk_gpu_seconds(h2d, stream) for _ in range(args.iters))
+                d2h_gpu = statistics.median(bulk_gpu_seconds(d2h, stream) for _ in range(args.iters))
+                issue = statistics.median(_issue_time(engine, *place) for _ in range(5))
+                rows.append({
+                    "tokens": tokens, "placement": name, "path": path, "runs": runs, "bytes": nbytes,
+                    "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
+                    "onboard_efficiency": on_bulk / on, "onboard_gpu_efficiency": h2d_gpu / on_gpu,
+                    "offload_GBps": nbytes / off / 1e9, "bulk_d2h_GBps": nbytes / off_bulk / 1e9,
+                    "offload_efficiency": off_bulk / off, "offload_gpu_efficiency": d2h_gpu / off_gpu,
+                    "onboard_ms": on * 1e3, "bulk_h2d_ms": on_bulk * 1e3, "issue_ms": issue * 1e3,
+                })
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -221,12 +253,14 @@ def signal_latency(args, gpu, host) -> list[dict]:
 
 def markdown(results: dict) -> str:
     lines = [f"GPU: {results['gpu']}", "",
-             "| tokens | placement | runs | onboard GB/s | bulk H2D GB/s | onboard eff. | offload GB/s | bulk D2H GB/s "
-             "| offload eff. | issue ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tokens | placement | runs | path | onboard GB/s | bulk H2D GB/s | onboard eff. (wall / GPU) "
+             "| offload GB/s | bulk D2H GB/s | offload eff. (wall / GPU) | issue ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["bandwidth"]:
-        lines.append(f"| {r['tokens']} | {r['placement']} | {r['runs']} | {r['onboard_GBps']:.1f} | "
-                     f"{r['bulk_h2d_GBps']:.1f} | {r['onboard_efficiency']:.3f} | {r['offload_GBps']:.1f} | "
-                     f"{r['bulk_d2h_GBps']:.1f} | {r['offload_efficiency']:.3f} | {r['issue_ms']:.3f} |")
+        lines.append(f"| {r['tokens']} | {r['placement']} | {r['runs']} | {r['path']} | {r['onboard_GBps']:.1f} | "
+                     f"{r['bulk_h2d_GBps']:.1f} | {r['onboard_efficiency']:.3f} / {r['onboard_gpu_efficiency']:.3f} | "
+                     f"{r['offload_GBps']:.1f} | {r['bulk_d2h_GBps']:.1f} | "
+                     f"{r['offload_efficiency']:.3f} / {r['offload_gpu_efficiency']:.3f} | {r['issue_ms']:.3f} |")
     lines += ["", "| signal | host wait us (median / p90) | GPU wait us | captured-graph wait us |", "|---|---|---|---|"]
     for r in results["signal_latency"]:
         cells = [f"{r[k]['median']:.1f} / {r[k]['p90']:.1f}" if k in r else "-"
@@ -256,17 +290,18 @@ def main() -> None:
     host_bulk = torch.empty(max_bytes, dtype=torch.uint8).pin_memory()
     gpu_bulk = torch.empty(max_bytes, dtype=torch.uint8, device="cuda")
 
-    engine = CudaCopyEngine()
+    engine, timed = CudaCopyEngine(), CudaCopyEngine(timing=True)
     results = {
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_bindings": cuda.bindings.__version__,
                      "driver": driver.cuDriverGetVersion()[1], "python": sys.version.split()[0]},
         "command": " ".join(["python3", *sys.argv]),
         "model": {"layers": args.layers, "heads": args.heads, "head_dim": args.dim, "dtype": "bf16", "page": args.page},
-        "bandwidth": bandwidth(args, engine, gpu, host, host_bulk, gpu_bulk),
+        "bandwidth": bandwidth(args, engine, timed, gpu, host, host_bulk, gpu_bulk),
         "signal_latency": signal_latency(args, gpu, host),
     }
     engine.close()
+    timed.close()
     table = markdown(results)
     print(table)
     if args.out:
