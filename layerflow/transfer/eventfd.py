@@ -20,6 +20,7 @@ import select
 import threading
 import time
 
+from layerflow.transfer import cuda_events
 from layerflow.transfer.config import SignalMode
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signal_base import POISONED, LayerSignals, SignalHandle
@@ -101,8 +102,6 @@ class _Notifier:
     """One thread turning completed CUDA events into eventfd writes, in submission order."""
 
     def __init__(self, ring: EventfdSignals) -> None:
-        from layerflow.transfer import cuda_events
-
         self._events = cuda_events.EventPool()
         self._ring = ring
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -120,8 +119,6 @@ class _Notifier:
         self._thread.join()
 
     def _run(self) -> None:
-        from layerflow.transfer import cuda_events
-
         cuda_events.set_device(self._device)
         while (item := self._queue.get()) is not None:
             handle, layers, event = item
