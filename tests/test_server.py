@@ -327,3 +327,32 @@ def test_protocol_rejects_malformed_and_foreign_version_messages():
     b.close()
     with pytest.raises(protocol.ProtocolError, match="closed"):
         protocol.recv(a)
+
+
+def test_cli_serves_on_the_config_socket_and_client_from_config(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from layerflow.transfer.server.launcher import READY
+
+    sock = tmp_path / "lf" / "kv.sock"
+    cfg = tmp_path / "transfer.yaml"
+    cfg.write_text(yaml.safe_dump({"cpu_cache_gb": 0.001, "server_socket": str(sock), "num_counters": 3}))
+    proc = subprocess.Popen([sys.executable, "-m", "layerflow.transfer.server", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().startswith(READY)
+        assert stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o700
+        from layerflow.transfer.config import load_config
+
+        shm, kv = shared_cpu_pool(LAYOUT, 4)
+        client = TransferClient.from_config(load_config(cfg), LAYOUT, kv, shm=shm)
+        assert client.signals.num_counters == 3
+        client.offload("u", [0, 1]).result(10)
+        assert client.lookup("u") == ("host", 2)
+        client.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0

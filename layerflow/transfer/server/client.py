@@ -18,14 +18,16 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from layerflow.transfer.config import TransferConfig
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.eventfd import EventfdSignals
 from layerflow.transfer.layout import KVLayout
 from layerflow.transfer.server import protocol
-from layerflow.transfer.server.auth import read_token
+from layerflow.transfer.server.auth import TOKEN_FILE, read_token
 from layerflow.transfer.server.handoff import HANDSHAKE_TIMEOUT_S, HandoffError, client_handoff
 from layerflow.transfer.server.protocol import Op, ProtocolError
 from layerflow.transfer.server.registration import export_pool
@@ -83,6 +85,16 @@ class TransferClient:
         self._reader: threading.Thread | None = None
         self.socket_path, self.token_path = socket_path, token_path
         self.connect()
+
+    @classmethod
+    def from_config(cls, config: TransferConfig, layout: KVLayout, kv_layers: Sequence[torch.Tensor], *,
+                    shm: SharedMemory | None = None, rank: int = 0) -> "TransferClient":
+        """Connect to `config.server_socket` (token file beside it) with the config's counters and timeout."""
+        if config.server_socket is None:
+            raise ValueError("server_socket=None: the config names no transfer server")
+        socket_path = Path(config.server_socket)
+        return cls(socket_path, socket_path.parent / TOKEN_FILE, layout, kv_layers, shm=shm,
+                   num_counters=config.num_counters, rank=rank, timeout_s=config.transfer_timeout_s)
 
     @property
     def connected(self) -> bool:

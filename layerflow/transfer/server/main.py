@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from layerflow.transfer.config import load_config
 from layerflow.transfer.server.launcher import READY
@@ -17,13 +18,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="layerflow transfer-server",
                                      description="Serve a shared host (and SSD) KV cache to inference processes.")
     parser.add_argument("--config", help="transfer YAML (cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, ...)")
-    parser.add_argument("--run-dir", help="private directory for the socket and token (default: a new temp dir)")
+    parser.add_argument("--run-dir", help="private directory for the socket and token (default: the directory of "
+                                          "the config's server_socket, else a new temp dir)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config)
-    server = TransferServer(config, args.run_dir)
+    if args.run_dir is None and config.server_socket is not None:
+        socket_path = Path(config.server_socket)
+        server = TransferServer(config, socket_path.parent, socket_name=socket_path.name)
+    else:
+        server = TransferServer(config, args.run_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -62,15 +62,15 @@ class _Client:
 
 
 class TransferServer:
-    """Listens on `run_dir/transfer.sock`; `serve_forever()` accepts clients until `close()`."""
+    """Listens on `run_dir/socket_name` (token beside it); `serve_forever()` accepts clients until `close()`."""
 
     def __init__(self, config: TransferConfig, run_dir: str | os.PathLike | None = None,
-                 peer_check: Callable[[PeerCred, int], None] = check_peer) -> None:
+                 peer_check: Callable[[PeerCred, int], None] = check_peer, socket_name: str = SOCKET_FILE) -> None:
         self.config = config
         self.run_dir = make_private_dir(run_dir)
         self.token_path = write_token(self.run_dir)
         self._token = read_token(self.token_path)
-        self.socket_path = self.run_dir / SOCKET_FILE
+        self.socket_path = self.run_dir / socket_name
         self._peer_check = peer_check
         self._listener = protocol.new_socket()
         self._listener.bind(str(self.socket_path))
@@ -153,7 +153,7 @@ class TransferServer:
                 raise ValueError(f"pool has {pool.layout.num_layers} layers, the handoff said {client.session.layers}")
             with self._lock:
                 self._ensure_host(pool.layout)
-        except (ValueError, OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - a pool we cannot map is refused with the reason, whatever it was
             msg.close_fds()
             client.send(Op.NACK, reason=f"pool registration refused: {e}")
             return
