@@ -40,9 +40,9 @@ def attention_vs_reference(lengths: dict, *, num_heads: int, head_dim: int, page
     return out, expected, batch.total_tokens
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_ragged_batch_matches_reference(num_splits):
-    tiling = AttentionTiling(16, 16, 4, 1, num_splits)
+@pytest.mark.parametrize("num_splits,preload", [(1, False), (3, False), (1, True), (3, True)])
+def test_ragged_batch_matches_reference(num_splits, preload):
+    tiling = AttentionTiling(16, 16, 4, 1, preload_pages=preload, num_splits=num_splits)
     out, expected, total = attention_vs_reference(RAGGED, num_heads=2, head_dim=64, page_size=16, tiling=tiling,
                                                   max_batch=6, max_tokens=40)
     assert torch.isfinite(out[:total]).all()
@@ -53,15 +53,17 @@ def test_ragged_batch_matches_reference(num_splits):
 def test_many_candidates_span_query_blocks():
     lengths = dict(history_lens=[45, 9], appended_lens=[20, 9], candidate_lens=[30, 21])
     out, expected, _ = attention_vs_reference(lengths, num_heads=1, head_dim=64, page_size=16,
-                                              tiling=AttentionTiling(16, 16, 4, 1, 2))
+                                              tiling=AttentionTiling(16, 16, 4, 1, num_splits=2))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("page_size,head_dim", [(16, 128), (32, 64), (64, 256), (128, 64)])
-def test_page_sizes_and_head_dims(page_size, head_dim):
-    lengths = dict(history_lens=[page_size + 5, 3], appended_lens=[4, 3], candidate_lens=[2, 1])
+@pytest.mark.parametrize("page_size,head_dim,preload", [(16, 128, True), (32, 64, False), (64, 256, True),
+                                                        (128, 64, False)])
+def test_page_sizes_and_head_dims(page_size, head_dim, preload):
+    lengths = dict(history_lens=[2 * page_size + 5, 3], appended_lens=[4, 3], candidate_lens=[2, 1])
+    tiling = AttentionTiling(16, 16, 4, 1, preload_pages=preload, num_splits=2)
     out, expected, _ = attention_vs_reference(lengths, num_heads=1, head_dim=head_dim, page_size=page_size,
-                                              tiling=AttentionTiling(16, 16, 4, 1, 2))
+                                              tiling=tiling)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
 
 
@@ -70,12 +72,23 @@ def test_default_tiling_and_split_choice():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-7)
 
 
+def test_splits_fill_whole_waves():
+    def splits(max_tokens: int, heads: int, programs_per_sm: int = 1) -> int:
+        tiling = AttentionTiling(64, 64, 4, 2, programs_per_sm=programs_per_sm)
+        return PagedAttention(1, max_tokens, 512, heads, 64, 32, torch.bfloat16, "cpu", ALPHA, MAX_SEQ_LEN,
+                              tiling=tiling).num_splits
+    # Without CUDA the device counts as 4 SMs. One 64-token block x 4 heads fills them with 1 split.
+    assert splits(64, 4) == 1 and splits(64, 4, programs_per_sm=2) == 2
+    assert splits(64, 1) == 4
+    assert splits(2 * 64, 3) == 2        # 6 programs leave a wave half idle; 12 fill 3 waves
+
+
 def test_half_precision_close_to_fp32_reference():
     lengths = dict(history_lens=[40], appended_lens=[8], candidate_lens=[4])
     batch = make_paged_batch(**lengths, num_heads=2, head_dim=64, page_size=16, dtype=torch.float16, device=DEVICE)
     kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
     attn = PagedAttention(1, batch.q.shape[0], batch.page_table.shape[1], 2, 64, 16, torch.float16, DEVICE, ALPHA,
-                          MAX_SEQ_LEN, tiling=AttentionTiling(16, 16, 4, 1, 2))
+                          MAX_SEQ_LEN, tiling=AttentionTiling(16, 16, 4, 1, num_splits=2))
     out = attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.empty_like(batch.q))
     f32 = [t.float() for t in (batch.q, batch.k, batch.v, batch.kv_cache)]
     expected = paged_attention_reference(*f32, *batch.lengths, torch.empty_like(f32[0]), alpha=ALPHA,

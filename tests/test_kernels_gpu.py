@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from layerflow.kernels import PagedAttention, kv_append, paged_attention_reference
+from dataclasses import replace
+
+from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
 from layerflow.kernels.synthetic import PagedBatch, make_paged_batch
 
 pytestmark = pytest.mark.gpu
@@ -29,18 +31,21 @@ def assert_bf16_close(out: torch.Tensor, expected: torch.Tensor, total: int) -> 
 @pytest.mark.parametrize("history_lens", [[16384], [2048, 16384, 4096, 8192, 3000, 12000, 6000, 10000]],
                          ids=["bs1-16k", "bs8-2k-16k"])
 @pytest.mark.parametrize("candidates", [0, 256])
-def test_real_sizes_bf16_match_fp32_reference(history_lens, candidates):
+@pytest.mark.parametrize("preload", [False, True])
+def test_real_sizes_bf16_match_fp32_reference(history_lens, candidates, preload):
     n = len(history_lens)
     batch = make_paged_batch([h + 64 for h in history_lens], [64] * n, [candidates] * n, num_heads=H, head_dim=D,
                              page_size=PAGE, dtype=torch.bfloat16, device="cuda")
     kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
+    tiling = replace(default_tiling(D, torch.bfloat16, 64 + candidates), preload_pages=preload)
     attn = PagedAttention(n, batch.q.shape[0], batch.page_table.shape[1], H, D, PAGE, torch.bfloat16, "cuda",
-                          ALPHA, MAX_SEQ_LEN)
+                          ALPHA, MAX_SEQ_LEN, tiling=tiling)
     out = attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.empty_like(batch.q))
     assert_bf16_close(out, reference_fp32(batch), batch.total_tokens)
 
 
-def test_one_graph_replays_any_lengths_like_eager():
+@pytest.mark.parametrize("preload", [False, True])
+def test_one_graph_replays_any_lengths_like_eager(preload):
     max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
     cases = [
         ([16384 + 64], [64], [256]),
@@ -54,7 +59,9 @@ def test_one_graph_replays_any_lengths_like_eager():
                                 device="cuda", max_batch=max_batch, max_tokens=max_tokens,
                                 max_pages_per_user=max_pages, spare_pages=num_pages - pages, seed=len(case[0]))
 
-    attn = PagedAttention(max_batch, max_tokens, max_pages, H, D, PAGE, torch.bfloat16, "cuda", ALPHA, MAX_SEQ_LEN)
+    tiling = replace(default_tiling(D, torch.bfloat16, max_tokens // max_batch), preload_pages=preload)
+    attn = PagedAttention(max_batch, max_tokens, max_pages, H, D, PAGE, torch.bfloat16, "cuda", ALPHA, MAX_SEQ_LEN,
+                          tiling=tiling)
     static = batch_of(cases[0])
     static_out = torch.zeros_like(static.q)
 

@@ -20,7 +20,7 @@ import triton.language as tl
 PAGE_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_SPLITS = 64
+MAX_SPLITS = 128
 
 
 @triton.jit
@@ -41,14 +41,21 @@ def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
-def _history_tile(acc, q, qpos, cache_h, page_row, n0, hi, alpha,
+def _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
                   H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N read through the page table."""
+                  CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N read through the page table.
+
+    With CHUNK_PAGES > 0 the page ids come from `chunk_pages`, the program's page-table slice held in registers, so
+    the K/V addresses of a tile need no load and the loop's loads can be prefetched like dense ones.
+    """
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
-    if MASKED:
-        key_ok = n < hi
+    key_ok = n < hi
+    if CHUNK_PAGES > 0:
+        slot = tl.minimum(n // PAGE - first_page, CHUNK_PAGES - 1)
+        page = tl.gather(chunk_pages, slot, axis=0)
+    elif MASKED:
         page = tl.load(page_row + n // PAGE, mask=key_ok, other=0)
     else:
         page = tl.load(page_row + n // PAGE)
@@ -72,7 +79,7 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, dst_ptr,
     page_table_stride, split_stride, max_batch, alpha, inv_n,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BATCH_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(2)
@@ -104,10 +111,18 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     cache_h = cache_ptr + head * D
     page_row = page_table_ptr + user * page_table_stride
+    first_page = lo // PAGE
+    if CHUNK_PAGES > 0:
+        slots = tl.arange(0, CHUNK_PAGES)
+        chunk_pages = tl.load(page_row + first_page + slots, mask=first_page + slots < tl.cdiv(hi, PAGE), other=0)
+    else:
+        chunk_pages = first_page
     for n0 in range(lo, full_hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, cache_h, page_row, n0, hi, alpha, H, D, PAGE, BLOCK_N, False, PRECISION)
+        acc = _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
+                            H, D, PAGE, BLOCK_N, CHUNK_PAGES, False, PRECISION)
     for n0 in range(full_hi, hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, cache_h, page_row, n0, hi, alpha, H, D, PAGE, BLOCK_N, True, PRECISION)
+        acc = _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
+                            H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION)
 
     if split == 0:
         # A candidate's own key: the only non-history key it sees.
@@ -143,22 +158,35 @@ def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_ba
 
 @dataclass(frozen=True)
 class AttentionTiling:
-    """Launch shape of the attention kernel; `num_splits` None lets the constructor pick it from the capacity."""
+    """Launch shape of the attention kernel.
+
+    `programs_per_sm` is how many programs of this shape one SM runs at once (shared memory and registers decide it);
+    the split count is chosen so the grid fills whole waves of SMs * programs_per_sm. `num_splits` overrides that.
+    `preload_pages` keeps each program's page-table slice in registers instead of loading page ids per tile.
+    """
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    programs_per_sm: int = 1
+    preload_pages: bool = False
     num_splits: int | None = None
 
 
-def default_tiling(head_dim: int, dtype: torch.dtype) -> AttentionTiling:
-    """Tiles that fit registers and shared memory on an H200 (fp32 is the test dtype: keep it small)."""
+def default_tiling(head_dim: int, dtype: torch.dtype, tokens_per_user: int = 64) -> AttentionTiling:
+    """Tiles for the H200, from the sweep in benchmarks/kernels.py (fp32 is the test dtype: keep it small).
+
+    Users with many queries (candidates) make the kernel compute-bound: a taller query block reads each K/V tile for
+    more queries.
+    """
     if dtype == torch.float32:
         return AttentionTiling(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if tokens_per_user >= 128:
+        return AttentionTiling(block_m=128, block_n=64, num_warps=8, num_stages=2)
     if head_dim == 256:
         return AttentionTiling(block_m=64, block_n=64, num_warps=8, num_stages=2)
-    return AttentionTiling(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    return AttentionTiling(block_m=64, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -192,21 +220,42 @@ class PagedAttention:
         self.num_heads, self.head_dim, self.page_size, self.dtype = num_heads, head_dim, page_size, dtype
         self.device = torch.device(device)
         self.alpha, self.max_seq_len = float(alpha), max_seq_len
-        tiling = tiling or default_tiling(head_dim, dtype)
+        tiling = tiling or default_tiling(head_dim, dtype, triton.cdiv(max_tokens, max_batch))
         self.num_splits = tiling.num_splits or self._pick_splits(tiling)
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits={self.num_splits}: expected 1..{MAX_SPLITS}")
         self.tiling = tiling
         self.query_slots = triton.cdiv(max_tokens, tiling.block_m) + max_batch
+        self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
         self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32,
                                      device=self.device) if self.num_splits > 1 else None)
 
     def _pick_splits(self, tiling: AttentionTiling) -> int:
-        """Enough splits for about two programs per SM when the capacity is full, but no chunk below one tile."""
-        programs = triton.cdiv(self.max_tokens, tiling.block_m) * self.num_heads
-        wanted = triton.cdiv(2 * _sm_count(self.device), programs)
+        """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90%.
+
+        A grid of 208 programs on 132 single-program SMs runs two waves for 1.6 waves of work: the last wave's idle
+        SMs cost as much as the split-K gains, so the split count is matched to the wave size.
+        """
+        per_user = triton.cdiv(self.max_tokens, self.max_batch)
+        programs = self.max_batch * triton.cdiv(per_user, tiling.block_m) * self.num_heads
+        slots = _sm_count(self.device) * tiling.programs_per_sm
         tiles = triton.cdiv(self.max_pages_per_user * self.page_size, tiling.block_n)
-        return max(1, min(wanted, tiles, MAX_SPLITS))
+        best, best_fill = 1, 0.0
+        for splits in range(1, min(tiles, MAX_SPLITS) + 1):
+            total = programs * splits
+            fill = total / (triton.cdiv(total, slots) * slots)
+            if total >= slots and fill >= 0.9:
+                return splits
+            if fill > best_fill + 1e-9:
+                best, best_fill = splits, fill
+        return best
+
+    def _chunk_pages(self) -> int:
+        """Page-table entries one program's chunk can touch (power of two for the register slice)."""
+        t = self.tiling
+        longest = self.max_pages_per_user * self.page_size
+        chunk = triton.cdiv(triton.cdiv(longest, self.num_splits), t.block_n) * t.block_n
+        return triton.next_power_of_2(triton.cdiv(chunk, self.page_size) + 1)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
@@ -251,7 +300,8 @@ class PagedAttention:
             page_table.stride(0), split_stride, self.max_batch, self.alpha, 1.0 / self.max_seq_len,
             H=self.num_heads, D=self.head_dim, PAGE=self.page_size,
             BATCH_P2=max(2, triton.next_power_of_2(self.max_batch)),
-            NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, PRECISION=precision,
+            NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,
+            PRECISION=precision,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None:

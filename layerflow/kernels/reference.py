@@ -11,7 +11,8 @@ import torch
 from layerflow.hstu.reference import attention_mask, hstu_attention
 
 
-def gather_history(kv_cache: torch.Tensor, page_row: torch.Tensor, history_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_history(kv_cache: torch.Tensor, page_row: torch.Tensor,
+                   history_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K, V [history_len, H, D] of one user from its row of the page table."""
     page_size = kv_cache.shape[2]
     num_pages = -(-history_len // page_size)

@@ -46,7 +46,8 @@ def make_paged_batch(history_lens: list[int], appended_lens: list[int], candidat
         raise ValueError(f"{len(history_lens)}/{len(appended_lens)}/{len(candidate_lens)} users in the length lists")
     for h, a, c in zip(history_lens, appended_lens, candidate_lens):
         if not 0 <= a <= h or c < 0:
-            raise ValueError(f"history {h}, appended {a}, candidates {c}: need 0 <= appended <= history, candidates >= 0")
+            raise ValueError(f"history {h}, appended {a}, candidates {c}: "
+                             "need 0 <= appended <= history and candidates >= 0")
     gen = torch.Generator().manual_seed(seed)
     batch = len(history_lens)
     max_batch = max_batch or batch
