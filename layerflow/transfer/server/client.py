@@ -84,7 +84,11 @@ class TransferClient:
         self._sock = None
         self._reader: threading.Thread | None = None
         self.socket_path, self.token_path = socket_path, token_path
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:
+            self.signals.close()
+            raise
 
     @classmethod
     def from_config(cls, config: TransferConfig, layout: KVLayout, kv_layers: Sequence[torch.Tensor], *,
