@@ -9,6 +9,7 @@ import torch
 
 from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS
+from layerflow.runtime.bench import add_arguments as add_bench_arguments
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.workload import returning_users
 from layerflow.transfer.config import load_config
@@ -41,6 +42,11 @@ def cmd_score(args: argparse.Namespace) -> None:
                     engine.kv.evict_from_gpu(r.user_id)
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from layerflow.runtime.bench import main as bench_main
+    bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layerflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--config", help="transfer YAML config (default: $LAYERFLOW_CONFIG, else built-in defaults)")
     score.add_argument("--disable-cudagraph", action="store_true", help="run the per-layer pipeline eagerly")
     score.set_defaults(func=cmd_score)
+
+    bench = sub.add_parser("bench", help="inference benchmark: GPU/CPU/SSD hits, layerwise onboarding and its bound "
+                           "(a small CPU-path run without a GPU)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
