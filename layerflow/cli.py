@@ -13,6 +13,9 @@ from layerflow.runtime.bench import add_arguments as add_bench_arguments
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.workload import returning_users
 from layerflow.transfer.config import load_config
+from layerflow.transfer.server.main import DESCRIPTION as SERVER_DESCRIPTION
+from layerflow.transfer.server.main import add_arguments as add_server_arguments
+from layerflow.transfer.server.main import run as run_server
 
 
 def _weights(args: argparse.Namespace) -> HSTUWeights:
@@ -67,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--config", help="transfer YAML config (default: $LAYERFLOW_CONFIG, else built-in defaults)")
     score.add_argument("--disable-cudagraph", action="store_true", help="run the per-layer pipeline eagerly")
     score.set_defaults(func=cmd_score)
+
+    server = sub.add_parser("transfer-server", description=SERVER_DESCRIPTION,
+                            help="run the transfer server (one shared host KV cache for every process on the host)")
+    add_server_arguments(server)
+    server.set_defaults(func=run_server)
 
     bench = sub.add_parser("bench", help="inference benchmark: GPU/CPU/SSD hits, layerwise onboarding and its bound "
                            "(a small CPU-path run without a GPU)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)

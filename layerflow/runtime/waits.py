@@ -98,7 +98,11 @@ class GpuSignalWait(LayerWait):
         self.signals.prepare_replay(handle, _stream_handle())
 
     def layer(self, layer: int) -> None:
-        self.signals.capture_gpu_wait(layer, _stream_handle())
+        stream = _stream_handle()
+        if torch.cuda.is_current_stream_capturing():
+            self.signals.capture_gpu_wait(layer, stream)
+        elif self._handle is not None:
+            self._handle.gpu_wait_layer(layer, stream)
 
     def check(self) -> None:
         if self._handle is not None and self._handle.error is not None:

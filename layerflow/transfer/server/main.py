@@ -14,14 +14,24 @@ from layerflow.transfer.server.launcher import READY
 from layerflow.transfer.server.server import TransferServer
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="layerflow transfer-server",
-                                     description="Serve a shared host (and SSD) KV cache to inference processes.")
+DESCRIPTION = "Serve a shared host (and SSD) KV cache to inference processes."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="transfer YAML (cpu_cache_gb, ssd_cache_gb, ssd_cache_dir, ...)")
     parser.add_argument("--run-dir", help="private directory for the socket and token (default: the directory of "
                                           "the config's server_socket, else a new temp dir)")
     parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="layerflow transfer-server", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT."""
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config)
