@@ -6,7 +6,8 @@ import torch
 from layerflow.transfer.gpu_pool import GpuKVPool
 from layerflow.transfer.host_pool import HostKVPool
 from layerflow.transfer.layout import KVLayout, LayerGroup
-from layerflow.transfer.lru import PoolExhausted, RunAllocator, UserPages, paired_runs, runs
+from layerflow.transfer.copy_plan import plan_runs
+from layerflow.transfer.lru import PoolExhausted, RunAllocator, UserPages, runs
 
 PAGE = 4
 TINY = KVLayout((LayerGroup(2, 1, 2, torch.float32),), page_size=PAGE)
@@ -22,13 +23,18 @@ def test_runs():
     assert runs(torch.tensor([7, 8])) == [(7, 2)]
 
 
+def paired_runs(host, gpu):
+    plan = plan_runs(gpu, host)
+    return list(zip(plan.run_host.tolist(), plan.run_gpu.tolist(), plan.run_len.tolist()))
+
+
 def test_paired_runs_break_where_either_side_breaks():
     host = [10, 11, 12, 13, 20, 21]
     gpu = [0, 1, 5, 6, 7, 8]
     assert paired_runs(host, gpu) == [(10, 0, 2), (12, 5, 2), (20, 7, 2)]
     assert paired_runs([], []) == []
     assert paired_runs([1, 2, 3], [4, 5, 6]) == [(1, 4, 3)]
-    with pytest.raises(ValueError, match="equal-length"):
+    with pytest.raises(ValueError, match="entries"):
         paired_runs([1, 2], [1])
 
 

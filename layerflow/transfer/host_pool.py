@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 
 from layerflow.transfer.layout import KVLayout
-from layerflow.transfer.lru import UserPages, paired_runs, runs
-
-__all__ = ["HostKVPool", "paired_runs", "runs"]
+from layerflow.transfer.lru import UserPages
 
 
 class HostKVPool(UserPages):

@@ -3,8 +3,8 @@
 `RunAllocator` hands out indices of a fixed range in contiguous runs where it can, because every run is one strided
 copy per layer for the copy engine. `UserPages` gives each user an ordered list of indices (index i holds tokens
 [i * page_size, (i + 1) * page_size)), keeps users in LRU order, and evicts only users that are neither pinned (batch or
-transfers in flight) nor vetoed by the caller's `can_drop`. `runs` and `paired_runs` turn index lists into the
-contiguous runs the copy engine issues.
+transfers in flight) nor vetoed by the caller's `can_drop`. `runs` turns an index list into its contiguous runs
+(the copy engine pairs GPU pages with host blocks in `copy_plan`).
 """
 
 from __future__ import annotations
@@ -33,20 +33,6 @@ def runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [idx.size])))
     return list(zip(idx[starts].tolist(), lengths.tolist()))
-
-
-def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs `(src_start, dst_start, length)` contiguous on both sides: a run breaks where either side breaks."""
-    s = np.asarray(src, dtype=np.int64)
-    d = np.asarray(dst, dtype=np.int64)
-    if s.shape != d.shape or s.ndim != 1:
-        raise ValueError(f"src and dst must be equal-length lists, got {len(s)} and {len(d)}")
-    if s.size == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [s.size])))
-    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist()))
 
 
 class RunAllocator:
