@@ -10,6 +10,7 @@ import torch
 from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS
 from layerflow.runtime.bench import add_arguments as add_bench_arguments
+from layerflow.runtime.bench import main as bench_main
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.workload import returning_users
 from layerflow.transfer.config import load_config
@@ -46,7 +47,6 @@ def cmd_score(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from layerflow.runtime.bench import main as bench_main
     bench_main(args)
 
 

@@ -24,7 +24,7 @@ from layerflow.runtime.bench_stats import layer_times
 from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
 
 T = TypeVar("T")
-HOLD_CYCLES = 20_000_000  # ~10 ms of GPU sleep: long enough to queue a whole eager block behind it
+HOLD_CYCLES = 50_000_000  # ~25 ms of GPU sleep: long enough to queue a whole eager block behind it
 
 
 class _Skipped(Transfer):
