@@ -356,3 +356,26 @@ def test_cli_serves_on_the_config_socket_and_client_from_config(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+def test_one_onboard_request_carries_several_users_on_one_counter(server):
+    client, kv = make_client(server)
+    expected = [t.clone() for t in kv]
+    client.offload("a", [0, 1]).result(10)
+    client.offload("b", [2, 3, 4]).result(10)
+    for t in kv:
+        t[8:13] = 0
+    handle, done = client.onboard_many([("a", [8, 9]), ("b", [10, 11])])  # b's history was truncated: a prefix
+    handle.wait(10)
+    assert done.result(10) == {"tiers": ["host", "host"]}
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(kv[layer][[8, 9, 10, 11]], expected[layer][[0, 1, 2, 3]])
+        assert not kv[layer][12].any()
+    handle.release()
+    handle, done = client.onboard_many([("a", [8, 9]), ("ghost", [10])])
+    with pytest.raises(TransferError, match="ghost"):
+        handle.wait(10)
+    assert done.exception(10).users == ["a", "ghost"]
+    handle.release()
+    assert client.lookup("a") == ("host", 2)  # a failed request leaves the others' host copies in place
+    client.close()

@@ -144,10 +144,21 @@ class TransferClient:
 
     def onboard(self, user, gpu_pages: Sequence[int], layerwise: bool = True) -> SignalHandle:
         """Copy `user`'s KV from the server into `gpu_pages`; wait on the handle per layer, then `release()` it."""
+        return self.onboard_many([(user, gpu_pages)], layerwise)[0]
+
+    def onboard_many(self, loads: Sequence[tuple[object, Sequence[int]]],
+                     layerwise: bool = True) -> tuple[SignalHandle, Future]:
+        """One onboarding for several users' `(user, gpu_pages)` on ONE signal counter (a batch has one wait per
+        layer). The server copies them in one copy-engine call per layer group. The future completes (or fails with
+        NotResident) once the server answered: only then may the pages be reused."""
+        if not loads:
+            raise ValueError("loads=[]: an onboarding needs at least one user")
+        users = [user for user, _ in loads]
         handle = self.signals.acquire(layerwise)
-        self._submit(Op.ONBOARD, _Pending([user], handle), user=user, gpu_pages=[int(p) for p in gpu_pages],
+        pending = _Pending(users, handle)
+        self._submit(Op.ONBOARD, pending, loads=[[user, [int(p) for p in pages]] for user, pages in loads],
                      counter_id=handle.counter_id, layerwise=layerwise)
-        return handle
+        return handle, pending.future
 
     def offload(self, user, gpu_pages: Sequence[int]) -> Future:
         """Copy `user`'s KV from `gpu_pages` to the server's host pool; the future completes when it is there.

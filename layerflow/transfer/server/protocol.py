@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
-VERSION = 1
+VERSION = 2  # 2: ONBOARD carries several users (`loads`) on one counter
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit of fds per message
 _LEN = struct.Struct("<I")
@@ -27,7 +27,7 @@ class Op(str, Enum):
     HELLO = "hello"  # token, rank, pid, layers, counters
     COUNTER_SET = "counter_set"  # counter_id, layers, counters, rank + one eventfd per layer
     REGISTER_POOL = "register_pool"  # the client's per-layer KV tensors (memfd or CUDA IPC)
-    ONBOARD = "onboard"  # req, user, gpu_pages, counter_id, layerwise
+    ONBOARD = "onboard"  # req, loads=[[user, gpu_pages], ...], counter_id, layerwise: one counter for all users
     OFFLOAD = "offload"  # req, user, gpu_pages
     LOOKUP = "lookup"  # req, user
     DROP = "drop"  # req, user

@@ -200,8 +200,9 @@ class TransferServer:
                 raise ValueError(f"{msg.op.value} before register_pool")
             fields = work()
         except Exception as e:  # noqa: BLE001 - whatever failed, the client's waiters must hear about it
-            log.warning("%s of user %r failed: %s", msg.op.value, msg.get("user"), e)
-            client.send(Op.ERROR, req=msg.get("req"), users=[msg.get("user")], reason=str(e))
+            users = _users_of(msg)
+            log.warning("%s of users %r failed: %s", msg.op.value, users, e)
+            client.send(Op.ERROR, req=msg.get("req"), users=users, reason=str(e))
             return
         client.send(Op.DONE, req=msg["req"], **fields)
 
@@ -234,71 +235,96 @@ class TransferServer:
             t.wait(self.config.transfer_timeout_s)
 
     def _onboard(self, client: _Client, msg: protocol.Message) -> None:
+        """Several users onto one counter: SSD users are read back first (SSD -> host -> GPU pipelined, unsignalled),
+        then every host user's pages go in ONE copy-engine call per layer group, signalled layer by layer."""
         def work() -> dict:
-            user, gpu_pages = msg["user"], [int(p) for p in msg["gpu_pages"]]
+            loads = _parse_loads(msg["loads"])
             counter = msg["counter_id"]
-            if not isinstance(counter, int) or not 0 <= counter < client.session.counters:
+            if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
                 raise ValueError(f"counter_id={counter!r} outside [0, {client.session.counters})")
             signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), self._notifier)
-            blocks, from_ssd = self._pin_for_onboard(user, len(gpu_pages))
+            pinned = self._pin_for_onboard(loads)
             try:
-                if from_ssd:
-                    self._onboard_from_ssd(client, user, gpu_pages, blocks, signal)
-                else:
+                gpu_pages, blocks = [], []
+                for (user, pages), (held, from_ssd) in zip(loads, pinned):
+                    if from_ssd:
+                        self._onboard_from_ssd(client, user, pages, held)
+                    else:
+                        gpu_pages += pages
+                        blocks += held[:len(pages)]
+                if gpu_pages:
                     self._wait(self._groups(client, gpu_pages, blocks, signal, onboard=True))
+                else:
+                    for layer in range(signal.num_layers):
+                        signal.complete_layer(layer)
                 signal.flush(self.config.transfer_timeout_s)
                 if signal.error is not None:
                     raise TransferError(str(signal.error))
             except BaseException as e:
-                with self._lock:
-                    self.host.unpin(user)
-                    if from_ssd:  # half-read blocks must not pass for a host copy; the SSD entry decides
-                        self.host.free(user)
+                self._unpin_onboarded(loads, pinned, failed=True)
                 if isinstance(e, Miss):
-                    raise LookupError(f"user {user!r} is not resident: {e.args[0]}") from e
+                    raise LookupError(f"not resident: {e.args[0]}") from e
                 raise
-            with self._lock:
-                self.host.unpin(user)
-            return {"tier": "ssd" if from_ssd else "host"}
+            self._unpin_onboarded(loads, pinned, failed=False)
+            return {"tiers": ["ssd" if from_ssd else "host" for _, from_ssd in pinned]}
 
         self._request(client, msg, work)
 
-    def _pin_for_onboard(self, user, num_pages: int) -> tuple[list[int], bool]:
+    def _pin_for_onboard(self, loads: list[tuple[object, list[int]]]) -> list[tuple[list[int], bool]]:
+        """Pin every user's host blocks (allocating them for users found only on SSD): `(blocks, from_ssd)` each.
+
+        A user may hold more blocks than `gpu_pages` (its history was truncated): the first ones are its prefix."""
+        out: list[tuple[list[int], bool]] = []
         with self._lock:
-            if user in self.host:
-                blocks = list(self.host.pages(user))
-                from_ssd = False
-                self._check_pages(user, num_pages, len(blocks))
-            elif self.ssd is not None and self.ssd.contains(user):
-                self._check_pages(user, num_pages, self.ssd.num_blocks(user))
-                blocks = list(self.host.allocate(user, num_pages * self.layout.page_size, can_drop=self._spill).pages)
-                from_ssd = True
-            else:
-                raise LookupError(f"user {user!r} is not resident on this server (host or SSD)")
-            self.host.touch(user)
-            self.host.pin(user)
-            return blocks, from_ssd
+            try:
+                for user, pages in loads:
+                    if user in self.host:
+                        blocks, from_ssd = list(self.host.pages(user)), False
+                        self._check_pages(user, len(pages), len(blocks))
+                    elif self.ssd is not None and self.ssd.contains(user):
+                        held = self.ssd.num_blocks(user)
+                        self._check_pages(user, len(pages), held)
+                        blocks = list(self.host.allocate(user, held * self.layout.page_size, can_drop=self._spill).pages)
+                        from_ssd = True
+                    else:
+                        raise LookupError(f"user {user!r} is not resident on this server (host or SSD)")
+                    self.host.touch(user)
+                    self.host.pin(user)
+                    out.append((blocks, from_ssd))
+            except BaseException:
+                for (user, _), (_, from_ssd) in zip(loads, out):
+                    self.host.unpin(user)
+                    if from_ssd:
+                        self.host.free(user)
+                raise
+        return out
+
+    def _unpin_onboarded(self, loads, pinned, failed: bool) -> None:
+        with self._lock:
+            for (user, _), (_, from_ssd) in zip(loads, pinned):
+                self.host.unpin(user)
+                if failed and from_ssd:  # half-read blocks must not pass for a host copy; the SSD entry decides
+                    self.host.free(user)
 
     @staticmethod
     def _check_pages(user, num_pages: int, num_blocks: int) -> None:
-        if num_pages != num_blocks:
+        if not 0 < num_pages <= num_blocks:
             raise ValueError(f"gpu_pages has {num_pages} pages, user {user!r} holds {num_blocks} blocks")
 
-    def _onboard_from_ssd(self, client: _Client, user, gpu_pages: list[int], blocks: list[int],
-                          signal: ClientSignal) -> None:
-        """SSD -> host in groups, each group handed to the copy engine as it lands; signal at the end."""
+    def _onboard_from_ssd(self, client: _Client, user, gpu_pages: list[int], blocks: list[int]) -> None:
+        """SSD -> host in groups, each group's prefix blocks handed to the copy engine as it lands."""
         page_of = dict(zip(blocks, gpu_pages))
         transfers: list[Transfer] = []
 
         def landed(group_blocks: list[int]) -> None:
-            transfers.extend(self._groups(client, [page_of[b] for b in group_blocks], group_blocks, None, True))
+            wanted = [b for b in group_blocks if b in page_of]
+            if wanted:
+                transfers.extend(self._groups(client, [page_of[b] for b in wanted], wanted, None, True))
 
         try:
             self.ssd.load(user, self._views(), blocks, on_group=landed)
         finally:
             self._wait(transfers)
-        for layer in range(signal.num_layers):
-            signal.complete_layer(layer)
 
     def _offload(self, client: _Client, msg: protocol.Message) -> None:
         def work() -> dict:
@@ -347,3 +373,27 @@ class TransferServer:
             return {"dropped": on_host or on_ssd}
 
         self._request(client, msg, work)
+
+
+def _parse_loads(loads: object) -> list[tuple[object, list[int]]]:
+    """`[[user, gpu_pages], ...]` from an ONBOARD message, each user once."""
+    if not isinstance(loads, list) or not loads:
+        raise ValueError(f"loads={loads!r}: expected a non-empty list of [user, gpu_pages]")
+    out = []
+    for load in loads:
+        if not (isinstance(load, list) and len(load) == 2 and isinstance(load[1], list)
+                and all(isinstance(p, int) and not isinstance(p, bool) for p in load[1])):
+            raise ValueError(f"load {load!r}: expected [user, [page, ...]]")
+        out.append((load[0], load[1]))
+    users = [user for user, _ in out]
+    if len(set(map(repr, users))) != len(users):
+        raise ValueError(f"loads: a user appears twice in {users!r}")
+    return out
+
+
+def _users_of(msg: protocol.Message) -> list:
+    """The users a request is about (an ONBOARD's loads, else its `user`), for the ERROR reply."""
+    loads = msg.get("loads")
+    if isinstance(loads, list):
+        return [load[0] for load in loads if isinstance(load, list) and load]
+    return [msg.get("user")]
