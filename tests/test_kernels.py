@@ -130,3 +130,14 @@ def test_gated_layer_norm_matches_reference():
     weight, bias = torch.randn(48, generator=gen).to(DEVICE), torch.randn(48, generator=gen).to(DEVICE)
     torch.testing.assert_close(gated_layer_norm(u, a, weight, bias, 1e-6),
                                gated_layer_norm_reference(u, a, weight, bias, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_gated_layer_norm_reads_u_as_a_column_slice():
+    """The pipeline passes u as the first columns of the fused uvqk projection (row stride > width)."""
+    gen = torch.Generator().manual_seed(1)
+    uvqk = torch.randn(6, 4 * 48, generator=gen).to(DEVICE)
+    u, a = uvqk[:, :48], torch.randn(6, 48, generator=gen).to(DEVICE)
+    weight, bias = torch.randn(48, generator=gen).to(DEVICE), torch.randn(48, generator=gen).to(DEVICE)
+    assert not u.is_contiguous()
+    torch.testing.assert_close(gated_layer_norm(u, a, weight, bias, 1e-6),
+                               gated_layer_norm_reference(u, a, weight, bias, 1e-6), rtol=1e-5, atol=1e-6)

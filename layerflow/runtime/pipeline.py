@@ -12,22 +12,26 @@ from typing import Protocol
 import torch
 
 from layerflow.hstu.embedding import candidate_scores, embed
-from layerflow.hstu.reference import input_projection, output_projection
-from layerflow.hstu.weights import HSTUWeights
+from layerflow.hstu.reference import input_projection
+from layerflow.hstu.weights import HSTUWeights, LayerWeights
 from layerflow.kernels.attention import PagedAttention
 from layerflow.kernels.kv_append import kv_append
+from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 from layerflow.kernels.reference import kv_append_reference, paged_attention_reference
 from layerflow.runtime.buffers import BatchBuffers
 from layerflow.runtime.waits import LayerWait
 
 
 class LayerKernels(Protocol):
-    """The KV-touching half of a layer: append the new tokens' K/V to their pages, then attend over the pages."""
+    """The kernels of a layer: append the new tokens' K/V to their pages, attend over the pages, gate the output."""
 
     def append(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, bufs: BatchBuffers) -> None: ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                bufs: BatchBuffers, out: torch.Tensor) -> None: ...
+
+    def gate(self, u: torch.Tensor, attn: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """u * LayerNorm(attn) with the layer's attention LayerNorm ([T, H*dv])."""
 
 
 class TritonKernels:
@@ -53,6 +57,9 @@ class TritonKernels:
         self._for(bufs).run(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
                             bufs.appended_lens, out)
 
+    def gate(self, u, attn, layer):
+        return gated_layer_norm(u, attn, layer.ln_attn_weight, layer.ln_attn_bias, self.config.layer_norm_eps)
+
 
 class ReferenceKernels:
     """The torch references: the CPU path (they read lengths on the host, which a CPU does anyway)."""
@@ -67,6 +74,10 @@ class ReferenceKernels:
         paged_attention_reference(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
                                   bufs.appended_lens, out, alpha=self.config.alpha,
                                   max_seq_len=self.config.max_seq_len)
+
+    def gate(self, u, attn, layer):
+        return gated_layer_norm_reference(u, attn, layer.ln_attn_weight, layer.ln_attn_bias,
+                                          self.config.layer_norm_eps)
 
 
 class LayerPipeline:
@@ -86,5 +97,5 @@ class LayerPipeline:
             self.kernels.append(k, v, kv, bufs)
             attn = torch.zeros_like(v)
             self.kernels.attend(q, k, v, kv, bufs, attn)
-            x = output_projection(lw, x, u, attn, cfg)
+            x = x + self.kernels.gate(u, attn.view(attn.shape[0], -1), lw) @ lw.out_weight
         bufs.scores.copy_(candidate_scores(w, x[bufs.candidate_rows], bufs.candidate_ids))
