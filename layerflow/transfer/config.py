@@ -41,12 +41,16 @@ class TransferConfig:
     transfer_timeout_s: float = 10.0
     server_socket: str | None = None
     ssd_io_threads: int = 4
+    spawn_server: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, _CHECKS[f.name](f.name, getattr(self, f.name)))
         if self.ssd_cache_gb > 0 and self.ssd_cache_dir is None:
             raise ValueError(f"ssd_cache_dir=None: required when ssd_cache_gb={self.ssd_cache_gb} > 0")
+        if self.spawn_server and self.server_socket is not None:
+            raise ValueError(f"spawn_server=True and server_socket={self.server_socket!r}: connect to a running "
+                             f"server or spawn a private one, not both")
 
     @property
     def ssd_cache_dirs(self) -> tuple[str, ...]:
@@ -118,6 +122,7 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "transfer_timeout_s": _positive,
     "server_socket": _optional_str,
     "ssd_io_threads": _positive_int,
+    "spawn_server": _bool,
 }
 
 _TRUE = {"1", "true", "yes", "on"}

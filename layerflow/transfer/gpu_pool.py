@@ -20,14 +20,25 @@ class GpuKVPool(UserPages):
     drop_by_default = False
     unit = "page"
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu",
+                 layers: Sequence[torch.Tensor] | None = None) -> None:
+        """`layers`: per-layer page tensors allocated elsewhere (e.g. in shared memory a transfer server maps), used
+        as they are; they must have this pool's shapes, dtypes and device."""
         super().__init__(num_pages, layout.page_size)
         self.layout = layout
         self.device = torch.device(device)
-        self.kv: list[torch.Tensor] = [
-            torch.empty((num_pages, *layout.gpu_page_shape(g)), dtype=layout.groups[g].dtype, device=self.device)
-            for g, _ in layout.layer_map
-        ]
+        shapes = [((num_pages, *layout.gpu_page_shape(g)), layout.groups[g].dtype) for g, _ in layout.layer_map]
+        if layers is None:
+            self.kv: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=self.device)
+                                           for shape, dtype in shapes]
+            return
+        if len(layers) != len(shapes):
+            raise ValueError(f"layers: {len(layers)} tensors for a layout of {len(shapes)} layers")
+        for i, (t, (shape, dtype)) in enumerate(zip(layers, shapes)):
+            if tuple(t.shape) != shape or t.dtype != dtype or not _on(t, self.device) or not t.is_contiguous():
+                raise ValueError(f"layers[{i}]: {tuple(t.shape)} {t.dtype} on {t.device}, expected a contiguous "
+                                 f"{shape} {dtype} on {self.device}")
+        self.kv = list(layers)
 
     def page_table_tensor(self, users: Sequence[User], max_pages: int, fill: int = 0) -> torch.Tensor:
         """int32 `[len(users), max_pages]` page table on the pool's device, rows padded with `fill`.
@@ -43,3 +54,8 @@ class GpuKVPool(UserPages):
                 raise ValueError(f"user {user!r} holds {len(pages)} pages > max_pages={max_pages}")
             rows.append(list(pages) + [fill] * (max_pages - len(pages)))
         return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(rows), max_pages)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """`t` lives on `device` ("cuda" without an index accepts any CUDA device)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
