@@ -8,7 +8,8 @@ modes rely on that). Onboarding issues, per layer, one strided 2D copy per run (
 host pitch = num_layers x layer-page bytes), then posts that layer's signal on the stream, all before returning: the
 host work per call is a loop over layers x runs, with the run arithmetic done once in numpy. Placements fragmented
 into runs shorter than `batch_below_pages` pages on average go through one cudaMemcpyBatchAsync per layer instead
-(one entry per page), so the driver-call count stays per layer.
+(one entry per page), so the driver-call count stays per layer. Why: on the H200 (benchmarks/transfer.py), 2D copies
+of 1-2 page runs reach only ~0.5 of a bulk memcpy in GPU time (per-copy cost of the copy engine), the batch ~0.95.
 
 Ordering: the copies wait for the work already queued on the caller's current torch stream (pages a kernel is still
 reading or writing), through an event. `Transfer.done()` queries an event recorded after the last copy; the transfer
