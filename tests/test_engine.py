@@ -54,7 +54,6 @@ def place(engine, user, tier):
     if tier is Tier.SSD:
         kv.ssd.store(user, _views(kv), kv.host.pages(user))
     kv.host.free(user)
-    kv.users[user].on_host = 0
     assert blocks > 0
 
 

@@ -3,6 +3,11 @@
 `Engine(weights, transfer_config)` picks its parts from the machine: on CUDA the Triton kernels, the copy-engine
 transfers and a captured graph per shape bucket whose layers wait on their KV (native eventfd host node, CUDA event or
 stream wait-value); without CUDA the same pipeline runs eagerly with a transfer thread and eventfd signals.
+
+The tier below the GPU is in this process, or a transfer server's when the config names one (`server_socket`) or asks
+for a private one (`spawn_server`): the server then copies into this process's pool (CUDA IPC, or shared memory on the
+CPU path) and posts the eventfds the same wait nodes read. If the server dies, the requests waiting on it fail with
+TransferError at once; the next batch reconnects, or else the engine falls back to an in-process tier (logged once).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import torch
 from layerflow.hstu.weights import HSTUWeights
 from layerflow.runtime.buffers import BatchBuffers, Bucket
 from layerflow.runtime.graphs import GraphRunner
+from layerflow.runtime import remote_tier
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
+from layerflow.runtime.tiers import InProcessTier
 from layerflow.runtime.waits import EventfdNodeWait, GpuSignalWait, HostWait, LayerWait, NoWait
 from layerflow.runtime.workload import Request
 from layerflow.transfer.config import SignalMode, TransferConfig
@@ -23,6 +30,8 @@ from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.gpu_pool import GpuKVPool
 from layerflow.transfer.host_pool import HostKVPool
 from layerflow.transfer.layout import KVLayout
+from layerflow.transfer.server.shm import SharedMemory, shared_cpu_pool
+from layerflow.transfer.signal_base import LayerSignals
 from layerflow.transfer.signals import make_signals
 from layerflow.transfer.ssd import SsdStore
 
@@ -48,25 +57,28 @@ class Engine:
         cuda = self.device.type == "cuda"
         if not cuda and self.config.signal is not SignalMode.EVENTFD:
             raise ValueError(f"signal={self.config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
+        remote = self.config.spawn_server or self.config.server_socket is not None
+        if remote and self.config.signal is not SignalMode.EVENTFD:
+            raise ValueError(f"signal={self.config.signal.value!r} with a transfer server: the server posts eventfds, "
+                             f"use 'eventfd'")
         self.weights = weights.to(self.device)
         model = weights.config
         self.layout = KVLayout.for_hstu(model, self.config.page_size)
         self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
-        gpu = GpuKVPool(self.layout, self.layout.pages_for_gb(self.config.gpu_cache_gb), self.device)
-        host = HostKVPool(self.layout, cpu_cache_gb=self.config.cpu_cache_gb, pin_memory=cuda)
-        self.signals = make_signals(self.config.signal, model.num_layers, self.config.num_counters,
-                                    self.config.transfer_timeout_s)
-        if copy_engine is None:
-            copy_engine = self._default_copy_engine(cuda)
-        self.copy_engine = copy_engine
-        ssd = None
-        if self.config.ssd_cache_gb > 0:
-            ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), self.layout.page_bytes,
-                           io_threads=self.config.ssd_io_threads)
+        num_pages = self.layout.pages_for_gb(self.config.gpu_cache_gb)
+        self._shm: SharedMemory | None = None
+        layers = None
+        if remote and not cuda:  # the server must map the CPU "GPU" pool: lay it over shared memory
+            self._shm, layers = shared_cpu_pool(self.layout, num_pages)
+        gpu = GpuKVPool(self.layout, num_pages, self.device, layers=layers)
+        self._given_copy_engine = copy_engine
+        self.copy_engine: CopyEngine | None = None  # the in-process tier's, once there is one
+        below = remote_tier.connect(self.config, self.layout, gpu.kv, self._shm) if remote \
+            else self._in_process_tier(gpu)
         self.layerwise = self.config.enable_layerwise
         if not self.layerwise:
             log.info("layerwise onboarding is off: each onboarding completes before the block starts")
-        self.kv = KVManager(model, gpu, host, copy_engine, self.signals, self.layerwise, ssd)
+        self.kv = KVManager(model, gpu, below, self.layerwise)
         kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages) if cuda \
             else ReferenceKernels(self.weights)
         self.pipeline = LayerPipeline(self.weights, gpu.kv, kernels)
@@ -75,6 +87,33 @@ class Engine:
         self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
         self.no_wait = NoWait()
         self.layer_wait = self._layer_wait(cuda)
+
+    @property
+    def signals(self) -> LayerSignals:
+        """The signal ring of the tier below (the transfer client's when a server does the copies)."""
+        return self.kv.below.signals
+
+    def _in_process_tier(self, gpu: GpuKVPool) -> InProcessTier:
+        cuda = self.device.type == "cuda"
+        host = HostKVPool(self.layout, cpu_cache_gb=self.config.cpu_cache_gb, pin_memory=cuda)
+        signals = make_signals(self.config.signal, self.layout.num_layers, self.config.num_counters,
+                               self.config.transfer_timeout_s)
+        self.copy_engine = self._given_copy_engine or self._default_copy_engine(cuda)
+        ssd = None
+        if self.config.ssd_cache_gb > 0:
+            ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), self.layout.page_bytes,
+                           io_threads=self.config.ssd_io_threads)
+        return InProcessTier(gpu.kv, self.layout, host, self.copy_engine, signals, ssd)
+
+    def _ensure_tier(self) -> None:
+        """A tier whose server is gone and does not come back is replaced by an in-process one (said once: that one
+        never goes away). Users still on the GPU stay hits; the others' next visit recomputes them."""
+        if self.kv.below.alive():
+            return
+        log.warning("the transfer server is gone; falling back to an in-process host tier (the KV it held is lost)")
+        self.kv.replace_below(self._in_process_tier(self.kv.gpu))
+        if isinstance(self.layer_wait, EventfdNodeWait):
+            self.layer_wait.signals = self.signals  # captured host nodes read the wait's slots; only the ring moves
 
     def _default_copy_engine(self, cuda: bool) -> CopyEngine:
         if cuda:
@@ -111,6 +150,7 @@ class Engine:
         """
         if not requests:
             return []
+        self._ensure_tier()
         plan = self.kv.prepare(requests)
         try:
             scores = self._run(plan)
@@ -122,12 +162,11 @@ class Engine:
         return [scores[offsets[b]:offsets[b + 1]] for b in range(len(requests))]
 
     def close(self) -> None:
-        """Finish pending offloads and release streams, threads, eventfds and files."""
+        """Finish pending offloads and release streams, threads, eventfds, files and a spawned server."""
         self.kv.wait_offloads()
-        self.copy_engine.close()
-        self.signals.close()
-        if self.kv.ssd is not None:
-            self.kv.ssd.close()
+        self.kv.below.close()
+        if self._shm is not None:
+            self._shm.close()
 
     def __enter__(self) -> "Engine":
         return self

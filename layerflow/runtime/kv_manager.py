@@ -1,43 +1,35 @@
-"""Who holds each user's KV (GPU pages, host blocks, SSD, nowhere) and the moves a batch needs.
+"""Who holds each user's KV (GPU pages, the tier below, nowhere) and the moves a batch needs.
 
-For a batch: pin the users, allocate GPU pages for their history after the append, launch one onboarding for every
-host or SSD hit (all layer groups, one signal counter), and after the block launch the asynchronous offload of the
-pages the batch wrote. The GPU evicts by LRU only users whose offload finished; the host spills LRU users to SSD.
-A user whose KV is gone from every tier is a miss: its stored item history is recomputed once, exactly.
+The manager owns what is the GPU's: user histories, the GPU page pool, pins, LRU and the batch plan. Everything below
+the GPU (host pool, SSD, copies, signals) is a `KVTier`, in this process or a transfer server's. For a batch: pin the
+users, allocate GPU pages for their history after the append, launch one onboarding for every host or SSD hit (all
+users, all layer groups, one signal counter), and after the block launch the asynchronous offload of the pages the
+batch wrote. The GPU evicts by LRU only users whose offload finished. A user whose KV is gone from every tier is a
+miss: its stored item history is recomputed once, exactly.
 """
 
 from __future__ import annotations
 
-import enum
-import logging
 from dataclasses import dataclass, field
 
 from layerflow.hstu.batch import JaggedBatch
 from layerflow.hstu.config import HSTUConfig
+from layerflow.runtime.tiers import InProcessTier, KVTier, Load, Onboarding, Tier, settle
 from layerflow.runtime.workload import Request
-from layerflow.transfer.copy_engine import CopyEngine, Transfer
-from layerflow.transfer.errors import TransferError
+from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.gpu_pool import GpuKVPool
 from layerflow.transfer.host_pool import HostKVPool
-from layerflow.transfer.signal_base import LayerSignals, SignalHandle
-from layerflow.transfer.ssd import Miss, SsdStore, tensor_block_views
+from layerflow.transfer.signal_base import SignalHandle
+from layerflow.transfer.ssd import SsdStore
 
-log = logging.getLogger(__name__)
-
-
-class Tier(enum.Enum):
-    GPU = "gpu"
-    HOST = "host"
-    SSD = "ssd"
-    NONE = "none"
+__all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
 
 
 @dataclass
 class UserEntry:
-    """What the manager remembers of a user: its item history (to recompute a miss) and its host copy."""
+    """What the manager remembers of a user: its item history (to recompute a miss) and its last offload."""
 
     history: list[int] = field(default_factory=list)
-    on_host: int = 0                    # tokens whose K/V the host copy holds once `offload` is done
     offload: Transfer | None = None
 
     def offloading(self) -> bool:
@@ -52,16 +44,32 @@ class BatchPlan:
     batch: JaggedBatch
     tiers: list[Tier]
     page_rows: list[tuple[int, ...]]
-    handle: SignalHandle | None = None
-    transfers: list[Transfer] = field(default_factory=list)
+    onboarding: Onboarding | None = None
+
+    @property
+    def handle(self) -> SignalHandle | None:
+        """The signal handle the batch's layers wait on (None: every user is a GPU hit or a miss)."""
+        return None if self.onboarding is None else self.onboarding.handle
 
 
 class KVManager:
-    def __init__(self, config: HSTUConfig, gpu: GpuKVPool, host: HostKVPool, engine: CopyEngine,
-                 signals: LayerSignals, layerwise: bool, ssd: SsdStore | None = None):
-        self.config, self.gpu, self.host, self.engine = config, gpu, host, engine
-        self.signals, self.layerwise, self.ssd = signals, layerwise, ssd
+    def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool):
+        self.config, self.gpu, self.below, self.layerwise = config, gpu, below, layerwise
         self.users: dict[int, UserEntry] = {}
+
+    @property
+    def host(self) -> HostKVPool:
+        """The in-process tier's host pool (benchmarks and tests place users by hand)."""
+        return self._in_process().host
+
+    @property
+    def ssd(self) -> SsdStore | None:
+        return self._in_process().ssd
+
+    def _in_process(self) -> InProcessTier:
+        if not isinstance(self.below, InProcessTier):
+            raise TypeError(f"the tier below the GPU is {type(self.below).__name__}, not in this process")
+        return self.below
 
     def tier(self, user: int) -> Tier:
         entry = self.users.get(user)
@@ -69,11 +77,16 @@ class KVManager:
             return Tier.NONE
         if user in self.gpu:
             return Tier.GPU
-        if user in self.host and entry.on_host == len(entry.history):
-            return Tier.HOST
-        if self.ssd is not None and self.ssd.contains(user):
-            return Tier.SSD
-        return Tier.NONE
+        return self.below.locate(user, len(entry.history))
+
+    def replace_below(self, below: KVTier) -> None:
+        """Swap the tier below the GPU (e.g. the transfer server died): the old one's copies are forgotten; GPU-resident
+        users stay hits and are offloaded to the new tier at their next batch; the rest become misses."""
+        for entry in self.users.values():
+            settle(entry.offload)
+            entry.offload = None
+        old, self.below = self.below, below
+        old.close()
 
     # ---- a batch ------------------------------------------------------------------------------
 
@@ -83,6 +96,7 @@ class KVManager:
         if len(set(users)) != len(users):
             dup = next(u for u in users if users.count(u) > 1)
             raise ValueError(f"user {dup} appears twice in one batch")
+        self._reap_offloads()
         tiers = [self.tier(u) for u in users]
         cached, appended = [], []
         for r, tier in zip(requests, tiers):
@@ -91,7 +105,6 @@ class KVManager:
             cached.append(len(history) if keep else 0)
             appended.append(list(r.items) if keep else history + list(r.items))
         batch = JaggedBatch.from_lists(self.config, cached, appended, [list(r.candidates) for r in requests], users)
-        self._reap_offloads()
         plan = BatchPlan(requests, batch, tiers, [])
         pinned = []
         try:
@@ -125,8 +138,9 @@ class KVManager:
             self.gpu.unpin(r.user_id)
             entry = self.users.setdefault(r.user_id, UserEntry())
             if plan.batch.cached_lens[b] == 0:
-                # A miss recomputed the whole history: any older host copy is stale.
-                entry.history, entry.on_host = [], 0
+                # A miss recomputed the whole history: any older copy below is stale.
+                entry.history = []
+                self.below.truncate(r.user_id, 0)
             entry.history = entry.history + plan.batch.appended_ids[ao[b]:ao[b + 1]].tolist()
             self._offload(r.user_id, entry, plan.page_rows[b])
 
@@ -141,7 +155,7 @@ class KVManager:
     def wait_offloads(self) -> None:
         """Block until every offload landed (benchmarks, shutdown)."""
         for entry in self.users.values():
-            _settle(entry.offload)
+            settle(entry.offload)
         self._reap_offloads()
 
     def truncate(self, user: int, num_tokens: int) -> None:
@@ -151,16 +165,26 @@ class KVManager:
         if entry is None or not 0 <= num_tokens <= len(entry.history):
             have = None if entry is None else len(entry.history)
             raise ValueError(f"user {user}: cannot truncate to {num_tokens} tokens (history has {have})")
-        _settle(entry.offload)
+        settle(entry.offload)
         self._reap_offloads()
         entry.history = entry.history[:num_tokens]
-        entry.on_host = min(entry.on_host, num_tokens)
+        self.below.truncate(user, num_tokens)
 
     def evict_from_gpu(self, user: int) -> None:
         """Drop a user's GPU pages once its host copy is complete (the cpu_hit set-up of the benchmark)."""
-        _settle(self.users[user].offload)
+        settle(self.users[user].offload)
         self._reap_offloads()
         self.gpu.free(user)
+
+    def drop(self, user: int) -> None:
+        """Forget a user everywhere: history, GPU pages and the tier below's copies."""
+        entry = self.users.pop(user, None)
+        if entry is not None:
+            settle(entry.offload)
+        self._reap_offloads()
+        if user in self.gpu:
+            self.gpu.free(user)
+        self.below.drop(user)
 
     # ---- moves --------------------------------------------------------------------------------
 
@@ -173,124 +197,31 @@ class KVManager:
             self.gpu.free(user)
 
     def _onboard(self, plan: BatchPlan) -> None:
-        """One onboarding for every host/SSD hit of the batch: all layer groups, one signal counter."""
+        """One onboarding for every host/SSD hit of the batch: all users, all layer groups, one signal counter."""
         ps = self.gpu.page_size
-        gpu_pages, host_blocks = [], []
-        for r, tier, cached, pages in zip(plan.requests, plan.tiers, plan.batch.cached_lens, plan.page_rows):
-            if tier is Tier.SSD:
-                self._load_from_ssd(r.user_id, cached)
-            if tier in (Tier.HOST, Tier.SSD):
-                n = -(-cached // ps)
-                self.host.pin(r.user_id)
-                gpu_pages += pages[:n]
-                host_blocks += self.host.pages(r.user_id)[:n]
-        if not gpu_pages:
-            return
-        plan.handle = self.signals.acquire(layerwise=self.layerwise)
-        first = 0
-        for g, group in enumerate(self.gpu.layout.groups):
-            layers = self.gpu.kv[first:first + group.num_layers]
-            plan.transfers.append(self.engine.onboard(layers, self.host.blocks[g], gpu_pages, host_blocks,
-                                                      plan.handle, first_layer=first))
-            first += group.num_layers
-
-    def _load_from_ssd(self, user: int, cached: int) -> None:
-        blocks = self._host_allocate(user, cached, keep={user}).pages
-        try:
-            self.ssd.load(user, tensor_block_views(self.host.blocks), blocks)
-        except Miss:
-            self.host.free(user)
-            raise
-        self.users[user].on_host = cached
+        loads = [Load(r.user_id, tier, cached, pages[:-(-cached // ps)])
+                 for r, tier, cached, pages in zip(plan.requests, plan.tiers, plan.batch.cached_lens, plan.page_rows)
+                 if tier in (Tier.HOST, Tier.SSD)]
+        if loads:
+            plan.onboarding = self.below.onboard(loads, self.layerwise)
 
     def _finish_onboarding(self, plan: BatchPlan) -> None:
-        for t in plan.transfers:
-            _settle(t)
-        for r, tier in zip(plan.requests, plan.tiers):
-            if tier in (Tier.HOST, Tier.SSD) and r.user_id in self.host and self.host.pin_count(r.user_id):
-                self.host.unpin(r.user_id)
-        if plan.handle is not None:
-            plan.handle.release()
-            plan.handle = None
-
-    def _host_allocate(self, user: int, tokens: int, keep: set[int]):
-        """Host blocks for `tokens` tokens of `user`, spilling LRU unpinned users to SSD to make room."""
-        need = -(-tokens // self.host.page_size) - (len(self.host.pages(user)) if user in self.host else 0)
-        for victim in self.host.users():
-            if self.host.num_free >= need:
-                break
-            if victim in keep or self.host.pin_count(victim):
-                continue
-            entry = self.users.get(victim)
-            if self.ssd is not None and entry is not None and entry.on_host == len(entry.history) > 0:
-                self.ssd.store(victim, tensor_block_views(self.host.blocks), self.host.pages(victim))
-            self.host.free(victim)
-            if entry is not None:
-                entry.on_host = 0
-        return self.host.allocate(user, tokens, can_drop=lambda u: False)
+        if plan.onboarding is not None:
+            plan.onboarding.finish()
+            plan.onboarding = None
 
     def _offload(self, user: int, entry: UserEntry, pages: tuple[int, ...]) -> None:
-        """Copy the pages this batch wrote (from the first page not yet on the host) to the user's host blocks."""
-        total = len(entry.history)
-        if total == 0:
+        """Copy the pages this batch wrote down to the tier below (asynchronously)."""
+        if not entry.history:
             return
         if entry.offloading():
-            _settle(entry.offload)
+            settle(entry.offload)
             self._reap_offloads()
-        blocks = self._host_allocate(user, total, keep={user}).pages
-        ps = self.gpu.page_size
-        first = entry.on_host // ps if user in self.host else 0
-        n = -(-total // ps)
-        self.host.pin(user)
-        transfers = []
-        start = 0
-        for g, group in enumerate(self.gpu.layout.groups):
-            layers = self.gpu.kv[start:start + group.num_layers]
-            transfers.append(self.engine.offload(layers, self.host.blocks[g], pages[first:n], blocks[first:n]))
-            start += group.num_layers
-        entry.offload = transfers[-1] if len(transfers) == 1 else _AllOf(transfers)
-        entry.on_host = total
-
-    def _release_host_pin(self, user: int, entry: UserEntry) -> None:
-        if user in self.host and self.host.pin_count(user):
-            self.host.unpin(user)
-        entry.offload = None
+        entry.offload = self.below.offload(user, len(entry.history), pages)
 
     def _reap_offloads(self) -> None:
-        """Unpin the host blocks of finished offloads; a failed offload leaves no host copy."""
-        for user, entry in self.users.items():
+        """Forget finished offloads (the tier settles its own bookkeeping of them)."""
+        for entry in self.users.values():
             if entry.offload is not None and entry.offload.done():
-                failed = entry.offload.error is not None
-                self._release_host_pin(user, entry)
-                if failed:
-                    log.warning("offload of user %s failed; its host copy is dropped", user)
-                    entry.on_host = 0
-                    self.host.free(user)
-
-
-def _settle(transfer: Transfer | None) -> None:
-    """Wait for a transfer to end; its failure was already reported (layer waits) or is handled by the reaper."""
-    if transfer is None:
-        return
-    try:
-        transfer.wait()
-    except TransferError:
-        pass
-
-
-class _AllOf(Transfer):
-    """Several groups' transfers seen as one."""
-
-    def __init__(self, transfers: list[Transfer]):
-        self.transfers = transfers
-
-    def done(self) -> bool:
-        return all(t.done() for t in self.transfers)
-
-    def wait(self, timeout: float | None = None) -> None:
-        for t in self.transfers:
-            t.wait(timeout)
-
-    @property
-    def error(self) -> BaseException | None:
-        return next((t.error for t in self.transfers if t.error is not None), None)
+                entry.offload = None
+        self.below.reap()

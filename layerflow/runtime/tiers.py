@@ -1,0 +1,251 @@
+"""The KV tier below the GPU: one interface, kept in this process or served by a transfer server.
+
+The KV manager owns what is the GPU's (histories, pages, pins, LRU, the batch plan) and asks the tier below for the
+rest: where a user's older KV is (`locate`), onboarding a batch's users into their GPU pages on ONE signal counter
+(the pipeline has one wait per layer), offloading a user's pages (asynchronous, observable as a `Transfer`), and
+forgetting a user. `InProcessTier` is a pinned host pool, SSD store and copy engine in this process;
+`RemoteTier` is a `TransferClient` whose server owns them in another process and posts this process's eventfds.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from layerflow.transfer.copy_engine import CopyEngine, Transfer
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.host_pool import HostKVPool
+from layerflow.transfer.layout import KVLayout
+from layerflow.transfer.signal_base import LayerSignals, SignalHandle
+from layerflow.transfer.ssd import Miss, SsdStore, tensor_block_views
+
+log = logging.getLogger(__name__)
+
+
+class Tier(enum.Enum):
+    GPU = "gpu"
+    HOST = "host"
+    SSD = "ssd"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Load:
+    """One user of an onboarding: where `locate` found it, its cached tokens, the GPU pages that receive them."""
+
+    user: int
+    tier: Tier
+    tokens: int
+    gpu_pages: tuple[int, ...]
+
+
+class Onboarding(ABC):
+    """A batch's onboarding: its layers wait on `handle`; `finish()` once the block is done with it (or failed)."""
+
+    handle: SignalHandle
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Wait until the producer is done with the GPU pages, unpin what the onboarding pinned, release the handle."""
+
+
+class KVTier(ABC):
+    """Host memory (and SSD) below the GPU pool. Called from the manager's thread only."""
+
+    signals: LayerSignals
+
+    @abstractmethod
+    def locate(self, user: int, tokens: int) -> Tier:
+        """HOST or SSD if the tier holds the K/V of `user`'s first `tokens` tokens, else NONE."""
+
+    @abstractmethod
+    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
+        """Copy every load's tokens into its GPU pages, all users on one signal counter."""
+
+    @abstractmethod
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
+        """Copy the GPU pages holding `user`'s `tokens` tokens down (asynchronously); `locate` counts on it from now on,
+        until `reap` sees it failed."""
+
+    @abstractmethod
+    def reap(self) -> None:
+        """Settle the bookkeeping of offloads that ended (a failed one leaves no copy)."""
+
+    @abstractmethod
+    def truncate(self, user: int, tokens: int) -> None:
+        """The user's history now ends at `tokens`: the copy's prefix stays valid (positions are absolute)."""
+
+    @abstractmethod
+    def drop(self, user: int) -> None:
+        """Forget the user's copies."""
+
+    def alive(self) -> bool:
+        """False when the tier can no longer serve (its server is gone and does not come back)."""
+        return True
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release threads, streams, eventfds, files and connections."""
+
+
+def settle(transfer: Transfer | None) -> None:
+    """Wait for a transfer to end; its failure was already reported (layer waits) or is the reaper's."""
+    if transfer is None:
+        return
+    try:
+        transfer.wait()
+    except TransferError:
+        pass
+
+
+# ---- in this process ----------------------------------------------------------------------------------------------
+
+
+class _LocalOnboarding(Onboarding):
+    def __init__(self, handle: SignalHandle, transfers: list[Transfer], host: HostKVPool, users: list[int]):
+        self.handle, self.transfers, self.host, self.users = handle, transfers, host, users
+
+    def finish(self) -> None:
+        for t in self.transfers:
+            settle(t)
+        for user in self.users:
+            if user in self.host and self.host.pin_count(user):
+                self.host.unpin(user)
+        self.handle.release()
+
+
+class InProcessTier(KVTier):
+    """A host pool, an optional SSD store and a copy engine in this process; the copies write `signals` directly.
+
+    The host evicts LRU unpinned users, spilling complete copies to SSD first."""
+
+    def __init__(self, gpu_kv: Sequence[torch.Tensor], layout: KVLayout, host: HostKVPool, engine: CopyEngine,
+                 signals: LayerSignals, ssd: SsdStore | None = None):
+        self.gpu_kv, self.layout, self.host, self.engine = list(gpu_kv), layout, host, engine
+        self.signals, self.ssd = signals, ssd
+        self.on_host: dict[int, int] = {}  # tokens the host copy holds once its offload is done
+        self._offloads: dict[int, Transfer] = {}
+
+    def locate(self, user: int, tokens: int) -> Tier:
+        if user in self.host and self.on_host.get(user, 0) == tokens:
+            return Tier.HOST
+        if self.ssd is not None and self.ssd.contains(user):
+            return Tier.SSD
+        return Tier.NONE
+
+    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
+        gpu_pages, host_blocks, pinned = [], [], []
+        try:
+            for load in loads:
+                if load.tier is Tier.SSD:
+                    self._load_from_ssd(load.user, load.tokens)
+                self.host.pin(load.user)
+                pinned.append(load.user)
+                gpu_pages += load.gpu_pages
+                host_blocks += self.host.pages(load.user)[:len(load.gpu_pages)]
+            handle = self.signals.acquire(layerwise=layerwise)
+        except BaseException:
+            for user in pinned:
+                self.host.unpin(user)
+            raise
+        transfers, first = [], 0
+        for g, group in enumerate(self.layout.groups):
+            layers = self.gpu_kv[first:first + group.num_layers]
+            transfers.append(self.engine.onboard(layers, self.host.blocks[g], gpu_pages, host_blocks, handle,
+                                                 first_layer=first))
+            first += group.num_layers
+        return _LocalOnboarding(handle, transfers, self.host, pinned)
+
+    def _load_from_ssd(self, user: int, tokens: int) -> None:
+        blocks = self._host_allocate(user, tokens, keep={user}).pages
+        try:
+            self.ssd.load(user, tensor_block_views(self.host.blocks), blocks)
+        except Miss:
+            self.host.free(user)
+            raise
+        self.on_host[user] = tokens
+
+    def _host_allocate(self, user: int, tokens: int, keep: set[int]):
+        """Host blocks for `tokens` tokens of `user`, spilling LRU unpinned users to SSD to make room."""
+        need = -(-tokens // self.host.page_size) - (len(self.host.pages(user)) if user in self.host else 0)
+        for victim in self.host.users():
+            if self.host.num_free >= need:
+                break
+            if victim in keep or self.host.pin_count(victim):
+                continue
+            if self.ssd is not None and self.on_host.get(victim, 0) > 0:
+                self.ssd.store(victim, tensor_block_views(self.host.blocks), self.host.pages(victim))
+            self.host.free(victim)
+            self.on_host[victim] = 0
+        return self.host.allocate(user, tokens, can_drop=lambda u: False)
+
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
+        """Copies only from the first page the host copy does not hold yet."""
+        blocks = self._host_allocate(user, tokens, keep={user}).pages
+        ps = self.host.page_size
+        first = self.on_host.get(user, 0) // ps if user in self.host else 0
+        n = -(-tokens // ps)
+        self.host.pin(user)
+        transfers, start = [], 0
+        for g, group in enumerate(self.layout.groups):
+            layers = self.gpu_kv[start:start + group.num_layers]
+            transfers.append(self.engine.offload(layers, self.host.blocks[g], gpu_pages[first:n], blocks[first:n]))
+            start += group.num_layers
+        transfer = transfers[-1] if len(transfers) == 1 else _AllOf(transfers)
+        self._offloads[user] = transfer
+        self.on_host[user] = tokens
+        return transfer
+
+    def reap(self) -> None:
+        """Unpin the host blocks of finished offloads; a failed offload leaves no host copy."""
+        for user, transfer in list(self._offloads.items()):
+            if not transfer.done():
+                continue
+            del self._offloads[user]
+            if user in self.host and self.host.pin_count(user):
+                self.host.unpin(user)
+            if transfer.error is not None:
+                log.warning("offload of user %s failed; its host copy is dropped", user)
+                self.on_host[user] = 0
+                self.host.free(user)
+
+    def truncate(self, user: int, tokens: int) -> None:
+        self.on_host[user] = min(self.on_host.get(user, 0), tokens)
+
+    def drop(self, user: int) -> None:
+        settle(self._offloads.get(user))
+        self.reap()
+        if user in self.host:
+            self.host.free(user)
+        if self.ssd is not None:
+            self.ssd.evict(user)
+        self.on_host.pop(user, None)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.signals.close()
+        if self.ssd is not None:
+            self.ssd.close()
+
+
+class _AllOf(Transfer):
+    """Several groups' transfers seen as one."""
+
+    def __init__(self, transfers: list[Transfer]):
+        self.transfers = transfers
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.transfers)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for t in self.transfers:
+            t.wait(timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((t.error for t in self.transfers if t.error is not None), None)
