@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from layerflow.hstu import HSTUWeights, JaggedBatch, cached_forward
+from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS, HSTUConfig
+from layerflow.runtime.bench_eager import EagerBlock
 from layerflow.runtime.bench_probe import (BenchCopyEngine, Clock, TransferTimer, TransferTiming, device_tools,
                                            layer_compute_ms)
 from layerflow.runtime.bench_stats import Bound, Summary
@@ -333,34 +334,28 @@ class NoCache(Scenario):
 
 
 class TorchEager(Scenario):
-    """The eager PyTorch block (the model's reference math) on the same shapes, cached K/V already on the device."""
+    """The eager PyTorch block on the same shapes and the same cached K/V (already on the device)."""
 
     name, label, tier = "torch_eager", "eager PyTorch", Tier.GPU
 
     def measure(self, ctx: Context) -> Measured:
         settings, wl, engine = ctx.settings, ctx.workload, ctx.engine
-        config = settings.model
-        batch = JaggedBatch.from_lists(config, [wl.seq_len] * len(wl.requests), [r.items for r in wl.requests],
-                                       [r.candidates for r in wl.requests])
-        gen = torch.Generator(device=engine.device).manual_seed(settings.seed)
-        shape = (wl.seq_len * len(wl.requests), config.num_heads)
-
-        def cache(d: int) -> list[torch.Tensor]:
-            return [torch.randn(*shape, d, generator=gen, device=engine.device, dtype=config.dtype)
-                    for _ in range(config.num_layers)]
-
-        past_k, past_v = cache(config.dqk), cache(config.dv)
+        engine.score(wl.requests)  # resident on the GPU, whatever the previous scenario left
+        for r in wl.requests:
+            engine.kv.truncate(r.user_id, wl.seq_len)
+        block = EagerBlock(engine.weights, engine.kv, wl.requests, wl.seq_len)
         walls, devices, first = [], [], None
         for i in range(settings.warmup_iters + settings.timed_iters):
-            wall, dev, scores = ctx.clock.time(
-                lambda: cached_forward(engine.weights, batch, past_k, past_v).scores.cpu())
+            wall, dev, scores = ctx.clock.time(lambda: block.scores().cpu())
             if i >= settings.warmup_iters:
                 walls.append(wall)
                 if dev is not None:
                     devices.append(dev)
+                first = scores if first is None else first
             ctx.progress.update()
+        diff = float((first - torch.cat(ctx.reference_scores)).abs().max())
         return Measured(self.name, wl.seq_len, Summary.of(walls), Summary.of(devices) if devices else None,
-                        {"reference": settings.timed_iters * len(wl.requests)}, Probes())
+                        {"gpu": settings.timed_iters * len(wl.requests)}, Probes(), diff)
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (NoCache(), GpuHit(), CpuHit(), CpuHitLayerwise(), SsdHit(),
