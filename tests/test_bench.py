@@ -187,3 +187,18 @@ def test_take_batch_keeps_one_request_per_user():
     users = [5, 5, 7, 8, 7, 9]
     assert take_batch([0, 1, 2, 3, 4, 5], users, 3) == [0, 2, 3]
     assert take_batch([1, 4, 5], users, 4) == [1, 4, 5]
+
+
+@pytest.mark.gpu
+def test_gpu_run_with_timeline_splits_the_layerwise_request():
+    s = settings(preset="seed", seq_lens=(256,), append_len=8, num_candidates=16,
+                 scenarios=("gpu_hit", "cpu_hit", "cpu_hit_layerwise", "torch_eager"), timeline=True)
+    r = run(s, torch.device("cuda"))
+    for name, tier in (("gpu_hit", "gpu"), ("cpu_hit", "host"), ("cpu_hit_layerwise", "host")):
+        m = r.get(name, 256)
+        assert m.tiers == {tier: 2} and m.max_abs_diff == 0.0, name
+    lw = r.get("cpu_hit_layerwise", 256)
+    t = lw.timeline()
+    assert min(t.values()) >= 0 and len(lw.probes.timelines[0].layer_ms) == s.model.num_layers
+    assert t["issue_ms"] + t["transfer_ms"] + t["tail_ms"] <= max(lw.wall.samples) * 1.01
+    assert r.bounds[256].transfer_efficiency > 0 and r.get("torch_eager", 256).max_abs_diff < 1.0

@@ -20,6 +20,7 @@ import tempfile
 from abc import ABC
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -27,8 +28,8 @@ from tqdm import tqdm
 from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS, HSTUConfig
 from layerflow.runtime.bench_eager import EagerBlock
-from layerflow.runtime.bench_probe import (BenchCopyEngine, Clock, TransferTimer, TransferTiming, device_tools,
-                                           layer_compute_ms)
+from layerflow.runtime.bench_probe import (BenchCopyEngine, Clock, Timeline, TimelineMarks, TransferTimer,
+                                           TransferTiming, device_tools, layer_compute_ms)
 from layerflow.runtime.bench_stats import Bound, Summary
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
@@ -72,6 +73,7 @@ class Settings:
     scenarios: tuple[str, ...]
     use_cuda_graph: bool = True
     only_onboard: bool = False
+    timeline: bool = False
     signal: SignalMode | None = None
     config_path: str | None = None
     seed: int = 0
@@ -87,6 +89,8 @@ class Settings:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be positive")
         if self.warmup_iters < 0:
             raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
+        if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):
+            raise ValueError(f"timeline=True: needs batch_size=1 (got {self.batch_size}) and cpu_hit_layerwise")
         if not self.seq_lens or min(self.seq_lens) <= 0:
             raise ValueError(f"seq_lens={self.seq_lens!r}: must be positive lengths")
         longest = max(self.seq_lens) + self.append_len + self.num_candidates
@@ -189,6 +193,7 @@ class Probes:
     layer_compute: list[list[float]] = field(default_factory=list)
     transfers: list[TransferTiming] = field(default_factory=list)
     bulk_ms: list[float] = field(default_factory=list)
+    timelines: list[Timeline] = field(default_factory=list)
 
 
 @dataclass
@@ -204,10 +209,22 @@ class Measured:
     probes: Probes
     max_abs_diff: float | None = None
 
+    def timeline(self) -> dict[str, float] | None:
+        """Medians of the layerwise requests' timelines (`--timeline`), None without them."""
+        rows = self.probes.timelines
+        if not rows:
+            return None
+        return {name: Summary.of([getattr(t, name) for t in rows]).median
+                for name in ("issue_ms", "transfer_ms", "tail_ms")}
+
     def to_dict(self) -> dict:
-        return {"scenario": self.scenario, "seq_len": self.seq_len, "wall_ms": self.wall.to_dict(),
-                "device_ms": None if self.device is None else self.device.to_dict(), "tiers": self.tiers,
-                "max_abs_diff_vs_gpu_hit": self.max_abs_diff}
+        out = {"scenario": self.scenario, "seq_len": self.seq_len, "wall_ms": self.wall.to_dict(),
+               "device_ms": None if self.device is None else self.device.to_dict(), "tiers": self.tiers,
+               "max_abs_diff_vs_gpu_hit": self.max_abs_diff}
+        if self.probes.timelines:
+            out["timeline_ms"] = self.timeline() | {
+                "layers": [Summary.of(col).median for col in zip(*(t.layer_ms for t in self.probes.timelines))]}
+        return out
 
 
 @dataclass
@@ -247,6 +264,10 @@ class Scenario(ABC):
     def after(self, ctx: Context, probes: Probes) -> None:
         """Untimed, after each timed request: the scenario's probes."""
 
+    def call(self, ctx: Context, batch: list[Request]) -> Callable[[], list[torch.Tensor]]:
+        """What the timed region runs."""
+        return lambda: ctx.engine.score(batch)
+
     def measure(self, ctx: Context) -> Measured:
         settings, engine = ctx.settings, ctx.engine
         walls, devices, tiers, probes, first = [], [], {}, Probes(), None
@@ -257,15 +278,16 @@ class Scenario(ABC):
                 raise RuntimeError(f"{self.name}: expected every request to hit {self.tier.value}, got "
                                    f"{[t.value for t in hit]}")
             ctx.copy.forget()
-            wall, device, scores = ctx.clock.time(lambda: engine.score(batch))
-            if i >= settings.warmup_iters:
+            wall, device, scores = ctx.clock.time(self.call(ctx, batch))
+            timed = i >= settings.warmup_iters
+            if timed:
                 walls.append(wall)
                 if device is not None:
                     devices.append(device)
                 for t in hit:
                     tiers[t.value] = tiers.get(t.value, 0) + 1
                 first = first or scores
-                self.after(ctx, probes)
+            self.after(ctx, probes if timed else Probes())  # warm-up probes are run (warming them) and dropped
             ctx.progress.update()
         diff = max(float((a - b).abs().max()) for a, b in zip(first, ctx.reference_scores))
         return Measured(self.name, ctx.workload.seq_len, Summary.of(walls), Summary.of(devices) if devices else None,
@@ -294,8 +316,17 @@ class CpuHit(Scenario):
 class CpuHitLayerwise(CpuHit):
     name, label, layerwise, bounded = "cpu_hit_layerwise", "CPU hit + layerwise", True, True
 
+    def call(self, ctx: Context, batch: list[Request]) -> Callable[[], list[torch.Tensor]]:
+        if not ctx.settings.timeline:
+            return super().call(ctx, batch)
+        self.marks = TimelineMarks()
+        return self.marks.wrap(super().call(ctx, batch))
+
     def after(self, ctx: Context, probes: Probes) -> None:
-        """The same pages onboarded again alone, then a bulk pinned copy of the same bytes."""
+        """The request's timeline (`--timeline`); the same pages onboarded again alone, then a bulk pinned copy of
+        the same bytes."""
+        if ctx.settings.timeline:
+            probes.timelines.append(self.marks.read(ctx.copy.transfers[-1]))
         jobs = list(ctx.copy.onboardings)
         ctx.engine.kv.wait_offloads()
         timing = ctx.timer.onboarding(jobs)
@@ -434,8 +465,7 @@ def run(settings: Settings, device: torch.device | None = None) -> Results:
 def _run_engine(settings: Settings, weights: HSTUWeights, config: TransferConfig, device: torch.device,
                 scenarios: list[Scenario], clock: Clock, timer: TransferTimer, progress: tqdm,
                 results: Results) -> None:
-    inner = _copy_engine(device)
-    copy = BenchCopyEngine(inner)
+    copy = BenchCopyEngine(_copy_engine(device, timing=settings.timeline and config.enable_layerwise))
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(settings.batch_size,), token_buckets=(settings.query_tokens,),
                 copy_engine=copy) as engine:
@@ -454,10 +484,10 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: TransferConfig
             workload.drop(engine)
 
 
-def _copy_engine(device: torch.device):
+def _copy_engine(device: torch.device, timing: bool):
     if device.type == "cuda":
         from layerflow.transfer.cuda_copy import CudaCopyEngine
-        return CudaCopyEngine(device=device.index or 0)
+        return CudaCopyEngine(device=device.index or 0, timing=timing)
     from layerflow.transfer.thread_copy import ThreadCopyEngine
     return ThreadCopyEngine()
 
@@ -484,6 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="transfer YAML config (default: pools sized for the run)")
     parser.add_argument("--only-onboard", action="store_true",
                         help="skip the offload after each timed request: onboarding + block only")
+    parser.add_argument("--timeline", action="store_true",
+                        help="GPU only: split each layerwise request into issue / transfer / tail on the device clock")
     parser.add_argument("--signal", choices=[m.value for m in SignalMode], help="per-layer signal (default: config)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     parser.add_argument("--out", help="write every figure as JSON here")
@@ -507,6 +539,7 @@ def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settin
                     num_candidates=pick("num_candidates"), batch_size=args.batch_size,
                     timed_iters=pick("timed_iters"), warmup_iters=pick("warmup_iters"), scenarios=args.scenarios,
                     use_cuda_graph=not args.disable_cudagraph, only_onboard=args.only_onboard,
+                    timeline=args.timeline,
                     signal=None if args.signal is None else SignalMode(args.signal), config_path=args.config,
                     seed=args.seed)
 
@@ -525,6 +558,8 @@ def main(args: argparse.Namespace) -> None:
         run_throughput_from_args(args, device, command)
         return
     settings = settings_from_args(args, device)
+    if settings.timeline and device.type != "cuda":
+        raise ValueError("--timeline reads CUDA events: it needs a GPU")
     if device.type != "cuda":
         print(CPU_NOTE, flush=True)
     results = run(settings, device)

@@ -38,26 +38,41 @@ class _Skipped(Transfer):
 
 
 class BenchCopyEngine(CopyEngine):
-    """Delegates to `inner`; records every onboarding job since `forget()` and skips offloads while asked to."""
+    """Delegates to `inner`; records every onboarding (job and transfer) since `forget()`, skips offloads while
+    asked to, and drops the timing events of offloads (only onboardings are timed)."""
 
     def __init__(self, inner: CopyEngine) -> None:
         super().__init__()
         self.inner = inner
         self.skip_offloads = False
         self.onboardings: list[CopyJob] = []
+        self.transfers: list[Transfer] = []
 
     def forget(self) -> None:
-        self.onboardings = []
+        self.onboardings, self.transfers = [], []
 
     def close(self) -> None:
         self.inner.close()
 
     def _onboard(self, job: CopyJob) -> Transfer:
         self.onboardings.append(job)
-        return self.inner._onboard(job)
+        transfer = self.inner._onboard(job)
+        self.transfers.append(transfer)
+        return transfer
 
     def _offload(self, job: CopyJob) -> Transfer:
-        return _Skipped() if self.skip_offloads else self.inner._offload(job)
+        if self.skip_offloads:
+            return _Skipped()
+        transfer = self.inner._offload(job)
+        for event in getattr(transfer, "timing_events", ()):
+            _destroy_event(event)
+        return transfer
+
+
+def _destroy_event(event) -> None:
+    """Only CUDA transfers carry timing events; a recorded event may be destroyed before it completes."""
+    from layerflow.transfer import cuda_events
+    cuda_events.destroy_event(event)
 
 
 class Clock(ABC):
@@ -153,6 +168,46 @@ def layer_compute_ms(engine: Engine, clock: Clock, requests: list[Request], buck
         engine.kv.abort(plan)
     base = waits.stamps[0]
     return layer_times([clock.ms(base, s) for s in waits.stamps], clock.ms(base, end))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Where one layerwise request's time went (ms, one device clock): score entry -> first copy issued, first
+    copy -> last layer landed (in the pipelined run), last layer landed -> scores returned."""
+
+    issue_ms: float
+    transfer_ms: float
+    tail_ms: float
+    layer_ms: tuple[float, ...]
+
+
+class TimelineMarks:
+    """CUDA events at score entry and exit on the compute stream, read against the onboarding's timing events."""
+
+    def __init__(self) -> None:
+        from layerflow.transfer import cuda_events
+
+        self._ev = cuda_events
+        self.entry, self.exit = cuda_events.create_event(timing=True), cuda_events.create_event(timing=True)
+
+    def wrap(self, fn: Callable[[], T]) -> Callable[[], T]:
+        def timed() -> T:
+            self._ev.record(self.entry, torch.cuda.current_stream().cuda_stream)
+            result = fn()
+            self._ev.record(self.exit, torch.cuda.current_stream().cuda_stream)
+            return result
+        return timed
+
+    def read(self, transfer: Transfer) -> Timeline:
+        """The timeline of the request just timed; destroys every event it read."""
+        ev = transfer.timing_events
+        self._ev.synchronize(self.exit)
+        ms = self._ev.elapsed_ms
+        timeline = Timeline(ms(self.entry, ev[0]), ms(ev[0], ev[-1]), ms(ev[-1], self.exit),
+                            tuple(ms(a, b) for a, b in zip(ev, ev[1:])))
+        for event in (*ev, self.entry, self.exit):
+            self._ev.destroy_event(event)
+        return timeline
 
 
 @dataclass(frozen=True)

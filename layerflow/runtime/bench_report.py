@@ -94,6 +94,20 @@ def markdown(results: Results) -> str:
         parts += ["", "LB = max(T_transfer + last-layer compute, T_compute + first-layer transfer); T_transfer: the "
                   "same pages onboarded alone; T_compute: the GPU hit; bulk memcpy: one pinned copy of the same bytes.",
                   "", _table(lens, detail)]
+    timed = [m for m in results.measured if m.timeline() is not None]
+    if timed:
+        def part(name: str) -> Callable[[int], str]:
+            def cell(seq_len: int) -> str:
+                m = next((m for m in timed if m.seq_len == seq_len), None)
+                return "-" if m is None else f"{m.timeline()[name]:.2f}"
+            return cell
+        parts += ["", "Timeline of the layerwise request (medians, device clock): score entry -> first copy issued, "
+                  "first copy -> last layer landed, last layer landed -> scores returned.", "",
+                  _table(lens, [("seq_len", _length), ("issue ms", part("issue_ms")),
+                                ("transfer in pipeline ms", part("transfer_ms")),
+                                ("T_transfer alone ms", _bound(results, lambda b: b.t_transfer)),
+                                ("tail ms", part("tail_ms")),
+                                ("measured ms", _latency(results, "cpu_hit_layerwise"))])]
     others = [n for n in ("no_cache", "ssd_hit", "ssd_hit_layerwise", "torch_eager") if n in ran]
     if others:
         parts += ["", _table(lens, [("seq_len", _length)]
