@@ -201,4 +201,5 @@ def test_gpu_run_with_timeline_splits_the_layerwise_request():
     t = lw.timeline()
     assert min(t.values()) >= 0 and len(lw.probes.timelines[0].layer_ms) == s.model.num_layers
     assert t["issue_ms"] + t["transfer_ms"] + t["tail_ms"] <= max(lw.wall.samples) * 1.01
-    assert r.bounds[256].transfer_efficiency > 0 and r.get("torch_eager", 256).max_abs_diff < 1.0
+    eager = r.get("torch_eager", 256)
+    assert r.bounds[256].transfer_efficiency > 0 and eager.max_abs_diff < 0.05 * eager.reference_scale

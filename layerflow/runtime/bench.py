@@ -207,7 +207,8 @@ class Measured:
     device: Summary | None
     tiers: dict[str, int]
     probes: Probes
-    max_abs_diff: float | None = None
+    max_abs_diff: float
+    reference_scale: float  # the largest |score| of the GPU hit: what max_abs_diff compares with
 
     def timeline(self) -> dict[str, float] | None:
         """Medians of the layerwise requests' timelines (`--timeline`), None without them."""
@@ -220,7 +221,7 @@ class Measured:
     def to_dict(self) -> dict:
         out = {"scenario": self.scenario, "seq_len": self.seq_len, "wall_ms": self.wall.to_dict(),
                "device_ms": None if self.device is None else self.device.to_dict(), "tiers": self.tiers,
-               "max_abs_diff_vs_gpu_hit": self.max_abs_diff}
+               "max_abs_diff_vs_gpu_hit": self.max_abs_diff, "max_abs_score_gpu_hit": self.reference_scale}
         if self.probes.timelines:
             out["timeline_ms"] = self.timeline() | {
                 "layers": [Summary.of(col).median for col in zip(*(t.layer_ms for t in self.probes.timelines))]}
@@ -239,6 +240,10 @@ class Context:
     workload: Workload
     progress: tqdm
     reference_scores: list[torch.Tensor]
+
+    @property
+    def reference_scale(self) -> float:
+        return float(torch.cat(self.reference_scores).abs().max())
 
 
 class Scenario(ABC):
@@ -291,7 +296,7 @@ class Scenario(ABC):
             ctx.progress.update()
         diff = max(float((a - b).abs().max()) for a, b in zip(first, ctx.reference_scores))
         return Measured(self.name, ctx.workload.seq_len, Summary.of(walls), Summary.of(devices) if devices else None,
-                        tiers, probes, diff)
+                        tiers, probes, diff, ctx.reference_scale)
 
 
 class GpuHit(Scenario):
@@ -386,7 +391,7 @@ class TorchEager(Scenario):
             ctx.progress.update()
         diff = float((first - torch.cat(ctx.reference_scores)).abs().max())
         return Measured(self.name, wl.seq_len, Summary.of(walls), Summary.of(devices) if devices else None,
-                        {"gpu": settings.timed_iters * len(wl.requests)}, Probes(), diff)
+                        {"gpu": settings.timed_iters * len(wl.requests)}, Probes(), diff, ctx.reference_scale)
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (NoCache(), GpuHit(), CpuHit(), CpuHitLayerwise(), SsdHit(),
