@@ -55,12 +55,12 @@ class Engine:
         self.config = config or TransferConfig()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
-        if not cuda and self.config.signal is not SignalMode.EVENTFD:
-            raise ValueError(f"signal={self.config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
         remote = self.config.spawn_server or self.config.server_socket is not None
         if remote and self.config.signal is not SignalMode.EVENTFD:
             raise ValueError(f"signal={self.config.signal.value!r} with a transfer server: the server posts eventfds, "
                              f"use 'eventfd'")
+        if not cuda and self.config.signal is not SignalMode.EVENTFD:
+            raise ValueError(f"signal={self.config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
         self.weights = weights.to(self.device)
         model = weights.config
         self.layout = KVLayout.for_hstu(model, self.config.page_size)

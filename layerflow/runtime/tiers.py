@@ -139,20 +139,23 @@ class InProcessTier(KVTier):
         return Tier.NONE
 
     def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
-        gpu_pages, host_blocks, pinned = [], [], []
+        """Host hits are pinned first, so reading an SSD hit back can never spill another user of the batch."""
+        pinned = []
         try:
-            for load in loads:
+            for load in sorted(loads, key=lambda load: load.tier is Tier.SSD):
                 if load.tier is Tier.SSD:
                     self._load_from_ssd(load.user, load.tokens)
                 self.host.pin(load.user)
                 pinned.append(load.user)
-                gpu_pages += load.gpu_pages
-                host_blocks += self.host.pages(load.user)[:len(load.gpu_pages)]
             handle = self.signals.acquire(layerwise=layerwise)
         except BaseException:
             for user in pinned:
                 self.host.unpin(user)
             raise
+        gpu_pages, host_blocks = [], []
+        for load in loads:
+            gpu_pages += load.gpu_pages
+            host_blocks += self.host.pages(load.user)[:len(load.gpu_pages)]
         transfers, first = [], 0
         for g, group in enumerate(self.layout.groups):
             layers = self.gpu_kv[first:first + group.num_layers]

@@ -25,7 +25,8 @@ from layerflow.transfer.errors import TransferError
 from layerflow.transfer.host_pool import HostKVPool
 from layerflow.transfer.layout import KVLayout
 from layerflow.transfer.server import protocol
-from layerflow.transfer.server.auth import PeerCred, check_peer, make_private_dir, read_token, write_token
+from layerflow.transfer.server.auth import (TOKEN_FILE, PeerCred, check_peer, make_private_dir, read_token,
+                                            write_token)
 from layerflow.transfer.server.handoff import HandoffError, Session, server_handoff
 from layerflow.transfer.server.protocol import Op, ProtocolError
 from layerflow.transfer.server.registration import ClientPool, import_pool, layout_to_dict
@@ -68,6 +69,7 @@ class TransferServer:
                  peer_check: Callable[[PeerCred, int], None] = check_peer, socket_name: str = SOCKET_FILE) -> None:
         self.config = config
         self.run_dir = make_private_dir(run_dir)
+        _clear_stale(self.run_dir / socket_name, self.run_dir / TOKEN_FILE)
         self.token_path = write_token(self.run_dir)
         self._token = read_token(self.token_path)
         self.socket_path = self.run_dir / socket_name
@@ -273,11 +275,14 @@ class TransferServer:
     def _pin_for_onboard(self, loads: list[tuple[object, list[int]]]) -> list[tuple[list[int], bool]]:
         """Pin every user's host blocks (allocating them for users found only on SSD): `(blocks, from_ssd)` each.
 
+        Host-resident users are pinned first, so reading an SSD user back never spills another user of the request.
         A user may hold more blocks than `gpu_pages` (its history was truncated): the first ones are its prefix."""
-        out: list[tuple[list[int], bool]] = []
+        out: dict[int, tuple[list[int], bool]] = {}
         with self._lock:
+            order = sorted(range(len(loads)), key=lambda i: loads[i][0] not in self.host)
             try:
-                for user, pages in loads:
+                for i in order:
+                    user, pages = loads[i]
                     if user in self.host:
                         blocks, from_ssd = list(self.host.pages(user)), False
                         self._check_pages(user, len(pages), len(blocks))
@@ -290,14 +295,14 @@ class TransferServer:
                         raise LookupError(f"user {user!r} is not resident on this server (host or SSD)")
                     self.host.touch(user)
                     self.host.pin(user)
-                    out.append((blocks, from_ssd))
+                    out[i] = (blocks, from_ssd)
             except BaseException:
-                for (user, _), (_, from_ssd) in zip(loads, out):
-                    self.host.unpin(user)
+                for i, (_, from_ssd) in out.items():
+                    self.host.unpin(loads[i][0])
                     if from_ssd:
-                        self.host.free(user)
+                        self.host.free(loads[i][0])
                 raise
-        return out
+        return [out[i] for i in range(len(loads))]
 
     def _unpin_onboarded(self, loads, pinned, failed: bool) -> None:
         with self._lock:
@@ -397,3 +402,18 @@ def _users_of(msg: protocol.Message) -> list:
     if isinstance(loads, list):
         return [load[0] for load in loads if isinstance(load, list) and load]
     return [msg.get("user")]
+
+
+def _clear_stale(socket_path: Path, token_path: Path) -> None:
+    """Let a server restart in its directory: a dead predecessor's socket and token go; a live one's stay (refused)."""
+    if socket_path.exists():
+        probe = protocol.new_socket()
+        try:
+            probe.connect(str(socket_path))
+        except ConnectionRefusedError:
+            socket_path.unlink()
+        else:
+            raise RuntimeError(f"another transfer server listens on {socket_path}")
+        finally:
+            probe.close()
+    token_path.unlink(missing_ok=True)

@@ -1,0 +1,218 @@
+"""The engine with a transfer server as the tier below the GPU: the same scores as in-process, bitwise; a server that
+dies fails the waiting batch at once and the engine serves the next one."""
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from layerflow.hstu import HSTUConfig, HSTUWeights, full_forward
+from layerflow.runtime.engine import Engine
+from layerflow.runtime.kv_manager import Tier
+from layerflow.runtime.remote_tier import RemoteTier
+from layerflow.runtime.tiers import InProcessTier
+from layerflow.runtime.workload import Request
+from layerflow.transfer.config import TransferConfig
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.gpu_pool import GpuKVPool
+from layerflow.transfer.layout import KVLayout
+from layerflow.transfer.server import NotResident, spawn_server
+
+CONFIG = HSTUConfig(num_layers=3, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
+                    dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
+CUDA_CONFIG = HSTUConfig(num_layers=3, num_heads=2, dqk=64, dv=64, embedding_dim=128, max_seq_len=1024,
+                         dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
+PAGE = 16
+HISTORY = 300                        # 19 blocks per user
+TIGHT = 45    # host blocks: two such users, not three, so the oldest spills to SSD
+ROOMY = 200
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return HSTUWeights.init(CONFIG, seed=3)
+
+
+def make_config(tmp_path, name: str, host_blocks: int = ROOMY, model: HSTUConfig = CONFIG,
+                **overrides) -> TransferConfig:
+    block_bytes = KVLayout.for_hstu(model, PAGE).page_bytes
+    values = dict(cpu_cache_gb=host_blocks * block_bytes / 2**30, gpu_cache_gb=200 * block_bytes / 2**30, page_size=PAGE, transfer_timeout_s=5.0,
+                  ssd_cache_gb=0.05, ssd_cache_dir=str(tmp_path / f"ssd-{name}"))
+    values.update(overrides)
+    return TransferConfig(**values)
+
+
+def items(rng, n):
+    return [rng.randrange(CONFIG.item_vocab_size) for _ in range(n)]
+
+
+def visit(engine, histories: dict, placement: dict, tol: float) -> list[torch.Tensor]:
+    """First visits one user at a time, then place each user (GPU stays; HOST: off the GPU; SSD: spilled by the host's
+    own pressure when a third user arrived), then one batch of return visits, checked against a full recompute."""
+    rng = random.Random(0)
+    for u, h in histories.items():
+        engine.score([Request(u, h, [])])
+        engine.kv.wait_offloads()
+    for u, tier in placement.items():
+        if tier in (Tier.HOST, Tier.SSD):
+            engine.kv.evict_from_gpu(u)
+        assert engine.kv.tier(u) is tier, (u, engine.kv.tier(u))
+    requests = [Request(u, items(rng, 1 + u % 3), items(rng, 4)) for u in placement]
+    out = engine.score(requests)
+    for r, scores in zip(requests, out):
+        ref = full_forward(engine.weights, [histories.get(r.user_id, []) + r.items], [r.candidates]).scores
+        assert torch.allclose(scores.cpu(), ref.cpu().float(), atol=tol, rtol=tol)
+    return out
+
+
+SCENARIOS = {  # the return batch's users and where they are before it, layerwise, host blocks
+    "gpu_hit": ({1: Tier.GPU}, True, ROOMY),
+    "host_hit": ({1: Tier.HOST}, True, ROOMY),
+    "host_hit_not_layerwise": ({1: Tier.HOST}, False, ROOMY),
+    "ssd_hit": ({1: Tier.SSD, 3: Tier.GPU}, True, TIGHT),
+    "several_host_hits": ({1: Tier.GPU, 2: Tier.HOST, 3: Tier.HOST, 4: Tier.HOST}, True, ROOMY),
+    "mixed_ssd_host_miss": ({1: Tier.SSD, 2: Tier.HOST, 9: Tier.NONE}, True, TIGHT),
+}
+
+
+def histories_for(placement: dict) -> dict:
+    rng = random.Random(11)
+    users = sorted(set(placement) | {1, 2, 3}) if Tier.SSD in placement.values() else sorted(placement)
+    return {u: items(rng, HISTORY) for u in users if placement.get(u) is not Tier.NONE}
+
+
+def compare(weights, tmp_path, scenario: str, device: str, tol: float) -> None:
+    """The same visits on an in-process engine and on one with its own server: bitwise the same scores, and the
+    server engine onboards the return batch's host and SSD hits in ONE request."""
+    placement, layerwise, host_blocks = SCENARIOS[scenario]
+    histories = histories_for(placement)
+    results = {}
+    for name, extra in (("local", {}), ("server", {"spawn_server": True})):
+        config = make_config(tmp_path, name, host_blocks, weights.config, enable_layerwise=layerwise, **extra)
+        with Engine(weights, config, device=device, batch_buckets=(1, 4), token_buckets=(64, 512)) as engine:
+            engine.warmup()
+            assert isinstance(engine.kv.below, RemoteTier if extra else InProcessTier)
+            if extra:
+                client, onboarded = engine.kv.below.client, []
+                send = client.onboard_many
+                client.onboard_many = lambda loads, lw: onboarded.append([u for u, _ in loads]) or send(loads, lw)
+            results[name] = visit(engine, histories, placement, tol)
+    hits = [u for u, tier in placement.items() if tier in (Tier.HOST, Tier.SSD)]
+    assert onboarded == ([hits] if hits else [])
+    for a, b in zip(results["local"], results["server"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_server_tier_scores_bitwise_like_in_process(weights, tmp_path, scenario):
+    compare(weights, tmp_path, scenario, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_server_tier_scores_bitwise_like_in_process_on_cuda(tmp_path, scenario):
+    """Triton kernels, CUDA IPC pool, the server's CUDA copies and the graphs' eventfd host nodes."""
+    compare(HSTUWeights.init(CUDA_CONFIG, seed=3), tmp_path, scenario, "cuda", 2e-2)
+
+
+def test_server_killed_while_a_batch_waits_fails_it_at_once_then_falls_back(weights, tmp_path, caplog):
+    rng = random.Random(5)
+    history = {4: items(rng, 120), 5: items(rng, 80)}
+    config = make_config(tmp_path, "kill", spawn_server=True, transfer_timeout_s=30.0)
+    with Engine(weights, config, device="cpu") as engine:
+        below = engine.kv.below
+        pid = below.server.pid
+        for u, h in history.items():
+            engine.score([Request(u, h, [])])
+        engine.kv.wait_offloads()
+        for u in history:
+            engine.kv.evict_from_gpu(u)
+        send = below.client.onboard_many
+        killed = {}
+
+        def kill_soon():
+            time.sleep(0.3)
+            killed["at"] = time.monotonic()
+            below.server.kill()
+
+        killer = threading.Thread(target=kill_soon)
+
+        def stop_then_send(*args, **kwargs):
+            os.kill(pid, signal.SIGSTOP)  # the onboarding is sent and never answered; the batch waits on layer 0
+            sent = send(*args, **kwargs)
+            killer.start()
+            return sent
+
+        below.client.onboard_many = stop_then_send
+        with pytest.raises(TransferError) as info:
+            engine.score([Request(4, [1], [2, 3]), Request(5, [4], [5])])
+        elapsed = time.monotonic() - killed["at"]
+        killer.join()
+        assert elapsed < 1.0  # released by the hang-up, not by the 30 s timeout
+        cause = info.value.__cause__
+        assert isinstance(cause, NotResident) and cause.users == [4, 5] and "connection lost" in cause.reason
+
+        caplog.set_level(logging.WARNING, logger="layerflow.runtime.engine")
+        more = {4: [1], 5: [4]}
+        for visit_no in range(2):  # the first visit recomputes (the KV died with the server), the second hits host
+            reqs = [Request(u, more[u], [7, 8]) for u in history]
+            out = engine.score(reqs)
+            assert isinstance(engine.kv.below, InProcessTier)
+            for r, scores in zip(reqs, out):
+                history[r.user_id] = history[r.user_id] + r.items
+                ref = full_forward(weights, [history[r.user_id]], [r.candidates]).scores
+                assert torch.allclose(scores, ref, atol=1e-5, rtol=1e-5)
+            if visit_no == 0:
+                engine.kv.wait_offloads()
+                for u in history:
+                    engine.kv.evict_from_gpu(u)
+                    assert engine.kv.tier(u) is Tier.HOST
+        falls = [r for r in caplog.records if "falling back" in r.getMessage()]
+        assert len(falls) == 1
+
+
+def test_engine_reconnects_to_a_restarted_server(weights, tmp_path):
+    run_dir = tmp_path / "run"
+    server_config = make_config(tmp_path, "srv", ssd_cache_gb=0.0, ssd_cache_dir=None)
+    first = spawn_server(server_config, run_dir)
+    second = None
+    try:
+        config = make_config(tmp_path, "eng", server_socket=str(first.socket_path), ssd_cache_gb=0.0,
+                             ssd_cache_dir=None)
+        with Engine(weights, config, device="cpu") as engine:
+            engine.score([Request(1, list(range(40)), [])])
+            engine.kv.wait_offloads()
+            first.kill()
+            while engine.kv.below.client.connected:
+                time.sleep(0.01)
+            second = spawn_server(server_config, run_dir)
+            engine.kv.evict_from_gpu(1)
+            scores = engine.score([Request(1, [3], [4, 5])])[0]  # reconnected; the new server holds nothing: a miss
+            assert isinstance(engine.kv.below, RemoteTier) and engine.kv.below.client.connected
+            ref = full_forward(weights, [list(range(40)) + [3]], [[4, 5]]).scores
+            assert torch.allclose(scores, ref, atol=1e-5, rtol=1e-5)
+            engine.kv.wait_offloads()
+            engine.kv.evict_from_gpu(1)
+            assert engine.kv.tier(1) is Tier.HOST  # and the next visit is a host hit on the new server
+    finally:
+        if first.alive():
+            first.kill()
+        if second is not None:
+            second.stop()
+
+
+def test_config_and_pool_checks():
+    with pytest.raises(ValueError, match="spawn_server=True and server_socket"):
+        TransferConfig(spawn_server=True, server_socket="/tmp/x.sock")
+    layout = KVLayout.for_hstu(CONFIG, PAGE)
+    pool = GpuKVPool(layout, 4)
+    assert GpuKVPool(layout, 4, layers=pool.kv).kv[0] is pool.kv[0]
+    with pytest.raises(ValueError, match=r"layers\[0\]"):
+        GpuKVPool(layout, 5, layers=pool.kv)
+    with pytest.raises(ValueError, match="signal='event' with a transfer server"):
+        Engine(HSTUWeights.init(CONFIG, seed=0), TransferConfig(spawn_server=True, signal="event"), device="cuda")
