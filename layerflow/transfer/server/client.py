@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,7 +182,11 @@ class TransferClient:
     def _call(self, op: Op, user) -> dict:
         pending = _Pending([user], None)
         self._submit(op, pending, user=user)
-        return pending.future.result(self.timeout_s)
+        try:
+            return pending.future.result(self.timeout_s)
+        except FutureTimeout:
+            raise TransferError(f"transfer server did not answer {op.value} of user {user!r} "
+                                f"within {self.timeout_s:.3f} s") from None
 
     def _submit(self, op: Op, pending: _Pending, **fields) -> None:
         req = next(self._ids)
