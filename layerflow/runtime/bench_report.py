@@ -177,11 +177,12 @@ def plot(results: Results, path: Path) -> None:
 
     lens = list(results.settings.seq_lens)
     fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {}
     for name, scenario in SCENARIOS.items():
         points = [(n, results.get(name, n)) for n in lens]
         points = [(n, m.wall.median) for n, m in points if m is not None]
         if points:
-            ax.plot(*zip(*points), marker="o", label=scenario.label)
+            colors[name] = ax.plot(*zip(*points), marker="o", label=scenario.label)[0].get_color()
     if results.bounds:
         bound = sorted((n, b.lower_bound) for n, b in results.bounds.items())
         ax.plot(*zip(*bound), linestyle="--", color="black", label="lower bound of layerwise")
@@ -189,7 +190,8 @@ def plot(results: Results, path: Path) -> None:
         for name in ("gpu_hit", "cpu_hit", "cpu_hit_layerwise"):
             seed = [(n, SEED_RESULTS[n][name]) for n in lens if n in SEED_RESULTS]
             if seed:
-                ax.plot(*zip(*seed), linestyle=":", alpha=0.5, label=f"seed {SCENARIOS[name].label} ({SEED_GPU})")
+                ax.plot(*zip(*seed), linestyle=":", alpha=0.6, color=colors.get(name),
+                        label=f"seed {SCENARIOS[name].label} ({SEED_GPU})")
     ax.set_xscale("log", base=2)
     ax.set_xticks(lens, [_length(n) for n in lens])
     ax.set_yscale("log")
