@@ -198,7 +198,8 @@ def plot(results: Results, path: Path) -> None:
     ax.set_xlabel("cached history tokens")
     ax.set_ylabel("latency, median ms (request in -> scores on host)")
     s = results.settings
-    ax.set_title(f"{device_name(results.device)}: BS={s.batch_size}, {s.append_len} appended, {s.num_candidates} candidates")
+    ax.set_title(f"{device_name(results.device)}: BS={s.batch_size}, {s.append_len} appended, "
+                 f"{s.num_candidates} candidates")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

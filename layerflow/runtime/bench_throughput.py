@@ -166,7 +166,7 @@ def markdown(settings: ThroughputSettings, runs: list[dict], where: str) -> str:
             f"GPU pool for {settings.gpu_users}, {settings.history_len} cached + {settings.append_len} appended, "
             f"{settings.num_candidates} candidates, batches up to {settings.batch_size}, Poisson arrivals at "
             f"{settings.rate:g}/s")
-    rows = ["| layerwise | req/s | p50 ms | p99 ms | GPU hits | host hits | mean batch |", "|---|---|---|---|---|---|---|"]
+    rows = ["| layerwise | req/s | p50 ms | p99 ms | GPU hits | host hits | mean batch |", "|---" * 7 + "|"]
     for r in runs:
         rows.append(f"| {'on' if r['layerwise'] else 'off'} | {r['throughput']:.1f} | {r['p50_ms']:.2f} | "
                     f"{r['p99_ms']:.2f} | {r['tiers'].get('gpu', 0)} | {r['tiers'].get('host', 0)} | "
