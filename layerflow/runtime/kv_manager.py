@@ -214,7 +214,7 @@ class KVManager:
         """Copy the pages this batch wrote down to the tier below (asynchronously)."""
         if not entry.history:
             return
-        if entry.offloading():
+        if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
             settle(entry.offload)
             self._reap_offloads()
         entry.offload = self.below.offload(user, len(entry.history), pages)

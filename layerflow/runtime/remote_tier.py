@@ -85,6 +85,9 @@ class RemoteTier(KVTier):
 
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
         """The server replaces the user's copy with all of its pages."""
+        if user in self._offloads:  # reap the previous one first: its failure must not erase this one's tokens
+            settle(self._offloads[user])
+            self.reap()
         n = -(-tokens // self.page_size)
         transfer = _FutureTransfer(self.client.offload(user, gpu_pages[:n]), self.client.timeout_s)
         self._offloads[user] = transfer

@@ -189,6 +189,9 @@ class InProcessTier(KVTier):
 
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
         """Copies only from the first page the host copy does not hold yet."""
+        if user in self._offloads:  # one offload per user at a time, each reaped (and unpinned) once
+            settle(self._offloads[user])
+            self.reap()
         blocks = self._host_allocate(user, tokens, keep={user}).pages
         ps = self.host.page_size
         first = self.on_host.get(user, 0) // ps if user in self.host else 0
