@@ -189,7 +189,8 @@ def test_engine_reconnects_to_a_restarted_server(weights, tmp_path):
             engine.score([Request(1, list(range(40)), [])])
             engine.kv.wait_offloads()
             first.kill()
-            while engine.kv.below.client.connected:
+            deadline = time.monotonic() + 5
+            while engine.kv.below.client.connected and time.monotonic() < deadline:
                 time.sleep(0.01)
             second = spawn_server(server_config, run_dir)
             engine.kv.evict_from_gpu(1)
