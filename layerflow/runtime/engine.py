@@ -203,6 +203,7 @@ class Engine:
             self.graphs.replay(bufs, wait)
         else:
             self.pipeline.forward(bufs, wait)
+        self.kv.offload_early(plan)
         scores = bufs.fetch_scores()
         wait.check()
         return scores

@@ -45,6 +45,7 @@ class BatchPlan:
     tiers: list[Tier]
     page_rows: list[tuple[int, ...]]
     onboarding: Onboarding | None = None
+    recorded: dict[int, int] = field(default_factory=dict)   # batch index -> history length before this batch
 
     @property
     def handle(self) -> SignalHandle | None:
@@ -130,27 +131,47 @@ class KVManager:
             raise
         return plan
 
+    def offload_early(self, plan: BatchPlan) -> None:
+        """Right after the block is launched: record and offload the users whose KV did not come from an onboarding
+        (GPU hits, misses). Their pages cannot be spoilt by a failed transfer, and the copy stream waits for the
+        block on the GPU, so issuing the offload now overlaps its host cost with the block."""
+        for b, tier in enumerate(plan.tiers):
+            if tier in (Tier.GPU, Tier.NONE):
+                self._record(plan, b)
+
     def commit(self, plan: BatchPlan) -> None:
-        """The block succeeded: record the new history and offload the pages the batch wrote."""
+        """The block succeeded: record the remaining users' new history and offload the pages the batch wrote."""
         self._finish_onboarding(plan)
-        ao = plan.batch.appended_offsets.tolist()
         for b, r in enumerate(plan.requests):
             self.gpu.unpin(r.user_id)
-            entry = self.users.setdefault(r.user_id, UserEntry())
-            if plan.batch.cached_lens[b] == 0:
-                # A miss recomputed the whole history: any older copy below is stale.
-                entry.history = []
-                self.below.truncate(r.user_id, 0)
-            entry.history = entry.history + plan.batch.appended_ids[ao[b]:ao[b + 1]].tolist()
-            self._offload(r.user_id, entry, plan.page_rows[b])
+            if b not in plan.recorded:
+                self._record(plan, b)
 
     def abort(self, plan: BatchPlan) -> None:
-        """The block failed: users whose pages were being filled lose them (they are no longer resident)."""
+        """The block failed: users whose pages were being filled lose them (they are no longer resident), and users
+        recorded early get their history back as it was before the batch."""
         self._finish_onboarding(plan)
-        for r, tier in zip(plan.requests, plan.tiers):
+        for b, (r, tier) in enumerate(zip(plan.requests, plan.tiers)):
             self.gpu.unpin(r.user_id)
             if tier is not Tier.GPU:
                 self._forget_gpu(r.user_id)
+            if b in plan.recorded:
+                if plan.recorded[b]:
+                    self.truncate(r.user_id, plan.recorded[b])
+                else:
+                    self.drop(r.user_id)
+
+    def _record(self, plan: BatchPlan, b: int) -> None:
+        r = plan.requests[b]
+        entry = self.users.setdefault(r.user_id, UserEntry())
+        plan.recorded[b] = len(entry.history)
+        if plan.batch.cached_lens[b] == 0:
+            # A miss recomputed the whole history (the old one + the new items): any older copy below is stale.
+            entry.history = []
+            self.below.truncate(r.user_id, 0)
+        ao = plan.batch.appended_offsets
+        entry.history.extend(plan.batch.appended_ids[int(ao[b]):int(ao[b + 1])].tolist())
+        self._offload(r.user_id, entry, plan.page_rows[b])
 
     def wait_offloads(self) -> None:
         """Block until every offload landed (benchmarks, shutdown)."""
@@ -167,7 +188,7 @@ class KVManager:
             raise ValueError(f"user {user}: cannot truncate to {num_tokens} tokens (history has {have})")
         settle(entry.offload)
         self._reap_offloads()
-        entry.history = entry.history[:num_tokens]
+        del entry.history[num_tokens:]
         self.below.truncate(user, num_tokens)
 
     def evict_from_gpu(self, user: int) -> None:

@@ -1,0 +1,74 @@
+"""Where a request's host time goes: per-phase wall time of Engine.score on the seed model (gpu hit, cpu hit +
+layerwise), then a cProfile of the slowest path. A development tool: `PYTHONPATH=. python3 tools/profile_score.py`."""
+
+import cProfile
+import functools
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from layerflow.hstu import HSTUWeights
+from layerflow.hstu.config import PRESETS
+from layerflow.runtime import buffers, graphs, kv_manager
+from layerflow.runtime.engine import Engine
+from layerflow.runtime.workload import Request
+from layerflow.transfer.config import TransferConfig
+
+PHASES = defaultdict(list)
+
+
+def timed(cls, name, label):
+    real = getattr(cls, name)
+
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            PHASES[label].append((time.perf_counter() - start) * 1e3)
+
+    setattr(cls, name, wrapper)
+
+
+for cls, name in ((kv_manager.KVManager, "prepare"), (buffers.BatchBuffers, "fill"), (graphs.GraphRunner, "replay"),
+                  (buffers.BatchBuffers, "fetch_scores"), (kv_manager.KVManager, "commit"), (Engine, "score")):
+    timed(cls, name, name)
+
+history_len = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+signal = sys.argv[2] if len(sys.argv) > 2 else "eventfd"
+weights = HSTUWeights.init(PRESETS["seed"], seed=0)
+engine = Engine(weights, TransferConfig(cpu_cache_gb=2.5, gpu_cache_gb=2.5, signal=signal),
+                token_buckets=(320,), batch_buckets=(1,))
+engine.warmup()
+engine.score([Request(1, list(range(history_len)), [])])
+request = Request(1, list(range(64)), list(range(256)))
+
+
+def run(host_hit: bool, iters: int, profile: cProfile.Profile | None = None):
+    PHASES.clear()
+    for _ in range(iters):
+        engine.kv.truncate(1, history_len)
+        if host_hit:
+            engine.kv.evict_from_gpu(1)
+        torch.cuda.synchronize()
+        if profile:
+            profile.enable()
+        engine.score([request])
+        if profile:
+            profile.disable()
+    return {k: round(statistics.median(v), 3) for k, v in PHASES.items()}
+
+
+for host_hit in (False, True):
+    run(host_hit, 5)
+    print(f"{'cpu hit + layerwise' if host_hit else 'gpu hit'} @ {history_len}, {signal}: median ms per phase",
+          run(host_hit, 20))
+profile = cProfile.Profile()
+run(True, 20, profile)
+pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+engine.close()
