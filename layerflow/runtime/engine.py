@@ -112,8 +112,6 @@ class Engine:
             return
         log.warning("the transfer server is gone; falling back to an in-process host tier (the KV it held is lost)")
         self.kv.replace_below(self._in_process_tier(self.kv.gpu))
-        if isinstance(self.layer_wait, EventfdNodeWait):
-            self.layer_wait.signals = self.signals  # captured host nodes read the wait's slots; only the ring moves
 
     def _default_copy_engine(self, cuda: bool) -> CopyEngine:
         if cuda:
@@ -126,7 +124,7 @@ class Engine:
         if not cuda:
             return HostWait()
         if self.config.signal is SignalMode.EVENTFD:
-            return EventfdNodeWait(self.signals, self.config.transfer_timeout_s)
+            return EventfdNodeWait(self.layout.num_layers, self.config.transfer_timeout_s)
         return GpuSignalWait(self.signals)
 
     # ---- public API ---------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import torch
 
 from layerflow.runtime import hostfn
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.eventfd import EventfdSignals
 from layerflow.transfer.signal_base import LayerSignals, SignalHandle
 
 
@@ -58,16 +57,15 @@ class HostWait(LayerWait):
 class EventfdNodeWait(LayerWait):
     """A native host function per layer reading the layer's eventfd (never the GIL; times out rather than hang)."""
 
-    def __init__(self, signals: EventfdSignals, timeout_s: float):
-        self.signals = signals
-        self.slots = hostfn.WaitSlots(signals.num_layers)
+    def __init__(self, num_layers: int, timeout_s: float):
+        self.slots = hostfn.WaitSlots(num_layers)
         self.timeout_ms = max(1, int(timeout_s * 1000))
         self._handle: SignalHandle | None = None
 
     def bind(self, handle: SignalHandle | None) -> None:
         self._handle = handle
         for layer in range(self.slots.num_layers):
-            fd = -1 if handle is None else self.signals.eventfd(handle, layer)
+            fd = -1 if handle is None else handle.eventfd(layer)
             poison = 0 if handle is None else handle.status_address
             self.slots.set(layer, fd, self.timeout_ms, poison)
         self.slots.reset()

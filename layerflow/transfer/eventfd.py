@@ -38,6 +38,11 @@ class EventfdSignals(LayerSignals):
         self._pending = [0] * num_counters
         self._notifier: _Notifier | None = None
 
+    @property
+    def fds(self) -> list[list[int]]:
+        """`fds[counter][layer]`: the whole grid (what a transfer server is handed)."""
+        return self._fds
+
     def eventfd(self, handle: SignalHandle, layer: int) -> int:
         handle._check_layer(layer)
         return self._fds[handle.counter_id][layer]

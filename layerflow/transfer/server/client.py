@@ -49,11 +49,6 @@ class NotResident(TransferError):
 class RemoteSignals(EventfdSignals):
     """An eventfd ring whose layers are written by the server; posting here is bookkeeping only."""
 
-    @property
-    def fds(self) -> list[list[int]]:
-        """`fds[counter][layer]`, the grid handed to the server."""
-        return self._fds
-
     def _signal(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
         """The server already wrote these eventfds before it answered DONE."""
 
