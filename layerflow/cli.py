@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS
 from layerflow.runtime.bench import add_arguments as add_bench_arguments

@@ -1,7 +1,6 @@
 """The engine on the CPU path: every tier gives the full-recompute scores, faults fail fast, bad input is refused."""
 
 import random
-import threading
 import time
 
 import pytest
@@ -50,16 +49,10 @@ def place(engine, user, tier):
     kv.evict_from_gpu(user)
     if tier is Tier.HOST:
         return
-    blocks = len(kv.host.pages(user))
     if tier is Tier.SSD:
-        kv.ssd.store(user, _views(kv), kv.host.pages(user))
-    kv.host.free(user)
-    assert blocks > 0
-
-
-def _views(kv):
-    from layerflow.transfer.ssd import tensor_block_views
-    return tensor_block_views(kv.host.blocks)
+        kv.evict_from_host(user)
+    else:
+        kv.below.drop(user)
 
 
 @pytest.mark.parametrize("tier,layerwise", [(Tier.GPU, True), (Tier.HOST, True), (Tier.HOST, False),
@@ -194,3 +187,23 @@ def test_layer_runs_only_after_its_copy_landed(weights):
     computes = [i for i, e in enumerate(events) if e[0] == "compute"]
     last_copy = events.index(("copy", CONFIG.num_layers - 1))
     assert len(computes) == CONFIG.num_layers and computes[0] < last_copy, events
+
+
+def test_ssd_copy_serves_a_truncated_prefix_and_never_a_stale_tail(weights, tmp_path):
+    copier = ThreadCopyEngine()
+    with make_engine(weights, tmp_path, copy_engine=copier) as engine:
+        history = list(range(100))
+        engine.score([Request(1, history, [])])
+        place(engine, 1, Tier.SSD)
+        engine.kv.truncate(1, 60)                 # the SSD copy still holds 100 tokens: its first 60 are valid
+        assert engine.kv.tier(1) is Tier.SSD
+        scores = engine.score([Request(1, [7, 8], [9])])[0]
+        assert torch.allclose(scores, reference(weights, history[:60] + [7, 8], [9]), atol=TOL)
+        copier.fail_at_layer = 0                  # the offload of the next visit fails: no host copy of it
+        engine.score([Request(1, [3], [])])
+        engine.kv.wait_offloads()
+        copier.fail_at_layer = None
+        engine.kv.evict_from_gpu(1)
+        assert engine.kv.tier(1) is Tier.NONE     # the SSD copy's valid prefix (60) is shorter than the history
+        scores = engine.score([Request(1, [4], [5])])[0]
+        assert torch.allclose(scores, reference(weights, history[:60] + [7, 8, 3, 4], [5]), atol=TOL)

@@ -22,7 +22,6 @@ from layerflow.transfer.errors import TransferError
 from layerflow.transfer.gpu_pool import GpuKVPool
 from layerflow.transfer.layout import KVLayout
 from layerflow.transfer.server import NotResident, spawn_server
-from layerflow.transfer.ssd import tensor_block_views
 
 CONFIG = HSTUConfig(num_layers=3, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
                     dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
@@ -226,7 +225,8 @@ def test_drop_forgets_a_user_in_every_tier_in_process(weights, tmp_path):
     with Engine(weights, make_config(tmp_path, "drop"), device="cpu") as engine:
         engine.score([Request(1, list(range(40)), [])])
         engine.kv.evict_from_gpu(1)
-        engine.kv.ssd.store(1, tensor_block_views(engine.kv.host.blocks), engine.kv.host.pages(1))
+        engine.kv.evict_from_host(1)
+        assert engine.kv.ssd.contains(1)
         engine.kv.drop(1)
         assert engine.kv.tier(1) is Tier.NONE and 1 not in engine.kv.host and not engine.kv.ssd.contains(1)
         scores = engine.score([Request(1, [5], [6])])[0]  # a new user now: only the appended item is its history

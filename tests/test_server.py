@@ -379,3 +379,13 @@ def test_one_onboard_request_carries_several_users_on_one_counter(server):
     handle.release()
     assert client.lookup("a") == ("host", 2)  # a failed request leaves the others' host copies in place
     client.close()
+
+
+def test_stopping_a_spawned_server_removes_the_directory_it_made():
+    from layerflow.transfer.config import TransferConfig
+    from layerflow.transfer.server.launcher import spawn_server
+
+    handle = spawn_server(TransferConfig(cpu_cache_gb=0.01))
+    assert handle.socket_path.exists() and handle.owns_run_dir
+    handle.stop()
+    assert not handle.run_dir.exists()

@@ -37,7 +37,6 @@ from layerflow.runtime.kv_manager import KVManager, Tier
 from layerflow.runtime.workload import Request
 from layerflow.transfer.config import SignalMode, TransferConfig, load_config
 from layerflow.transfer.layout import KVLayout
-from layerflow.transfer.ssd import tensor_block_views
 
 FRESH_USERS = 1 << 40  # ids of the no_cache scenario's one-visit users, far from the workload's
 
@@ -177,10 +176,7 @@ class Workload:
 
 def forget(kv: KVManager, user: int) -> None:
     kv.wait_offloads()
-    if user in kv.gpu:
-        kv.evict_from_gpu(user)
-    if user in kv.host:
-        kv.host.free(user)
+    kv.drop(user)
 
 
 # ---- scenarios --------------------------------------------------------------------------------------
@@ -344,9 +340,7 @@ class SsdHit(Scenario):
 
     def place(self, kv: KVManager, user: int, seq_len: int) -> None:
         kv.evict_from_gpu(user)
-        blocks = kv.host.pages(user)[:-(-seq_len // kv.host.page_size)]
-        kv.ssd.store(user, tensor_block_views(kv.host.blocks), blocks)
-        kv.host.free(user)
+        kv.evict_from_host(user)
 
 
 class SsdHitLayerwise(SsdHit):

@@ -197,6 +197,12 @@ class KVManager:
         self._reap_offloads()
         self.gpu.free(user)
 
+    def evict_from_host(self, user: int) -> None:
+        """Move a user's host copy down to SSD (or nowhere without one); in-process tier only."""
+        settle(self.users[user].offload)
+        self._reap_offloads()
+        self._in_process().evict(user)
+
     def drop(self, user: int) -> None:
         """Forget a user everywhere: history, GPU pages and the tier below's copies."""
         entry = self.users.pop(user, None)

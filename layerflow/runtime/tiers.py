@@ -129,12 +129,13 @@ class InProcessTier(KVTier):
         self.gpu_kv, self.layout, self.host, self.engine = list(gpu_kv), layout, host, engine
         self.signals, self.ssd = signals, ssd
         self.on_host: dict[int, int] = {}  # tokens the host copy holds once its offload is done
+        self.on_ssd: dict[int, int] = {}   # tokens of the SSD copy that are a valid prefix of the history
         self._offloads: dict[int, Transfer] = {}
 
     def locate(self, user: int, tokens: int) -> Tier:
         if user in self.host and self.on_host.get(user, 0) == tokens:
             return Tier.HOST
-        if self.ssd is not None and self.ssd.contains(user):
+        if self.ssd is not None and tokens > 0 and self.on_ssd.get(user, 0) >= tokens and self.ssd.contains(user):
             return Tier.SSD
         return Tier.NONE
 
@@ -165,34 +166,44 @@ class InProcessTier(KVTier):
         return _LocalOnboarding(handle, transfers, self.host, pinned)
 
     def _load_from_ssd(self, user: int, tokens: int) -> None:
-        blocks = self._host_allocate(user, tokens, keep={user}).pages
+        """Read the first `tokens` tokens' blocks back; a damaged copy is a miss and is forgotten."""
+        blocks = self._host_allocate(user, tokens).pages
         try:
             self.ssd.load(user, tensor_block_views(self.host.blocks), blocks)
-        except Miss:
+        except BaseException as e:
             self.host.free(user)
+            if isinstance(e, Miss):
+                self.on_ssd.pop(user, None)
             raise
         self.on_host[user] = tokens
 
-    def _host_allocate(self, user: int, tokens: int, keep: set[int]):
-        """Host blocks for `tokens` tokens of `user`, spilling LRU unpinned users to SSD to make room."""
-        need = -(-tokens // self.host.page_size) - (len(self.host.pages(user)) if user in self.host else 0)
-        for victim in self.host.users():
-            if self.host.num_free >= need:
-                break
-            if victim in keep or self.host.pin_count(victim):
-                continue
-            if self.ssd is not None and self.on_host.get(victim, 0) > 0:
-                self.ssd.store(victim, tensor_block_views(self.host.blocks), self.host.pages(victim))
-            self.host.free(victim)
-            self.on_host[victim] = 0
-        return self.host.allocate(user, tokens, can_drop=lambda u: False)
+    def _host_allocate(self, user: int, tokens: int):
+        """Host blocks for `tokens` tokens of `user`; LRU unpinned users are evicted (spilled to SSD) only if that
+        makes room."""
+        return self.host.allocate(user, tokens, on_evict=self._spill)
+
+    def _spill(self, victim: int) -> None:
+        """Write an evicted user's complete host copy to SSD (when there is one) before its blocks are reused."""
+        tokens = self.on_host.pop(victim, 0)
+        if self.ssd is None or tokens == 0:
+            return
+        blocks = self.host.pages(victim)[:-(-tokens // self.host.page_size)]
+        try:
+            dropped = self.ssd.store(victim, tensor_block_views(self.host.blocks), blocks)
+        except (OSError, ValueError) as e:
+            log.warning("could not spill user %s to SSD: %s", victim, e)
+            self.on_ssd.pop(victim, None)
+            return
+        self.on_ssd[victim] = tokens
+        for user in dropped:
+            self.on_ssd.pop(int(user), None)
 
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
         """Copies only from the first page the host copy does not hold yet."""
         if user in self._offloads:  # one offload per user at a time, each reaped (and unpinned) once
             settle(self._offloads[user])
             self.reap()
-        blocks = self._host_allocate(user, tokens, keep={user}).pages
+        blocks = self._host_allocate(user, tokens).pages
         ps = self.host.page_size
         first = self.on_host.get(user, 0) // ps if user in self.host else 0
         n = -(-tokens // ps)
@@ -220,8 +231,18 @@ class InProcessTier(KVTier):
                 self.on_host[user] = 0
                 self.host.free(user)
 
+    def evict(self, user: int) -> None:
+        """Drop the user's host copy, spilling it to SSD first when there is an SSD tier (its offload landed)."""
+        settle(self._offloads.get(user))
+        self.reap()
+        if user in self.host:
+            self._spill(user)
+            self.host.free(user)
+
     def truncate(self, user: int, tokens: int) -> None:
         self.on_host[user] = min(self.on_host.get(user, 0), tokens)
+        if user in self.on_ssd:
+            self.on_ssd[user] = min(self.on_ssd[user], tokens)
 
     def drop(self, user: int) -> None:
         settle(self._offloads.get(user))
@@ -231,6 +252,7 @@ class InProcessTier(KVTier):
         if self.ssd is not None:
             self.ssd.evict(user)
         self.on_host.pop(user, None)
+        self.on_ssd.pop(user, None)
 
     def close(self) -> None:
         self.engine.close()

@@ -228,12 +228,14 @@ class UserPages:
             self.free(user)
         return victims
 
-    def allocate(self, user: User, num_tokens: int, can_drop: CanDrop | None = None) -> Allocation:
+    def allocate(self, user: User, num_tokens: int, can_drop: CanDrop | None = None,
+                 on_evict: Callable[[User], None] | None = None) -> Allocation:
         """Make the user's indices hold `num_tokens` tokens in all (growing an existing user) and mark it MRU.
 
         When free indices are short, evicts LRU users allowed by `can_drop` (or by the pool's default), never the
-        user itself, and only when the eviction makes the request fit. Raises ValueError when the user could never
-        fit in this pool and PoolExhausted when it cannot fit now; nothing is evicted or allocated in either case.
+        user itself, and only when the eviction makes the request fit; `on_evict(victim)` runs just before each victim
+        is freed (its data still in place: e.g. a spill to SSD). Raises ValueError when the user could never fit in
+        this pool and PoolExhausted when it cannot fit now; nothing is evicted or allocated in either case.
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens!r}: must be a non-negative integer")
@@ -257,6 +259,8 @@ class UserPages:
                     f"{self.total}, {pinned} held by pinned users, the rest by users that may not be dropped"
                 )
             for victim in victims:
+                if on_evict is not None:
+                    on_evict(victim)
                 self.free(victim)
             evicted = victims
         new = self.allocator.allocate(max(need, 0), after=pages[-1] if pages else None)

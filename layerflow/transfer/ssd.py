@@ -178,7 +178,8 @@ class SsdStore:
 
     def load(self, user: str | int, host: HostBlocks, blocks: Sequence[int],
              on_group: Callable[[list[int]], None] | None = None) -> None:
-        """Read `user`'s blocks into host `blocks`; raise Miss (and drop the entry) on any damage.
+        """Read the first len(`blocks`) of `user`'s blocks into host `blocks`; raise Miss (and drop the entry) on
+        any damage, or when fewer blocks are stored than asked.
 
         Reads go out in groups of `group_blocks` on the I/O threads; `on_group(host_blocks)`
         runs as each verified group lands, in file order, so a caller can start copying it on.
@@ -190,8 +191,8 @@ class SsdStore:
                 self._entries.move_to_end(key)
         if entry is None:
             raise Miss(f"user {key!r} is not on SSD")
-        if len(blocks) != entry.num_blocks:
-            raise ValueError(f"blocks has {len(blocks)} entries, user {key!r} has {entry.num_blocks} on SSD")
+        if len(blocks) > entry.num_blocks:
+            raise Miss(f"user {key!r}: {len(blocks)} blocks asked, {entry.num_blocks} on SSD")
         path = self.dirs[entry.dir_index] / entry.file
         views = [host(b) for b in blocks]
         direct = self._direct(entry.dir_index, views)

@@ -16,7 +16,6 @@ stream, so a word >= this onboarding's epoch means this onboarding's layer lande
 
 from __future__ import annotations
 
-import time
 
 import torch
 import triton
@@ -25,7 +24,6 @@ from cuda.bindings import driver
 
 from layerflow.transfer.config import SignalMode
 from layerflow.transfer.cuda_util import check, poll_until, require_cuda
-from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signal_base import LayerSignals, SignalHandle
 
 _MASK = 0xFFFFFFFF

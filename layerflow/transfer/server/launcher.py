@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ class ServerHandle:
 
     process: subprocess.Popen
     run_dir: Path
+    owns_run_dir: bool = False   # the launcher made the directory, so `stop` removes it
 
     @property
     def socket_path(self) -> Path:
@@ -43,7 +45,7 @@ class ServerHandle:
         return self.process.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if it does not exit within `timeout`."""
+        """SIGTERM, then SIGKILL if it does not exit within `timeout`; remove the directory the launcher made."""
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -51,6 +53,8 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def kill(self) -> None:
         self.process.kill()
@@ -60,6 +64,7 @@ class ServerHandle:
 def spawn_server(config: TransferConfig, run_dir: str | os.PathLike | None = None,
                  timeout_s: float = 60.0) -> ServerHandle:
     """Run `python -m layerflow.transfer.server` in a fresh private directory; raise RuntimeError if it fails to start."""
+    owns_run_dir = run_dir is None
     run_dir = make_private_dir(run_dir)
     config_path = run_dir / "config.yaml"
     fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -76,7 +81,7 @@ def spawn_server(config: TransferConfig, run_dir: str | os.PathLike | None = Non
             break
         line = process.stdout.readline()
         if line.startswith(READY):
-            return ServerHandle(process, run_dir)
+            return ServerHandle(process, run_dir, owns_run_dir)
         if not line:
             process.wait()
             raise RuntimeError(f"transfer server exited with {process.returncode} during start-up: "

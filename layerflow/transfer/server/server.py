@@ -211,14 +211,13 @@ class TransferServer:
     def _views(self):
         return tensor_block_views(self.host.blocks)
 
-    def _spill(self, user) -> bool:
-        """Host eviction hook: write the victim to SSD first when there is an SSD tier."""
+    def _spill(self, user) -> None:
+        """Host eviction hook, run only for users really evicted: write the victim to SSD first when there is one."""
         if self.ssd is not None and not self.ssd.contains(user):
             try:
                 self.ssd.store(user, self._views(), self.host.pages(user))
             except (OSError, ValueError) as e:
                 log.warning("could not spill user %r to SSD: %s", user, e)
-        return True
 
     def _groups(self, client: _Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
                 onboard: bool) -> list[Transfer]:
@@ -289,7 +288,7 @@ class TransferServer:
                     elif self.ssd is not None and self.ssd.contains(user):
                         held = self.ssd.num_blocks(user)
                         self._check_pages(user, len(pages), held)
-                        blocks = list(self.host.allocate(user, held * self.layout.page_size, can_drop=self._spill).pages)
+                        blocks = list(self.host.allocate(user, held * self.layout.page_size, on_evict=self._spill).pages)
                         from_ssd = True
                     else:
                         raise LookupError(f"user {user!r} is not resident on this server (host or SSD)")
@@ -338,7 +337,7 @@ class TransferServer:
                 if user in self.host:
                     self.host.free(user)
                 blocks = list(self.host.allocate(user, len(gpu_pages) * self.layout.page_size,
-                                                 can_drop=self._spill).pages)
+                                                 on_evict=self._spill).pages)
                 self.host.pin(user)
                 if self.ssd is not None:
                     self.ssd.evict(user)
