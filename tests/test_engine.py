@@ -207,3 +207,19 @@ def test_ssd_copy_serves_a_truncated_prefix_and_never_a_stale_tail(weights, tmp_
         assert engine.kv.tier(1) is Tier.NONE     # the SSD copy's valid prefix (60) is shorter than the history
         scores = engine.score([Request(1, [4], [5])])[0]
         assert torch.allclose(scores, reference(weights, history[:60] + [7, 8, 3, 4], [5]), atol=TOL)
+
+
+def test_a_user_too_big_for_the_host_stays_served_from_the_gpu(weights):
+    """An offload that cannot start (the host pool is smaller than the user) loses nothing: the scores stand, the
+    other users of the batch are unpinned and offloaded, and the big user stays a GPU hit."""
+    with make_engine(weights, cpu_cache_gb=0.0004) as engine:   # 34 blocks of 16 tokens: the big user needs 50
+        big, small = [i % 500 for i in range(800)], list(range(30))
+        out = engine.score([Request(1, big, [3]), Request(2, small, [4])])
+        assert torch.allclose(out[0], reference(weights, big, [3]), atol=TOL)
+        engine.kv.wait_offloads()
+        assert engine.kv.gpu.pin_count(1) == engine.kv.gpu.pin_count(2) == 0
+        assert engine.kv.tier(1) is Tier.GPU
+        engine.kv.evict_from_gpu(2)
+        assert engine.kv.tier(2) is Tier.HOST
+        scores = engine.score([Request(1, [5], [6])])[0]
+        assert torch.allclose(scores, reference(weights, big + [5], [6]), atol=TOL)

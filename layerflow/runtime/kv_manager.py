@@ -10,6 +10,7 @@ miss: its stored item history is recomputed once, exactly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from layerflow.hstu.batch import JaggedBatch
@@ -17,12 +18,16 @@ from layerflow.hstu.config import HSTUConfig
 from layerflow.runtime.tiers import InProcessTier, KVTier, Load, Onboarding, Tier, settle
 from layerflow.runtime.workload import Request
 from layerflow.transfer.copy_engine import Transfer
+from layerflow.transfer.errors import TransferError
 from layerflow.transfer.gpu_pool import GpuKVPool
 from layerflow.transfer.host_pool import HostKVPool
+from layerflow.transfer.lru import PoolExhausted
 from layerflow.transfer.signal_base import SignalHandle
 from layerflow.transfer.ssd import SsdStore
 
 __all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -142,8 +147,9 @@ class KVManager:
     def commit(self, plan: BatchPlan) -> None:
         """The block succeeded: record the remaining users' new history and offload the pages the batch wrote."""
         self._finish_onboarding(plan)
-        for b, r in enumerate(plan.requests):
+        for r in plan.requests:
             self.gpu.unpin(r.user_id)
+        for b in range(len(plan.requests)):
             if b not in plan.recorded:
                 self._record(plan, b)
 
@@ -171,7 +177,11 @@ class KVManager:
             self.below.truncate(r.user_id, 0)
         ao = plan.batch.appended_offsets
         entry.history.extend(plan.batch.appended_ids[int(ao[b]):int(ao[b + 1])].tolist())
-        self._offload(r.user_id, entry, plan.page_rows[b])
+        try:
+            self._offload(r.user_id, entry, plan.page_rows[b])
+        except (PoolExhausted, ValueError, OSError, TransferError) as e:
+            # The scores stand; the user stays a GPU hit with no copy below (recomputed if evicted later).
+            log.warning("offload of user %s not started: %s", r.user_id, e)
 
     def wait_offloads(self) -> None:
         """Block until every offload landed (benchmarks, shutdown)."""
