@@ -120,6 +120,18 @@ def test_server_tier_scores_bitwise_like_in_process_on_cuda(tmp_path, scenario):
     compare(HSTUWeights.init(CUDA_CONFIG, seed=3), tmp_path, scenario, "cuda", 2e-2)
 
 
+def _wait_stopped(pid: int) -> None:
+    """SIGSTOP is asynchronous: wait until the kernel reports the process stopped ('T'), or the server could still
+    answer the next request."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def test_server_killed_while_a_batch_waits_fails_it_at_once_then_falls_back(weights, tmp_path, caplog):
     rng = random.Random(5)
     history = {4: items(rng, 120), 5: items(rng, 80)}
@@ -144,6 +156,7 @@ def test_server_killed_while_a_batch_waits_fails_it_at_once_then_falls_back(weig
 
         def stop_then_send(*args, **kwargs):
             os.kill(pid, signal.SIGSTOP)  # the onboarding is sent and never answered; the batch waits on layer 0
+            _wait_stopped(pid)
             sent = send(*args, **kwargs)
             killer.start()
             return sent
