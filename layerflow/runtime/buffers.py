@@ -68,10 +68,10 @@ class BatchBuffers:
         self._put("q_offsets", np.concatenate([q_offsets, np.full(self.bucket.max_batch - n, q_offsets[-1])]))
         self._put("history_lens", np.asarray(batch.history_lens))
         self._put("appended_lens", np.asarray(batch.appended_lens))
-        table = np.zeros((self.bucket.max_batch, self.max_pages), dtype=np.int32)
+        table = self._host_np[self._slices["page_table"]].reshape(self.bucket.max_batch, self.max_pages)
+        table.fill(0)  # page 0 is valid: a kernel reading past a user's pages cannot fault
         for b, pages in enumerate(page_rows):
             table[b, :len(pages)] = pages
-        self._put("page_table", table.reshape(-1))
         ids, positions = batch.query_tokens()
         self._put("ids", ids.numpy())
         self._put("positions", positions.numpy())

@@ -62,6 +62,7 @@ class KVManager:
     def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool):
         self.config, self.gpu, self.below, self.layerwise = config, gpu, below, layerwise
         self.users: dict[int, UserEntry] = {}
+        self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
 
     @property
     def host(self) -> HostKVPool:
@@ -88,9 +89,10 @@ class KVManager:
     def replace_below(self, below: KVTier) -> None:
         """Swap the tier below the GPU (e.g. the transfer server died): the old one's copies are forgotten; GPU-resident
         users stay hits and are offloaded to the new tier at their next batch; the rest become misses."""
-        for entry in self.users.values():
-            settle(entry.offload)
-            entry.offload = None
+        for user in self._offloading:
+            settle(self.users[user].offload)
+            self.users[user].offload = None
+        self._offloading.clear()
         old, self.below = self.below, below
         old.close()
 
@@ -185,8 +187,8 @@ class KVManager:
 
     def wait_offloads(self) -> None:
         """Block until every offload landed (benchmarks, shutdown)."""
-        for entry in self.users.values():
-            settle(entry.offload)
+        for user in self._offloading:
+            settle(self.users[user].offload)
         self._reap_offloads()
 
     def truncate(self, user: int, num_tokens: int) -> None:
@@ -218,6 +220,7 @@ class KVManager:
         entry = self.users.pop(user, None)
         if entry is not None:
             settle(entry.offload)
+        self._offloading.discard(user)
         self._reap_offloads()
         if user in self.gpu:
             self.gpu.free(user)
@@ -255,10 +258,12 @@ class KVManager:
             settle(entry.offload)
             self._reap_offloads()
         entry.offload = self.below.offload(user, len(entry.history), pages)
+        self._offloading.add(user)
 
     def _reap_offloads(self) -> None:
-        """Forget finished offloads (the tier settles its own bookkeeping of them)."""
-        for entry in self.users.values():
-            if entry.offload is not None and entry.offload.done():
-                entry.offload = None
+        """Forget finished offloads (the tier settles its own bookkeeping of them): only those in flight are looked
+        at, so a batch costs nothing per idle user."""
+        for user in [u for u in self._offloading if self.users[u].offload.done()]:
+            self.users[user].offload = None
+            self._offloading.discard(user)
         self.below.reap()
