@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -68,13 +68,6 @@ class HSTUConfig:
         out["dtype"] = next(k for k, v in DTYPES.items() if v == self.dtype)
         return out
 
-    @classmethod
-    def from_dict(cls, values: dict) -> "HSTUConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model config keys: {unknown}")
-        return cls(**values)
 
 
 PRESETS: dict[str, HSTUConfig] = {

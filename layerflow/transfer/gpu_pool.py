@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from layerflow.transfer.layout import KVLayout
-from layerflow.transfer.lru import User, UserPages
+from layerflow.transfer.lru import UserPages
 
 
 class GpuKVPool(UserPages):
@@ -39,21 +39,6 @@ class GpuKVPool(UserPages):
                 raise ValueError(f"layers[{i}]: {tuple(t.shape)} {t.dtype} on {t.device}, expected a contiguous "
                                  f"{shape} {dtype} on {self.device}")
         self.kv = list(layers)
-
-    def page_table_tensor(self, users: Sequence[User], max_pages: int, fill: int = 0) -> torch.Tensor:
-        """int32 `[len(users), max_pages]` page table on the pool's device, rows padded with `fill`.
-
-        The default fill 0 is a valid page, so a kernel that reads past a user's length cannot fault.
-        """
-        if isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages < 0:
-            raise ValueError(f"max_pages={max_pages!r}: must be a non-negative integer")
-        rows = []
-        for user in users:
-            pages = self.pages(user)
-            if len(pages) > max_pages:
-                raise ValueError(f"user {user!r} holds {len(pages)} pages > max_pages={max_pages}")
-            rows.append(list(pages) + [fill] * (max_pages - len(pages)))
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(rows), max_pages)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:

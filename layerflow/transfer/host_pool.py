@@ -80,8 +80,3 @@ class HostKVPool(UserPages):
                 f"num_blocks={num_blocks}"
             )
         return num_blocks
-
-    def layer_view(self, layer: int) -> torch.Tensor:
-        """`[num_blocks, 2, page_size, H, D]` strided view of one global layer (row pitch = its group's block)."""
-        group, local = self.layout.locate(layer)
-        return self.blocks[group][:, local]

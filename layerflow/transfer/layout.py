@@ -105,9 +105,6 @@ class KVLayout:
             raise ValueError(f"layer={layer!r}: expected an int in [0, {self.num_layers})")
         return self.layer_map[layer]
 
-    def group_of(self, layer: int) -> LayerGroup:
-        return self.groups[self.locate(layer)[0]]
-
     def gpu_page_shape(self, group: int) -> tuple[int, int, int, int]:
         """`[2, page_size, H, D]` of one GPU page of `group`."""
         return self.groups[group].page_shape(self.page_size)
@@ -126,11 +123,6 @@ class KVLayout:
         Equals the group's block bytes: the source pitch of the per-layer 2D copy.
         """
         return self.groups[group].block_bytes(self.page_size)
-
-    def host_layer_offset(self, layer: int) -> int:
-        """Byte offset of global `layer`'s page inside a block of its group's host tensor."""
-        group, local = self.locate(layer)
-        return local * self.layer_page_bytes(group)
 
     def block_bytes(self, group: int) -> int:
         """Bytes of one host block of `group`."""
