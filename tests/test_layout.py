@@ -88,3 +88,9 @@ def test_frozen():
     layout = KVLayout.for_hstu(HSTUConfig(), page_size=32)
     with pytest.raises(AttributeError):
         layout.page_size = 16
+
+
+def test_group_ranges_cover_the_layers_in_order():
+    layout = KVLayout((LayerGroup(3, 2, 8, "bfloat16"), LayerGroup(2, 1, 4, "float32")), page_size=4)
+    assert layout.group_ranges == (range(0, 3), range(3, 5))
+    assert [layout.locate(l)[0] for r in layout.group_ranges for l in r] == [0, 0, 0, 1, 1]

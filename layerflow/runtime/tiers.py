@@ -157,12 +157,9 @@ class InProcessTier(KVTier):
         for load in loads:
             gpu_pages += load.gpu_pages
             host_blocks += self.host.pages(load.user)[:len(load.gpu_pages)]
-        transfers, first = [], 0
-        for g, group in enumerate(self.layout.groups):
-            layers = self.gpu_kv[first:first + group.num_layers]
-            transfers.append(self.engine.onboard(layers, self.host.blocks[g], gpu_pages, host_blocks, handle,
-                                                 first_layer=first))
-            first += group.num_layers
+        transfers = [self.engine.onboard(self.gpu_kv[r.start:r.stop], self.host.blocks[g], gpu_pages, host_blocks,
+                                         handle, first_layer=r.start)
+                     for g, r in enumerate(self.layout.group_ranges)]
         return _LocalOnboarding(handle, transfers, self.host, pinned)
 
     def _load_from_ssd(self, user: int, tokens: int) -> None:
@@ -208,11 +205,9 @@ class InProcessTier(KVTier):
         first = self.on_host.get(user, 0) // ps if user in self.host else 0
         n = -(-tokens // ps)
         self.host.pin(user)
-        transfers, start = [], 0
-        for g, group in enumerate(self.layout.groups):
-            layers = self.gpu_kv[start:start + group.num_layers]
-            transfers.append(self.engine.offload(layers, self.host.blocks[g], gpu_pages[first:n], blocks[first:n]))
-            start += group.num_layers
+        transfers = [self.engine.offload(self.gpu_kv[r.start:r.stop], self.host.blocks[g], gpu_pages[first:n],
+                                         blocks[first:n])
+                     for g, r in enumerate(self.layout.group_ranges)]
         transfer = transfers[-1] if len(transfers) == 1 else _AllOf(transfers)
         self._offloads[user] = transfer
         self.on_host[user] = tokens

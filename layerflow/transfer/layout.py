@@ -95,6 +95,15 @@ class KVLayout:
         return sum(g.num_layers for g in self.groups)
 
     @property
+    def group_ranges(self) -> tuple[range, ...]:
+        """The global layers of each group, in order: what one copy call per group covers."""
+        out, first = [], 0
+        for g in self.groups:
+            out.append(range(first, first + g.num_layers))
+            first += g.num_layers
+        return tuple(out)
+
+    @property
     def layer_map(self) -> tuple[tuple[int, int], ...]:
         """Global layer -> (group index, layer within the group)."""
         return tuple((gi, li) for gi, g in enumerate(self.groups) for li in range(g.num_layers))

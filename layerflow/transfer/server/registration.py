@@ -54,9 +54,6 @@ class ClientPool:
     layers: list[torch.Tensor]
     shm: SharedMemory | None = None
 
-    def group_layers(self, group: int) -> list[torch.Tensor]:
-        return [t for t, (g, _) in zip(self.layers, self.layout.layer_map) if g == group]
-
 
 def export_pool(layout: KVLayout, layers: Sequence[torch.Tensor], shm: SharedMemory | None = None) -> Export:
     """Describe `layers` for the server. CPU layers must be the ones `shared_cpu_pool` laid over `shm`."""

@@ -221,14 +221,13 @@ class TransferServer:
 
     def _groups(self, client: _Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
                 onboard: bool) -> list[Transfer]:
-        out, first = [], 0
-        for g, group in enumerate(self.layout.groups):
-            layers = client.pool.group_layers(g)
+        out = []
+        for g, r in enumerate(self.layout.group_ranges):
+            layers = client.pool.layers[r.start:r.stop]
             if onboard:
-                out.append(client.engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, first))
+                out.append(client.engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, r.start))
             else:
                 out.append(client.engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
-            first += group.num_layers
         return out
 
     def _wait(self, transfers: list[Transfer]) -> None:
