@@ -119,6 +119,8 @@ class TransferServer:
             self._notifier.stop()
         if self.ssd is not None:
             self.ssd.close()
+        if self._host_shm is not None:
+            self._host_shm.close()
 
     # ---- per client ----------------------------------------------------------------------
 
