@@ -223,3 +223,15 @@ def test_a_user_too_big_for_the_host_stays_served_from_the_gpu(weights):
         assert engine.kv.tier(2) is Tier.HOST
         scores = engine.score([Request(1, [5], [6])])[0]
         assert torch.allclose(scores, reference(weights, big + [5], [6]), atol=TOL)
+
+
+def test_batches_beyond_the_buckets_reuse_a_few_buffer_sizes(weights):
+    """Long misses run eagerly in power-of-two buckets: a stream of new users of varied lengths creates O(log)
+    buffer sets, not one per length."""
+    rng = random.Random(4)
+    config = TransferConfig(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16)
+    with Engine(weights, config, token_buckets=(64,), batch_buckets=(1,)) as engine:
+        for u in range(12):
+            engine.score([Request(100 + u, items(rng, 300 + 37 * u), items(rng, 3))])
+        oversized = [b for b in engine._buffers if b not in engine.buckets]
+        assert 0 < len(oversized) <= 3, oversized

@@ -17,9 +17,9 @@ import logging
 import torch
 
 from layerflow.hstu.weights import HSTUWeights
+from layerflow.runtime import remote_tier
 from layerflow.runtime.buffers import BatchBuffers, Bucket
 from layerflow.runtime.graphs import GraphRunner
-from layerflow.runtime import remote_tier
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
 from layerflow.runtime.tiers import InProcessTier
@@ -41,8 +41,8 @@ BATCH_BUCKETS = (1, 2, 4, 8)
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return max(multiple, -(-n // multiple) * multiple)
+def _next_power_of_2(n: int, floor: int) -> int:
+    return max(floor, 1 << (n - 1).bit_length())
 
 
 class Engine:
@@ -180,11 +180,12 @@ class Engine:
         return self._buffers[bucket]
 
     def _bucket(self, batch_size: int, num_tokens: int) -> Bucket:
-        """The smallest captured bucket that fits, else an exact one run eagerly (e.g. a long miss)."""
+        """The smallest captured bucket that fits, else a power-of-two one run eagerly (e.g. a long miss): powers of
+        two keep the buffers and attention workspaces such batches create to a few sizes."""
         fitting = [b for b in self.buckets if b.fits(batch_size, num_tokens)]
         if fitting:
             return min(fitting, key=lambda b: (b.max_tokens, b.max_batch))
-        return Bucket(batch_size, _round_up(num_tokens, 64))
+        return Bucket(_next_power_of_2(batch_size, 1), _next_power_of_2(num_tokens, 64))
 
     def _run(self, plan: BatchPlan) -> torch.Tensor:
         batch = plan.batch
