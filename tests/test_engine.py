@@ -235,3 +235,25 @@ def test_batches_beyond_the_buckets_reuse_a_few_buffer_sizes(weights):
             engine.score([Request(100 + u, items(rng, 300 + 37 * u), items(rng, 3))])
         oversized = [b for b in engine._buffers if b not in engine.buckets]
         assert 0 < len(oversized) <= 3, oversized
+
+
+def test_a_process_that_never_closes_its_engine_exits_cleanly(tmp_path):
+    """The transfer threads stop at interpreter exit: a worker thread alive when torch's OpenMP pool is torn down
+    aborted the process (SIGABRT, every time, before the fix)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_close.py"
+    script.write_text(
+        "from layerflow.hstu import HSTUWeights\n"
+        "from layerflow.hstu.config import PRESETS\n"
+        "from layerflow.runtime.engine import Engine\n"
+        "from layerflow.runtime.workload import Request\n"
+        "from layerflow.transfer.config import TransferConfig\n"
+        "engine = Engine(HSTUWeights.init(PRESETS['tiny'], 0), TransferConfig(cpu_cache_gb=0.1, gpu_cache_gb=0.1))\n"
+        "engine.score([Request(1, list(range(1500)), [])])\n"
+        "engine.kv.evict_from_gpu(1)\n"
+        "engine.score([Request(1, [1, 2], [3, 4])])\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -60,6 +61,11 @@ class _Worker:
             work()
 
 
+def _stop_workers(*workers: _Worker) -> None:
+    for worker in workers:
+        worker.stop()
+
+
 class ThreadCopyEngine(CopyEngine):
     """`layer_hook(layer)` runs on the worker before each layer's copy (tests slow or break copies with it)."""
 
@@ -68,10 +74,12 @@ class ThreadCopyEngine(CopyEngine):
         self.layer_hook = layer_hook
         self._h2d = _Worker("layerflow-h2d")
         self._d2h = _Worker("layerflow-d2h")
+        # Stop the workers at close, at garbage collection or at interpreter exit, whichever comes first: a worker
+        # thread still alive when torch's OpenMP pool is torn down aborts the process.
+        self._stop = weakref.finalize(self, _stop_workers, self._h2d, self._d2h)
 
     def close(self) -> None:
-        self._h2d.stop()
-        self._d2h.stop()
+        self._stop()
 
     def _onboard(self, job: CopyJob) -> Transfer:
         transfer = ThreadTransfer(job)
