@@ -7,7 +7,7 @@ venv:
 	@tools/venv.sh $(VENV)
 
 run: venv
-	$(VENV)/bin/layerflow score
+	$(VENV)/bin/layerflow bench
 
 test: venv
 	$(PY) -m pytest -m "not gpu" -q
