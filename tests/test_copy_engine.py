@@ -173,3 +173,21 @@ def test_cuda_injected_failure_reports():
         assert torch.equal(gpu[1][1].cpu(), host[3, 1])
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("destinations,sources,duplicate", [
+    ([0, 1, 2, 3], [4, 5, 6, 7], False),                 # one run
+    ([9, 10, 0, 1, 5], [0, 1, 2, 3, 4], False),          # disjoint runs out of order
+    ([0, 1, 2, 3, 4, 5, 1], [0, 1, 2, 3, 4, 5, 9], True),  # a later run inside the first one
+    ([0, 1, 2, 3, 4, 9, 3], [0, 1, 2, 3, 4, 5, 6], True),  # overlap with a run that is not the next by start
+    ([6, 2, 6], [0, 1, 2], True),
+])
+def test_duplicate_destinations_are_refused_in_either_direction(engine, destinations, sources, duplicate):
+    """The first list holds the destinations: GPU pages when onboarding, host blocks when offloading."""
+    gpu, host = make_tensors()
+    for call, pages, blocks in ((engine.onboard, destinations, sources), (engine.offload, sources, destinations)):
+        if duplicate:
+            with pytest.raises(ValueError, match="appears twice"):
+                call(gpu, host, pages, blocks)
+        else:
+            call(gpu, host, pages, blocks).wait(5)

@@ -74,18 +74,30 @@ def make_job(gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: 
             raise ValueError(f"gpu_layers[{i}]: must be contiguous")
     plan = plan_runs(gpu_pages, host_blocks)
     if plan.num_pages:
+        # Every check works on the runs, not the pages: a contiguous user is one run, so this is O(1) for it.
         num_pages = min(layer.shape[0] for layer in layers)
-        if int(plan.gpu_pages.max()) >= num_pages:
-            raise ValueError(f"gpu_pages: index {int(plan.gpu_pages.max())} out of range [0, {num_pages})")
-        if int(plan.host_blocks.max()) >= host.shape[0]:
-            raise ValueError(f"host_blocks: index {int(plan.host_blocks.max())} out of range [0, {host.shape[0]})")
-        dst = plan.gpu_pages if unique_gpu else plan.host_blocks
-        if np.unique(dst).size != dst.size:
+        gpu_max = int((plan.run_gpu + plan.run_len).max()) - 1
+        host_max = int((plan.run_host + plan.run_len).max()) - 1
+        if gpu_max >= num_pages:
+            raise ValueError(f"gpu_pages: index {gpu_max} out of range [0, {num_pages})")
+        if host_max >= host.shape[0]:
+            raise ValueError(f"host_blocks: index {host_max} out of range [0, {host.shape[0]})")
+        starts = plan.run_gpu if unique_gpu else plan.run_host
+        if _runs_overlap(starts, plan.run_len):
             raise ValueError(f"{'gpu_pages' if unique_gpu else 'host_blocks'}: a destination appears twice")
     if signal is not None and (first_layer < 0 or first_layer + len(layers) > signal.num_layers):
         raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(layers) - 1} exceed "
                          f"the signal's {signal.num_layers} layers")
     return CopyJob(layers, host, plan, signal, first_layer)
+
+
+def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether any two runs [start, start + length) share an index."""
+    if starts.size < 2:
+        return False
+    order = np.argsort(starts, kind="stable")
+    ends = (starts + lengths)[order]
+    return bool((starts[order][1:] < ends[:-1]).any())
 
 
 class CopyEngine(ABC):
