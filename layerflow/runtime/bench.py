@@ -58,6 +58,15 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     return tuple(parse_length(t) for t in text.split(",") if t.strip())
 
 
+def check_settings(settings, positive: tuple[str, ...]) -> None:
+    """What every benchmark mode's settings need: a known model preset and the named fields > 0."""
+    if settings.preset not in PRESETS:
+        raise ValueError(f"preset={settings.preset!r}: expected one of {sorted(PRESETS)}")
+    for name in positive:
+        if getattr(settings, name) <= 0:
+            raise ValueError(f"{name}={getattr(settings, name)!r}: must be positive")
+
+
 @dataclass(frozen=True)
 class Settings:
     """One benchmark run: the model, the request shape, the lengths, the scenarios and the transfer config."""
@@ -78,14 +87,10 @@ class Settings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset={self.preset!r}: expected one of {sorted(PRESETS)}")
+        check_settings(self, ("append_len", "num_candidates", "batch_size", "timed_iters"))
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
         if unknown or not self.scenarios:
             raise ValueError(f"scenarios={list(self.scenarios)!r}: expected some of {list(SCENARIOS)}")
-        for name in ("append_len", "num_candidates", "batch_size", "timed_iters"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be positive")
         if self.warmup_iters < 0:
             raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
         if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):

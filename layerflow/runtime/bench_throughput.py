@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS
+from layerflow.runtime.bench import CPU_NOTE, check_settings
 from layerflow.runtime.bench_stats import percentile
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.workload import Request
@@ -48,12 +49,8 @@ class ThroughputSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset={self.preset!r}: expected one of {sorted(PRESETS)}")
-        for name in ("history_len", "append_len", "num_candidates", "num_users", "gpu_users", "num_requests",
-                     "batch_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be positive")
+        check_settings(self, ("history_len", "append_len", "num_candidates", "num_users", "gpu_users",
+                              "num_requests", "batch_size"))
         if not self.rate > 0 or not self.zipf >= 0:
             raise ValueError(f"rate={self.rate!r}, zipf={self.zipf!r}: need rate > 0 and zipf >= 0")
         if self.gpu_users >= self.num_users:
@@ -204,7 +201,6 @@ def settings_from_args(args: argparse.Namespace, device: torch.device) -> Throug
 
 
 def run_throughput_from_args(args: argparse.Namespace, device: torch.device, command: str) -> None:
-    from layerflow.runtime.bench import CPU_NOTE
     from layerflow.runtime.bench_report import environment_of
 
     settings = settings_from_args(args, device)
