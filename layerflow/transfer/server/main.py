@@ -9,8 +9,6 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
-
 from layerflow.transfer.config import load_config
 from layerflow.transfer.server.launcher import READY
 from layerflow.transfer.server.server import TransferServer
@@ -34,9 +32,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT."""
-    # The server's CPU copies run on its own worker threads; torch's OpenMP pool entered from such threads aborts the
-    # process at exit ("terminate called without an active exception"), and one thread per copy is all they need.
-    torch.set_num_threads(1)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config)
@@ -48,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    threading.Thread(target=server.serve_forever, daemon=True, name="layerflow-server-accept").start()
+    accept = threading.Thread(target=server.serve_forever, daemon=True, name="layerflow-server-accept")
+    accept.start()
     print(f"{READY} socket={server.socket_path} token={server.token_path}", flush=True)
     stop.wait()
     server.close()
+    accept.join(timeout=5)
     return 0

@@ -87,6 +87,7 @@ class TransferServer:
         self._host_shm: SharedMemory | None = None
         self.ssd: SsdStore | None = None
         self._clients: set[_Client] = set()
+        self._threads: list[threading.Thread] = []   # one per client connection, joined at close
         self._closed = threading.Event()
         self._handlers: dict[Op, Callable[[_Client, protocol.Message], None]] = {
             Op.REGISTER_POOL: self._register_pool,
@@ -104,15 +105,22 @@ class TransferServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 break
-            threading.Thread(target=self._serve_client, args=(sock,), daemon=True,
-                             name="layerflow-server-client").start()
+            thread = threading.Thread(target=self._serve_client, args=(sock,), daemon=True,
+                                      name="layerflow-server-client")
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
 
     def close(self) -> None:
         self._closed.set()
+        for sock in [self._listener] + [client.sock for client in list(self._clients)]:
+            try:  # shutdown, unlike close, wakes a thread blocked in accept() or recv() on the socket
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._listener.close()
         self.socket_path.unlink(missing_ok=True)
-        for client in list(self._clients):
-            client.sock.close()
+        for thread in self._threads:  # a thread still inside torch at interpreter exit aborts the process
+            thread.join(timeout=5)
         for engine in self._engines.values():
             engine.close()
         if self._notifier is not None:
