@@ -227,7 +227,8 @@ class PagedAttention:
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits={self.num_splits}: expected 1..{MAX_SPLITS}")
         self.tiling = tiling
-        self.query_slots = triton.cdiv(max_tokens, tiling.block_m) + max_batch
+        # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
+        self.query_slots = (max_tokens + max_batch * (tiling.block_m - 1)) // tiling.block_m
         self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
         self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32,
                                      device=self.device) if self.num_splits > 1 else None)
