@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from layerflow.transfer.copy_plan import plan_runs
+from layerflow.transfer.copy_plan import plan_runs, ramp_bounds
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 
@@ -191,3 +191,14 @@ def test_duplicate_destinations_are_refused_in_either_direction(engine, destinat
                 call(gpu, host, pages, blocks)
         else:
             call(gpu, host, pages, blocks).wait(5)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 64, 512, 1000])
+def test_ramp_bounds_cover_the_batch_in_doubling_chunks(n):
+    bounds = ramp_bounds(n)
+    sizes = np.diff(bounds)
+    assert bounds[0] == 0 and bounds[-1] == n
+    assert (sizes > 0).all()
+    assert n == 0 or sizes[0] == min(2, n)
+    assert (sizes[1:-1] == 2 * sizes[:-2]).all()  # every chunk but the last doubles the one before
+    assert len(sizes) <= max(1, int(np.log2(n / 2 + 1)) + 1)

@@ -55,27 +55,30 @@ class CopyJob:
         return self.gpu_layers[0][0].numel() * self.gpu_layers[0].element_size()
 
 
-def make_job(gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
-             host_blocks: Sequence[int] | np.ndarray, signal: SignalHandle | None, first_layer: int,
-             unique_gpu: bool) -> CopyJob:
-    """Check shapes, dtypes and index bounds once, so a bad call fails here and not inside a copy."""
-    layers = tuple(gpu_layers)
-    if not layers:
+def check_layout(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor) -> None:
+    """The GPU layer tensors and the host block tensor describe the same pages (shapes, dtype, contiguity)."""
+    if not gpu_layers:
         raise ValueError("gpu_layers: empty")
-    if host.dim() != 6 or host.shape[1] != len(layers):
-        raise ValueError(f"host: expected [num_blocks, {len(layers)}, 2, page, H, D], got {tuple(host.shape)}")
+    if host.dim() != 6 or host.shape[1] != len(gpu_layers):
+        raise ValueError(f"host: expected [num_blocks, {len(gpu_layers)}, 2, page, H, D], got {tuple(host.shape)}")
     if not host.is_contiguous():
         raise ValueError("host: must be contiguous (block-first layout)")
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(gpu_layers):
         if layer.dim() != 5 or tuple(layer.shape[1:]) != tuple(host.shape[2:]) or layer.dtype != host.dtype:
             raise ValueError(f"gpu_layers[{i}]: shape {tuple(layer.shape)} {layer.dtype} does not match host pages "
                              f"{tuple(host.shape[2:])} {host.dtype}")
         if not layer.is_contiguous():
             raise ValueError(f"gpu_layers[{i}]: must be contiguous")
+
+
+def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
+             host_blocks: Sequence[int] | np.ndarray, signal: SignalHandle | None, first_layer: int,
+             unique_gpu: bool) -> CopyJob:
+    """Check index bounds once (the layout is checked by `check_layout`), so a bad call fails here, not in a copy."""
     plan = plan_runs(gpu_pages, host_blocks)
     if plan.num_pages:
         # Every check works on the runs, not the pages: a contiguous user is one run, so this is O(1) for it.
-        num_pages = min(layer.shape[0] for layer in layers)
+        num_pages = min(layer.shape[0] for layer in gpu_layers)
         gpu_max = int((plan.run_gpu + plan.run_len).max()) - 1
         host_max = int((plan.run_host + plan.run_len).max()) - 1
         if gpu_max >= num_pages:
@@ -85,10 +88,10 @@ def make_job(gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: 
         starts = plan.run_gpu if unique_gpu else plan.run_host
         if _runs_overlap(starts, plan.run_len):
             raise ValueError(f"{'gpu_pages' if unique_gpu else 'host_blocks'}: a destination appears twice")
-    if signal is not None and (first_layer < 0 or first_layer + len(layers) > signal.num_layers):
-        raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(layers) - 1} exceed "
-                         f"the signal's {signal.num_layers} layers")
-    return CopyJob(layers, host, plan, signal, first_layer)
+    if signal is not None and (first_layer < 0 or first_layer + len(gpu_layers) > signal.num_layers):
+        raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(gpu_layers) - 1} "
+                         f"exceed the signal's {signal.num_layers} layers")
+    return CopyJob(gpu_layers, host, plan, signal, first_layer)
 
 
 def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:
@@ -109,6 +112,21 @@ class CopyEngine(ABC):
 
     def __init__(self, fail_at_layer: int | None = None) -> None:
         self.fail_at_layer = fail_at_layer
+        self._checked: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+
+    def _layout(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`check_layout` once per set of tensors: callers pass the same pool tensors on every transfer.
+
+        The tensors are kept in the memo, so their ids cannot be reused by other tensors while it holds them.
+        """
+        layers = tuple(gpu_layers)
+        key = (id(host), *map(id, layers))
+        if key not in self._checked:
+            check_layout(layers, host)
+            if len(self._checked) >= 8:
+                self._checked.clear()
+            self._checked[key] = (host, *layers)
+        return layers
 
     def onboard(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
                 host_blocks: Sequence[int] | np.ndarray, signal: SignalHandle | None = None,
@@ -117,13 +135,14 @@ class CopyEngine(ABC):
 
         `signal` (from `LayerSignals.acquire`) is posted per layer as `first_layer + l`; on failure it is poisoned.
         """
-        job = make_job(gpu_layers, host, gpu_pages, host_blocks, signal, first_layer, unique_gpu=True)
+        job = make_job(self._layout(gpu_layers, host), host, gpu_pages, host_blocks, signal, first_layer,
+                       unique_gpu=True)
         return self._onboard(job)
 
     def offload(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
                 host_blocks: Sequence[int] | np.ndarray) -> Transfer:
         """GPU -> host, all layers, asynchronously; the host blocks are valid once the Transfer is done."""
-        job = make_job(gpu_layers, host, gpu_pages, host_blocks, None, 0, unique_gpu=False)
+        job = make_job(self._layout(gpu_layers, host), host, gpu_pages, host_blocks, None, 0, unique_gpu=False)
         return self._offload(job)
 
     def _check_injected(self, layer: int) -> None:

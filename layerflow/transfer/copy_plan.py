@@ -1,4 +1,5 @@
-"""Split a transfer's (gpu page, host block) pairs into runs contiguous on both sides, once per transfer.
+"""Split a transfer's (gpu page, host block) pairs into runs contiguous on both sides, once per transfer, and a
+batch of per-page copies into chunks that keep the copy engine fed.
 
 Each run becomes one strided 2D copy per layer, so the per-call work of the copy engines is a loop over runs, never
 over pages.
@@ -51,6 +52,23 @@ def plan_runs(gpu_pages: Sequence[int] | np.ndarray, host_blocks: Sequence[int] 
         empty = np.zeros(0, dtype=np.int64)
         return CopyPlan(gpu, host, empty, empty, empty)
     breaks = (np.diff(gpu) != 1) | (np.diff(host) != 1)
+    if not breaks.any():
+        return CopyPlan(gpu, host, gpu[:1], host[:1], np.array([gpu.size], dtype=np.int64))
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.concatenate((starts, [gpu.size])))
     return CopyPlan(gpu, host, gpu[starts], host[starts], lengths)
+
+
+def ramp_bounds(n: int, first: int = 2) -> list[int]:
+    """Chunk bounds 0, first, 3 first, 7 first, ..., n: chunk sizes doubling from `first`.
+
+    The driver queues a batch only when the call returns, after ~0.9 us per entry on the H200 (450 us for 512 pages),
+    while each 128 KiB entry copies in ~2.4 us: the first layer in one call left the copy engine idle for the whole
+    call (0.95 of a bulk memcpy at 16K tokens). Doubling chunks start the copy after a two-entry call and every later
+    chunk is queued before the ones ahead of it have finished copying.
+    """
+    bounds, size = [0], first
+    while bounds[-1] < n:
+        bounds.append(min(n, bounds[-1] + size))
+        size *= 2
+    return bounds

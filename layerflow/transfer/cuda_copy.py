@@ -8,8 +8,9 @@ modes rely on that). Onboarding issues, per layer, one strided 2D copy per run (
 host pitch = num_layers x layer-page bytes), then posts that layer's signal on the stream, all before returning: the
 host work per call is a loop over layers x runs, with the run arithmetic done once in numpy. Placements fragmented
 into runs shorter than `batch_below_pages` pages on average go through one cudaMemcpyBatchAsync per layer instead
-(one entry per page), so the driver-call count stays per layer. Why: on the H200 (benchmarks/transfer.py), 2D copies
-of 1-2 page runs reach only ~0.5 of a bulk memcpy in GPU time (per-copy cost of the copy engine), the batch ~0.95.
+(one entry per page; the first layer in doubling chunks, see `ramp_bounds`), so the driver-call count stays about one
+per layer. Why: on the H200 (benchmarks/transfer.py), 2D copies of 1-2 page runs reach only ~0.5 of a bulk memcpy in
+GPU time (per-copy cost of the copy engine).
 
 Ordering: the copies wait for the work already queued on the caller's current torch stream (pages a kernel is still
 reading or writing), through an event. `Transfer.done()` queries an event recorded after the last copy; the transfer
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import pairwise
 from typing import Callable
 
 import numpy as np
@@ -28,6 +30,7 @@ from cuda.bindings import runtime as rt
 
 from layerflow.transfer import cuda_events, cudart
 from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
+from layerflow.transfer.copy_plan import ramp_bounds
 from layerflow.transfer.cuda_util import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
 
@@ -143,9 +146,14 @@ class CudaCopyEngine(CopyEngine):
             host = host_layers[:, None] + (plan.host_blocks.astype(np.uint64) * np.uint64(pitch))[None, :]
             dsts, srcs = (gpu, host) if to_gpu else (host, gpu)
             sizes = np.full(plan.num_pages, page, dtype=np.uint64)
+            first_layer_chunks = list(pairwise(ramp_bounds(plan.num_pages)))
 
             def copy_batched(layer: int) -> None:
-                self._batch.copy(dsts[layer], srcs[layer], sizes, stream)
+                if layer == 0:
+                    for a, b in first_layer_chunks:
+                        self._batch.copy(dsts[0, a:b], srcs[0, a:b], sizes[a:b], stream)
+                else:
+                    self._batch.copy(dsts[layer], srcs[layer], sizes, stream)
 
             return copy_batched
 
