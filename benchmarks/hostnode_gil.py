@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from layerflow.runtime import hostfn
+from layerflow.transfer import cudart
 from layerflow.runtime.hostfn import WaitSlots, WaitStatus, post_eventfds_at
 
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -107,7 +108,7 @@ def capture(waits: NativeWaits | PythonWaits | None, nodes: int, kernels: int) -
         stream = torch.cuda.current_stream().cuda_stream
         for i in range(max(nodes, kernels)):
             if i < nodes:
-                hostfn.launch_host_func(stream, waits.fn, waits.user_data(i))
+                cudart.launch_host_func(stream, waits.fn, waits.user_data(i))
             if i < kernels:
                 x.add_(1.0)
     return graph, x
@@ -235,7 +236,7 @@ def node_cost(nodes: int, replays: int) -> dict:
 
 def environment() -> dict:
     runtime, driver = ctypes.c_int(), ctypes.c_int()
-    lib = hostfn.cudart()
+    lib = cudart.lib()
     lib.cudaRuntimeGetVersion(ctypes.byref(runtime))
     lib.cudaDriverGetVersion(ctypes.byref(driver))
     compiler = subprocess.run([hostfn.find_compiler(), "--version"], capture_output=True, text=True)

@@ -14,19 +14,18 @@ at fresh eventfds before every replay without recapturing it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import enum
 import functools
 import hashlib
 import os
-import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+from layerflow.transfer import cudart
 
 SOURCE = Path(__file__).parent / "csrc" / "eventfd_wait.c"
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror")
@@ -216,70 +215,10 @@ class WaitSlots:
             slot.released_ns = 0
 
 
-def _loaded_cudart() -> str | None:
-    """Path of a libcudart already mapped into this process (the one torch loaded), if any."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) >= 6 and re.search(r"/libcudart\.so[.\d]*$", fields[5]):
-                return fields[5]
-    return None
-
-
-def _candidate_cudarts() -> list[str]:
-    """libcudart files next to torch or in the nvidia wheels, then the system's."""
-    roots = [Path(p) for p in sys.path if p and Path(p, "nvidia").is_dir()]
-    patterns = ["nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"]
-    found = [str(f) for root in roots for pat in patterns for f in sorted(root.glob(pat))]
-    try:
-        import torch
-
-        found += [str(f) for f in sorted(Path(torch.__file__).parent.joinpath("lib").glob("libcudart*.so*"))]
-    except ImportError:
-        pass
-    system = ctypes.util.find_library("cudart")
-    return found + ([system] if system else [])
-
-
-@functools.cache
-def cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch uses (so host nodes land in torch's context), with signatures declared."""
-    path = _loaded_cudart()
-    if path is None:
-        try:
-            import torch  # noqa: F401  (loading torch maps its libcudart)
-        except ImportError:
-            pass
-        path = _loaded_cudart()
-    paths = [path] if path else _candidate_cudarts()
-    errors = []
-    for candidate in paths:
-        try:
-            lib = ctypes.CDLL(candidate)
-            break
-        except OSError as exc:
-            errors.append(f"{candidate}: {exc}")
-    else:
-        raise RuntimeError(f"no loadable libcudart (tried: {errors or 'nothing found'})")
-    lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.cudaLaunchHostFunc.restype = ctypes.c_int
-    lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-    lib.cudaGetErrorString.restype = ctypes.c_char_p
-    return lib
-
-
-def launch_host_func(stream: int, fn_addr: int, user_data: int) -> None:
-    """cudaLaunchHostFunc(stream, fn, user_data); raises RuntimeError with CUDA's message on failure."""
-    lib = cudart()
-    err = lib.cudaLaunchHostFunc(stream or None, fn_addr, user_data or None)
-    if err != 0:
-        raise RuntimeError(f"cudaLaunchHostFunc failed: {lib.cudaGetErrorString(err).decode()} ({err})")
-
-
 def launch_eventfd_wait(stream: int, slot_addr: int) -> None:
     """Enqueue the native eventfd wait on stream (a cudaStream_t as int); a host node when capturing."""
     if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
         raise ValueError(f"stream={stream!r}: must be a cudaStream_t as int")
     if not isinstance(slot_addr, int) or slot_addr <= 0:
         raise ValueError(f"slot_addr={slot_addr!r}: must be a slot's address")
-    launch_host_func(stream, eventfd_wait_address(), slot_addr)
+    cudart.launch_host_func(stream, eventfd_wait_address(), slot_addr)

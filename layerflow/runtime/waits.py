@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from layerflow.runtime import hostfn
+from layerflow.transfer import cudart
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signal_base import LayerSignals, SignalHandle
 
@@ -58,6 +59,9 @@ class EventfdNodeWait(LayerWait):
     """A native host function per layer reading the layer's eventfd (never the GIL; times out rather than hang)."""
 
     def __init__(self, num_layers: int, timeout_s: float):
+        # Build the shim and load the runtime now, at set-up: never for the first time inside a graph capture.
+        hostfn.eventfd_wait_address()
+        cudart.lib()
         self.slots = hostfn.WaitSlots(num_layers)
         self.timeout_ms = max(1, int(timeout_s * 1000))
         self._handle: SignalHandle | None = None

@@ -1,4 +1,5 @@
-"""The two hot-path copy calls through ctypes on the process's libcudart (the one torch loaded).
+"""The CUDA runtime calls layerflow makes through ctypes on the process's libcudart (the one torch loaded): the two
+hot-path copies and the host-function launch of the runtime's wait nodes.
 
 cuda.bindings converts every list element of cudaMemcpyBatchAsync into a Python object and back (about 0.7 ms per
 layer of 512 pages on the H200, which delays the first layer's copy); through ctypes the descriptors are numpy arrays
@@ -21,7 +22,7 @@ MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST = 1, 2
 
 
 @functools.cache
-def _lib() -> ctypes.CDLL:
+def lib() -> ctypes.CDLL:
     """libcudart as already mapped into this process (torch's), else the first one the loader finds."""
     import torch
 
@@ -31,11 +32,11 @@ def _lib() -> ctypes.CDLL:
     candidates = sorted(p for p in paths if os.path.basename(p).startswith("libcudart.so"))
     for name in [*candidates, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
-            lib = ctypes.CDLL(name)
+            found = ctypes.CDLL(name)
         except OSError:
             continue
-        _declare(lib)
-        return lib
+        _declare(found)
+        return found
     raise TransferError("libcudart not found: neither mapped by torch nor on the loader path")
 
 
@@ -51,6 +52,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         batch.append(_c.c_void_p)  # CUDA 12.8/12.9: size_t* failIdx before the stream
     lib.cudaMemcpyBatchAsync.restype = _c.c_int
     lib.cudaMemcpyBatchAsync.argtypes = [*batch, _c.c_void_p]
+    lib.cudaLaunchHostFunc.restype = _c.c_int
+    lib.cudaLaunchHostFunc.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_void_p]
+    lib.cudaGetErrorString.restype = _c.c_char_p
+    lib.cudaGetErrorString.argtypes = [_c.c_int]
 
 
 def _check(err: int, call: str) -> None:
@@ -60,7 +65,7 @@ def _check(err: int, call: str) -> None:
 
 def memcpy_2d_async(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
                     stream: int) -> None:
-    _check(_lib().cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream), "cudaMemcpy2DAsync")
+    _check(lib().cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream), "cudaMemcpy2DAsync")
 
 
 class BatchCopier:
@@ -73,9 +78,18 @@ class BatchCopier:
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """`dsts`, `srcs`, `sizes`: contiguous uint64 arrays of one length (kept alive by the caller)."""
-        lib = _lib()
+        cuda = lib()
         args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, dsts.size, self._attrs,
                 self._attr_index.ctypes.data, 1]
-        if lib.runtime_version < 13000:
+        if cuda.runtime_version < 13000:
             args.append(self._fail_index.ctypes.data)
-        _check(lib.cudaMemcpyBatchAsync(*args, stream), "cudaMemcpyBatchAsync")
+        _check(cuda.cudaMemcpyBatchAsync(*args, stream), "cudaMemcpyBatchAsync")
+
+
+def launch_host_func(stream: int, fn_addr: int, user_data: int) -> None:
+    """cudaLaunchHostFunc(stream, fn, user_data) (a host node when the stream is capturing); cuda.bindings' wrapper
+    crashed with a raw function pointer, the C symbol does not."""
+    cuda = lib()
+    err = cuda.cudaLaunchHostFunc(stream or None, fn_addr, user_data or None)
+    if err != 0:
+        raise TransferError(f"cudaLaunchHostFunc failed: {cuda.cudaGetErrorString(err).decode()} ({err})")
