@@ -91,6 +91,7 @@ class CudaCopyEngine(CopyEngine):
         for stream in (self.h2d_stream, self.d2h_stream):
             check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
             cuda_events.destroy_stream(stream)
+        self._pool.close()
 
     def _onboard(self, job: CopyJob) -> Transfer:
         return self._issue(job, self.h2d_stream, to_gpu=True)

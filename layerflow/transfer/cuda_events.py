@@ -74,11 +74,16 @@ def stream_wait(stream: int, event: rt.cudaEvent_t, external: bool = False) -> N
 
 
 class EventPool:
-    """Reusable timing-free events: creating one per layer per transfer would cost a driver call each."""
+    """Reusable timing-free events: creating one per layer per transfer would cost a driver call each.
+
+    After `close` the pooled events are destroyed, and so is every event given back later (a transfer reaped after
+    its engine closed).
+    """
 
     def __init__(self) -> None:
         self._free: list[rt.cudaEvent_t] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def take(self) -> rt.cudaEvent_t:
         with self._lock:
@@ -88,7 +93,14 @@ class EventPool:
 
     def give(self, event: rt.cudaEvent_t) -> None:
         with self._lock:
-            self._free.append(event)
+            if not self._closed:
+                self._free.append(event)
+                return
+        destroy_event(event)
 
-    def record(self, event: rt.cudaEvent_t, stream: int) -> None:
-        record(event, stream)
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for event in free:
+            destroy_event(event)

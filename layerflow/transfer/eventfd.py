@@ -14,15 +14,13 @@ woken reader always sees the error.
 
 from __future__ import annotations
 
+import functools
 import os
-import queue
 import select
-import threading
 import time
 
-from layerflow.transfer import cuda_events
 from layerflow.transfer.config import SignalMode
-from layerflow.transfer.errors import TransferError
+from layerflow.transfer.event_notifier import EventNotifier
 from layerflow.transfer.signal_base import POISONED, LayerSignals, SignalHandle
 
 
@@ -36,7 +34,7 @@ class EventfdSignals(LayerSignals):
         flags = os.EFD_SEMAPHORE | os.EFD_CLOEXEC
         self._fds = [[os.eventfd(0, flags) for _ in range(num_layers)] for _ in range(num_counters)]
         self._pending = [0] * num_counters
-        self._notifier: _Notifier | None = None
+        self._notifier: EventNotifier | None = None
 
     @property
     def fds(self) -> list[list[int]]:
@@ -69,9 +67,9 @@ class EventfdSignals(LayerSignals):
             self._write(handle.counter_id, layers)
             return
         if self._notifier is None:
-            self._notifier = _Notifier(self)
+            self._notifier = EventNotifier("layerflow-eventfd-notifier")
         self._pending[handle.counter_id] += 1
-        self._notifier.submit(handle, layers, stream)
+        self._notifier.submit(stream, functools.partial(self._notified, handle, layers))
 
     def _poison(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
         self._write(handle.counter_id, layers)
@@ -101,36 +99,3 @@ class EventfdSignals(LayerSignals):
                 return True
             if time.monotonic() >= deadline:
                 return False
-
-
-class _Notifier:
-    """One thread turning completed CUDA events into eventfd writes, in submission order."""
-
-    def __init__(self, ring: EventfdSignals) -> None:
-        self._events = cuda_events.EventPool()
-        self._ring = ring
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._device = cuda_events.current_device()
-        self._thread = threading.Thread(target=self._run, name="layerflow-eventfd-notifier", daemon=True)
-        self._thread.start()
-
-    def submit(self, handle: SignalHandle, layers: list[int], stream: int) -> None:
-        event = self._events.take()
-        self._events.record(event, stream)
-        self._queue.put((handle, layers, event))
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        cuda_events.set_device(self._device)
-        while (item := self._queue.get()) is not None:
-            handle, layers, event = item
-            error: BaseException | None = None
-            try:
-                cuda_events.synchronize(event)
-            except TransferError as exc:
-                error = exc
-            self._events.give(event)
-            self._ring._notified(handle, layers, error)

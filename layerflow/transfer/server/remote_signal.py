@@ -11,17 +11,18 @@ failure as an ERROR message and the client poisons its own status word and wakes
 
 from __future__ import annotations
 
+import functools
 import os
-import queue
 import threading
 
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.event_notifier import EventNotifier
 
 
 class ClientSignal:
     """One request's view of one client counter: `fds[layer]` are the client's eventfds."""
 
-    def __init__(self, fds: list[int], layerwise: bool, notifier: "Notifier | None" = None) -> None:
+    def __init__(self, fds: list[int], layerwise: bool, notifier: EventNotifier | None = None) -> None:
         self.fds = fds
         self.num_layers = len(fds)
         self.layerwise = layerwise
@@ -45,7 +46,7 @@ class ClientSignal:
             raise TransferError("a CUDA stream was given but the server has no CUDA notifier")
         with self._cond:
             self._pending += 1
-        self._notifier.submit(self, layers, stream)
+        self._notifier.submit(stream, functools.partial(self._notified, layers))
 
     def fail(self, error: BaseException, stream: int | None = None) -> None:
         """Record the failure; the server sends it to the client, which poisons its waiters."""
@@ -69,38 +70,3 @@ class ClientSignal:
         with self._cond:
             self._pending -= 1
             self._cond.notify_all()
-
-
-class Notifier:
-    """One thread per server turning completed CUDA events into eventfd writes, in submission order."""
-
-    def __init__(self) -> None:
-        from layerflow.transfer import cuda_events
-
-        self._cuda = cuda_events
-        self._events = cuda_events.EventPool()
-        self._device = cuda_events.current_device()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="layerflow-server-notifier", daemon=True)
-        self._thread.start()
-
-    def submit(self, signal: ClientSignal, layers: list[int], stream: int) -> None:
-        event = self._events.take()
-        self._events.record(event, stream)
-        self._queue.put((signal, layers, event))
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        self._cuda.set_device(self._device)
-        while (item := self._queue.get()) is not None:
-            signal, layers, event = item
-            error: BaseException | None = None
-            try:
-                self._cuda.synchronize(event)
-            except TransferError as exc:
-                error = exc
-            self._events.give(event)
-            signal._notified(layers, error)

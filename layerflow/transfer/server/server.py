@@ -22,6 +22,7 @@ import torch
 from layerflow.transfer.config import TransferConfig
 from layerflow.transfer.copy_engine import CopyEngine, Transfer
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.event_notifier import EventNotifier
 from layerflow.transfer.host_pool import HostKVPool
 from layerflow.transfer.layout import KVLayout
 from layerflow.transfer.server import protocol
@@ -30,7 +31,7 @@ from layerflow.transfer.server.auth import (TOKEN_FILE, PeerCred, check_peer, ma
 from layerflow.transfer.server.handoff import HandoffError, Session, server_handoff
 from layerflow.transfer.server.protocol import Op, ProtocolError
 from layerflow.transfer.server.registration import ClientPool, import_pool, layout_to_dict
-from layerflow.transfer.server.remote_signal import ClientSignal, Notifier
+from layerflow.transfer.server.remote_signal import ClientSignal
 from layerflow.transfer.server.shm import SharedMemory
 from layerflow.transfer.ssd import Miss, SsdStore, tensor_block_views
 
@@ -81,7 +82,7 @@ class TransferServer:
         self._lock = threading.Lock()  # host pool + SSD bookkeeping
         self._cuda = torch.cuda.is_available()
         self._engines: dict[bool, CopyEngine] = {}  # keyed by "the client pool is on CUDA"
-        self._notifier = Notifier() if self._cuda else None
+        self._notifier = EventNotifier("layerflow-server-notifier") if self._cuda else None
         self.layout: KVLayout | None = None
         self.host: HostKVPool | None = None
         self._host_shm: SharedMemory | None = None
