@@ -109,6 +109,41 @@ def test_kv_append_writes_exactly_the_appended_slots():
     assert changed == 3 + 1 + 20                  # slots (page, position) of appended tokens, no candidates
 
 
+def as_projection_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of [T, H, D] tensors as column slices of one wider [T, (n + 1) H D] tensor, as the input projection
+    splits them (row stride > H * D)."""
+    t, h, d = tensors[0].shape
+    wide = torch.full((t, (len(tensors) + 1) * h * d), float("nan"), dtype=tensors[0].dtype, device=DEVICE)
+    views = []
+    for i, x in enumerate(tensors):
+        view = wide[:, (i + 1) * h * d:(i + 2) * h * d].view(t, h, d)
+        view.copy_(x)
+        views.append(view)
+    return views
+
+
+def test_kernels_read_row_strided_projection_views():
+    batch = make_paged_batch(**RAGGED, num_heads=2, head_dim=64, page_size=16, dtype=torch.float32, device=DEVICE,
+                             max_batch=6, max_tokens=40, poison=-1234.0)
+    q, k, v = as_projection_views(batch.q, batch.k, batch.v)
+    assert not q.is_contiguous() and q.stride(0) == 4 * 2 * 64
+    strided_cache = batch.kv_cache.clone()
+    kv_append(k, v, strided_cache, *batch.lengths)
+    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
+    assert torch.equal(strided_cache, batch.kv_cache)
+    attn = PagedAttention(6, 40, batch.page_table.shape[1], 2, 64, 16, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN,
+                          tiling=AttentionTiling(16, 16, 4, 1, num_splits=2))
+    strided_out, dense_out = torch.zeros_like(batch.q), torch.zeros_like(batch.q)
+    attn.run(q, k, v, batch.kv_cache, *batch.lengths, strided_out)
+    attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, dense_out)
+    assert torch.equal(strided_out, dense_out)
+    with pytest.raises(ValueError, match="out strides"):
+        attn.run(q, k, v, batch.kv_cache, *batch.lengths, torch.zeros_like(batch.q).transpose(1, 2)
+                 .contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="k strides"):
+        kv_append(batch.k.transpose(1, 2).contiguous().transpose(1, 2), batch.v, batch.kv_cache, *batch.lengths)
+
+
 def test_bad_configuration_raises():
     with pytest.raises(ValueError, match="page_size=24"):
         PagedAttention(1, 8, 2, 1, 64, 24, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN)

@@ -77,7 +77,7 @@ def _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, dst_ptr,
-    page_table_stride, split_stride, max_batch, alpha, inv_n,
+    q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, inv_n,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BATCH_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -106,8 +106,8 @@ def _paged_attention_kernel(
 
     d = tl.arange(0, D)
     token = (q_start + j).to(tl.int64)
-    row_offsets = token[:, None] * (H * D) + head * D + d[None, :]
-    q = tl.load(q_ptr + row_offsets, mask=row_ok[:, None], other=0.0)
+    head_cols = head * D + d[None, :]
+    q = tl.load(q_ptr + token[:, None] * q_stride + head_cols, mask=row_ok[:, None], other=0.0)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     cache_h = cache_ptr + head * D
     page_row = page_table_ptr + user * page_table_stride
@@ -127,12 +127,14 @@ def _paged_attention_kernel(
     if split == 0:
         # A candidate's own key: the only non-history key it sees.
         candidate = row_ok & (j >= appended)
-        k_self = tl.load(k_ptr + row_offsets, mask=candidate[:, None], other=0.0).to(tl.float32)
-        v_self = tl.load(v_ptr + row_offsets, mask=candidate[:, None], other=0.0).to(tl.float32)
+        k_self = tl.load(k_ptr + token[:, None] * k_stride + head_cols, mask=candidate[:, None],
+                         other=0.0).to(tl.float32)
+        v_self = tl.load(v_ptr + token[:, None] * v_stride + head_cols, mask=candidate[:, None],
+                         other=0.0).to(tl.float32)
         s = tl.sum(q.to(tl.float32) * k_self, axis=1) * alpha
         acc += (s * tl.sigmoid(s))[:, None] * v_self
 
-    dst = dst_ptr + split.to(tl.int64) * split_stride + row_offsets
+    dst = dst_ptr + split.to(tl.int64) * split_stride + token[:, None] * (H * D) + head_cols
     tl.store(dst, (acc * inv_n).to(dst_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -265,8 +267,11 @@ class PagedAttention:
                appended_lens: torch.Tensor, out: torch.Tensor) -> None:
         rows = (self.num_heads, self.head_dim)
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-            if t.dim() != 3 or tuple(t.shape[1:]) != rows or t.shape[0] > self.max_tokens or not t.is_contiguous():
-                raise ValueError(f"{name} shape {tuple(t.shape)}: expected contiguous [<= {self.max_tokens}, *{rows}]")
+            if t.dim() != 3 or tuple(t.shape[1:]) != rows or t.shape[0] > self.max_tokens:
+                raise ValueError(f"{name} shape {tuple(t.shape)}: expected [<= {self.max_tokens}, *{rows}]")
+            if t.stride(2) != 1 or t.stride(1) != self.head_dim or (t is out and not t.is_contiguous()):
+                raise ValueError(f"{name} strides {t.stride()}: expected dense heads in each row"
+                                 f"{' and a contiguous tensor' if t is out else ' (any row stride)'}")
             if t.dtype != self.dtype:
                 raise ValueError(f"{name} dtype {t.dtype}: expected {self.dtype}")
         if q.shape[0] != out.shape[0] or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
@@ -300,7 +305,8 @@ class PagedAttention:
         grid = (self.num_splits, self.query_slots, self.num_heads)
         _paged_attention_kernel[grid](
             q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, dst,
-            page_table.stride(0), split_stride, self.max_batch, self.alpha, 1.0 / self.max_seq_len,
+            q.stride(0), k.stride(0), v.stride(0), page_table.stride(0), split_stride, self.max_batch, self.alpha,
+            1.0 / self.max_seq_len,
             H=self.num_heads, D=self.head_dim, PAGE=self.page_size,
             BATCH_P2=max(2, triton.next_power_of_2(self.max_batch)),
             NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,

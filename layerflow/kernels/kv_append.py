@@ -13,7 +13,7 @@ import triton.language as tl
 
 @triton.jit
 def _kv_append_kernel(k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr,
-                      page_table_stride, max_batch,
+                      k_stride, v_stride, page_table_stride, max_batch,
                       HD: tl.constexpr, HD_P2: tl.constexpr, PAGE: tl.constexpr, BATCH_P2: tl.constexpr):
     token = tl.program_id(0)
     users = tl.arange(0, BATCH_P2)
@@ -31,9 +31,9 @@ def _kv_append_kernel(k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, hi
     dst = cache_ptr + page * (2 * PAGE * HD) + (position % PAGE) * HD
     e = tl.arange(0, HD_P2)
     ok = e < HD
-    src = token.to(tl.int64) * HD + e
-    tl.store(dst + e, tl.load(k_ptr + src, mask=ok), mask=ok)
-    tl.store(dst + PAGE * HD + e, tl.load(v_ptr + src, mask=ok), mask=ok)
+    row = token.to(tl.int64)
+    tl.store(dst + e, tl.load(k_ptr + row * k_stride + e, mask=ok), mask=ok)
+    tl.store(dst + PAGE * HD + e, tl.load(v_ptr + row * v_stride + e, mask=ok), mask=ok)
 
 
 def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
@@ -43,8 +43,11 @@ def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_tab
     The grid is k.shape[0] (the token capacity) and the batch is page_table.shape[0] users (q_offsets has one more
     entry); history_lens already include the appended tokens.
     """
-    if k.shape != v.shape or k.dim() != 3 or not (k.is_contiguous() and v.is_contiguous()):
-        raise ValueError(f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)}: expected equal contiguous [T, H, D]")
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)}: expected equal [T, H, D]")
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} strides {t.stride()}: expected dense heads in each row (any row stride)")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]) \
             or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)}: expected contiguous [pages, 2, page_size, "
@@ -65,7 +68,8 @@ def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_tab
     if k.shape[0] == 0:
         return
     _kv_append_kernel[(k.shape[0],)](
-        k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, page_table.stride(0), max_batch,
+        k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, k.stride(0), v.stride(0),
+        page_table.stride(0), max_batch,
         HD=hd, HD_P2=triton.next_power_of_2(hd), PAGE=page_size,
         BATCH_P2=max(2, triton.next_power_of_2(max_batch)),
         num_warps=4,

@@ -90,12 +90,11 @@ class LayerPipeline:
         w, cfg = self.weights, self.weights.config
         x = embed(w, bufs.ids, bufs.positions)
         for layer, lw in enumerate(w.layers):
-            u, v, q, k = input_projection(lw, x, cfg)
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            u, v, q, k = input_projection(lw, x, cfg)   # views of one [T, 4 H D] tensor, read in place
             wait.layer(layer)
             kv = self.kv_layers[layer]
             self.kernels.append(k, v, kv, bufs)
-            attn = torch.zeros_like(v)
+            attn = torch.empty(v.shape, dtype=v.dtype, device=v.device)   # rows past the batch stay unused
             self.kernels.attend(q, k, v, kv, bufs, attn)
             x = x + self.kernels.gate(u, attn.view(attn.shape[0], -1), lw) @ lw.out_weight
         bufs.scores.copy_(candidate_scores(w, x[bufs.candidate_rows], bufs.candidate_ids))
