@@ -129,10 +129,28 @@ def test_injected_transfer_failure_fails_fast_then_the_engine_serves(weights):
         with pytest.raises(TransferError, match="injected failure at layer 1"):
             engine.score([Request(5, [1], [2, 3])])
         assert time.monotonic() - start < 1.0
-        assert engine.kv.tier(5) is Tier.HOST  # its host copy is intact, the GPU pages were dropped
+        # The eager CPU path fails at the layer's wait, before any offload: the host copy is intact.
+        assert engine.kv.tier(5) is Tier.HOST
         copier.fail_at_layer = None
         scores = engine.score([Request(5, [1], [2, 3])])[0]
         assert torch.allclose(scores, reference(weights, list(range(60)) + [1], [2, 3]), atol=TOL)
+
+
+def test_a_failure_seen_after_the_early_offload_drops_the_onboarded_copy(weights):
+    """A captured graph reports a failed layer only after the block, when the onboarded user's offload is already
+    issued (it may rewrite the host page holding the last onboarded tokens): that copy is dropped, never served."""
+    with make_engine(weights) as engine:
+        history = list(range(40))
+        engine.score([Request(5, history, [])])
+        engine.kv.evict_from_gpu(5)
+        plan = engine.kv.prepare([Request(5, [7, 8], [1])])
+        assert plan.tiers == [Tier.HOST]
+        engine.kv.offload_early(plan)
+        engine.kv.abort(plan)
+        assert engine.kv.tier(5) is Tier.NONE
+        assert engine.kv.users[5].history == history
+        scores = engine.score([Request(5, [7, 8], [1, 2])])[0]
+        assert torch.allclose(scores, reference(weights, history + [7, 8], [1, 2]), atol=TOL)
 
 
 @pytest.mark.parametrize("request_,match", [

@@ -139,25 +139,25 @@ class KVManager:
         return plan
 
     def offload_early(self, plan: BatchPlan) -> None:
-        """Right after the block is launched: record and offload the users whose KV did not come from an onboarding
-        (GPU hits, misses). Their pages cannot be spoilt by a failed transfer, and the copy stream waits for the
-        block on the GPU, so issuing the offload now overlaps its host cost with the block."""
-        for b, tier in enumerate(plan.tiers):
-            if tier in (Tier.GPU, Tier.NONE):
-                self._record(plan, b)
+        """Right after the block is launched: record every user's new history and offload the pages the batch wrote.
+
+        The copy stream waits for the block on the GPU, so issuing the offloads now overlaps their host cost with the
+        block instead of adding it after the scores. An onboarded user's first offloaded page also holds onboarded
+        tokens: if the batch fails, `abort` drops that user's copy below, which the offload may have overwritten.
+        """
+        for b in range(len(plan.requests)):
+            self._record(plan, b)
 
     def commit(self, plan: BatchPlan) -> None:
-        """The block succeeded: record the remaining users' new history and offload the pages the batch wrote."""
+        """The block succeeded (its users were recorded by `offload_early`): release the onboarding and the pins."""
         self._finish_onboarding(plan)
         for r in plan.requests:
             self.gpu.unpin(r.user_id)
-        for b in range(len(plan.requests)):
-            if b not in plan.recorded:
-                self._record(plan, b)
 
     def abort(self, plan: BatchPlan) -> None:
-        """The block failed: users whose pages were being filled lose them (they are no longer resident), and users
-        recorded early get their history back as it was before the batch."""
+        """The block failed: users whose pages were being filled lose them (they are no longer resident), users
+        recorded early get their history back as it was before the batch, and an onboarded user recorded early loses
+        its copy below (its offload may have written pages the failed onboarding left unfilled): it is recomputed."""
         self._finish_onboarding(plan)
         for b, (r, tier) in enumerate(zip(plan.requests, plan.tiers)):
             self.gpu.unpin(r.user_id)
@@ -168,6 +168,8 @@ class KVManager:
                     self.truncate(r.user_id, plan.recorded[b])
                 else:
                     self.drop(r.user_id)
+                if tier in (Tier.HOST, Tier.SSD):
+                    self.below.drop(r.user_id)
 
     def _record(self, plan: BatchPlan, b: int) -> None:
         r = plan.requests[b]
