@@ -186,6 +186,27 @@ def test_offload_onboard_byte_exact_two_clients_share_the_host_cache(server):
     c2.close()
 
 
+def test_offload_copies_from_first_while_the_server_holds_the_prefix(server):
+    client, kv = make_client(server, seed=3)
+    client.offload("bob", [0, 1, 2]).result(10)
+    old = [t.clone() for t in kv]
+    g = torch.Generator().manual_seed(9)
+    for t in kv:
+        t[:4] = torch.randn(t[:4].shape, generator=g).to(t.dtype)   # the client's pages all change
+    assert client.offload("bob", [0, 1, 2, 3], first=2).result(10)["copied"] == 2
+    expected = [t.clone() for t in kv]
+    for e, o in zip(expected, old):
+        e[:2] = o[:2]                                                 # the server kept its own first two pages
+    onboard_and_check(client, kv, "bob", [0, 1, 2, 3], [8, 9, 10, 11], expected)
+
+    client.drop("bob")                                                # the server lost the prefix: all pages go
+    assert client.offload("bob", [4, 5, 6], first=2).result(10)["copied"] == 3
+    assert client.lookup("bob") == ("host", 3)
+    with pytest.raises(ValueError, match="first=4"):
+        client.offload("bob", [4, 5, 6], first=4)
+    client.close()
+
+
 def test_unknown_user_poisons_every_layer_and_names_the_user(server):
     client, _ = make_client(server)
     handle = client.onboard("ghost", [0, 1])

@@ -84,12 +84,13 @@ class RemoteTier(KVTier):
         return _RemoteOnboarding(handle, done, self.client.timeout_s)
 
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
-        """The server replaces the user's copy with all of its pages."""
+        """Copies from the first page the server's copy does not hold yet (all of them if the server lost it)."""
         if user in self._offloads:  # reap the previous one first: its failure must not erase this one's tokens
             settle(self._offloads[user])
             self.reap()
         n = -(-tokens // self.page_size)
-        transfer = _FutureTransfer(self.client.offload(user, gpu_pages[:n]), self.client.timeout_s)
+        first = min(self.tokens.get(user, 0) // self.page_size, n)
+        transfer = _FutureTransfer(self.client.offload(user, gpu_pages[:n], first), self.client.timeout_s)
         self._offloads[user] = transfer
         self.tokens[user] = tokens
         return transfer

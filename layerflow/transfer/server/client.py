@@ -155,15 +155,19 @@ class TransferClient:
                      counter_id=handle.counter_id, layerwise=layerwise)
         return handle, pending.future
 
-    def offload(self, user, gpu_pages: Sequence[int]) -> Future:
+    def offload(self, user, gpu_pages: Sequence[int], first: int = 0) -> Future:
         """Copy `user`'s KV from `gpu_pages` to the server's host pool; the future completes when it is there.
 
-        The server's copy stream cannot see this process's streams, so pending CUDA work is synchronized first.
+        Pages before `first` are taken as already in the server's copy (a returning user's unchanged prefix): the
+        server copies them too only if it no longer holds them. The server's copy stream cannot see this process's
+        streams, so pending CUDA work is synchronized first.
         """
+        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(gpu_pages):
+            raise ValueError(f"first={first!r}: expected 0 <= first <= {len(gpu_pages)} (the number of pages)")
         if self._kv_layers[0].is_cuda:
             torch.cuda.current_stream(self._kv_layers[0].device).synchronize()
         pending = _Pending([user], None)
-        self._submit(Op.OFFLOAD, pending, user=user, gpu_pages=[int(p) for p in gpu_pages])
+        self._submit(Op.OFFLOAD, pending, user=user, gpu_pages=[int(p) for p in gpu_pages], first=first)
         return pending.future
 
     def lookup(self, user) -> tuple[str | None, int]:

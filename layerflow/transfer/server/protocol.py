@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
-VERSION = 2  # 2: ONBOARD carries several users (`loads`) on one counter
+VERSION = 3  # 2: ONBOARD carries several users (`loads`) on one counter; 3: OFFLOAD copies from page `first`
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit of fds per message
 _LEN = struct.Struct("<I")
@@ -28,7 +28,7 @@ class Op(str, Enum):
     COUNTER_SET = "counter_set"  # counter_id, layers, counters, rank + one eventfd per layer
     REGISTER_POOL = "register_pool"  # the client's per-layer KV tensors (memfd or CUDA IPC)
     ONBOARD = "onboard"  # req, loads=[[user, gpu_pages], ...], counter_id, layerwise: one counter for all users
-    OFFLOAD = "offload"  # req, user, gpu_pages
+    OFFLOAD = "offload"  # req, user, gpu_pages, first: pages before `first` are already in the server's host copy
     LOOKUP = "lookup"  # req, user
     DROP = "drop"  # req, user
     ACK = "ack"  # server -> client

@@ -342,9 +342,13 @@ class TransferServer:
 
     def _offload(self, client: _Client, msg: protocol.Message) -> None:
         def work() -> dict:
-            user, gpu_pages = msg["user"], [int(p) for p in msg["gpu_pages"]]
+            user, gpu_pages, first = msg["user"], [int(p) for p in msg["gpu_pages"]], msg["first"]
+            if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(gpu_pages):
+                raise ValueError(f"offload of user {user!r}: first={first!r} not in [0, {len(gpu_pages)}]")
             with self._lock:
-                if user in self.host:
+                if user not in self.host or len(self.host.pages(user)) < first:
+                    first = 0  # the prefix left the host (spilled, dropped): copy the whole history
+                if first == 0 and user in self.host:
                     self.host.free(user)
                 blocks = list(self.host.allocate(user, len(gpu_pages) * self.layout.page_size,
                                                  on_evict=self._spill).pages)
@@ -352,7 +356,8 @@ class TransferServer:
                 if self.ssd is not None:
                     self.ssd.evict(user)
             try:
-                self._wait(self._groups(client, gpu_pages, blocks, None, onboard=False))
+                self._wait(self._groups(client, gpu_pages[first:], blocks[first:len(gpu_pages)], None,
+                                        onboard=False))
             except BaseException:
                 with self._lock:
                     self.host.unpin(user)
@@ -360,7 +365,7 @@ class TransferServer:
                 raise
             with self._lock:
                 self.host.unpin(user)
-            return {"blocks": len(blocks)}
+            return {"blocks": len(blocks), "copied": len(gpu_pages) - first}
 
         self._request(client, msg, work)
 
