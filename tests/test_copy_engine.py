@@ -95,6 +95,9 @@ def test_bad_inputs_raise_value_error(engine):
         engine.onboard(gpu, host, [1, 2], [0])
     with pytest.raises(ValueError, match="host"):
         engine.onboard(gpu[:2], host, [1], [0])
+    # The layout of a tensor set is checked once per engine; another set is checked again.
+    with pytest.raises(ValueError, match=r"gpu_layers\[1\]"):
+        engine.onboard([gpu[0], gpu[1].double(), *gpu[2:]], host, [1], [0])
 
 
 def test_injected_failure_keeps_earlier_layers_and_reports():
