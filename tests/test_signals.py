@@ -1,5 +1,6 @@
 """Per-layer signals: ordering against the copies, ring isolation and wrap-around, timeouts, poison."""
 
+import contextlib
 import ctypes
 import os
 import select
@@ -200,18 +201,30 @@ def test_cuda_modes_need_cuda(mode):
 BIG = dict(layers=LAYERS, pages=512, device="cuda", page=32, heads=4, dim=128, dtype=torch.bfloat16)
 
 
-def gpu_engine():
+@contextlib.contextmanager
+def gpu_ring(mode: SignalMode, fail_at_layer: int | None = None):
+    """A two-counter signal ring and a CUDA copy engine, both closed afterwards."""
     from layerflow.transfer.cuda_copy import CudaCopyEngine
 
-    return CudaCopyEngine()
+    ring, engine = make_signals(mode, LAYERS, num_counters=2), CudaCopyEngine(fail_at_layer=fail_at_layer)
+    try:
+        yield ring, engine
+    finally:
+        engine.close()
+        ring.close()
+
+
+def assert_snapshot_is_host(snapshot, host, *context) -> None:
+    """Every layer the GPU waiter copied after its wait holds that layer's host bytes."""
+    for layer in range(LAYERS):
+        assert torch.equal(snapshot[layer].cpu(), host[:, layer]), (*context, layer)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(SignalMode))
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_gpu_host_wait_every_mode(mode, layerwise):
-    ring, engine = make_signals(mode, LAYERS, num_counters=2), gpu_engine()
-    try:
+    with gpu_ring(mode) as (ring, engine):
         for seed in range(3):
             gpu, host = tensors(seed, **BIG)
             handle = ring.acquire(layerwise=layerwise)
@@ -220,16 +233,12 @@ def test_gpu_host_wait_every_mode(mode, layerwise):
                 handle.wait_layer(layer)
                 assert landed(gpu, host, layer, 512), (mode, seed, layer)
             handle.release()
-    finally:
-        engine.close()
-        ring.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [SignalMode.EVENT, SignalMode.WAITVALUE])
 def test_gpu_stream_wait(mode):
-    ring, engine = make_signals(mode, LAYERS, num_counters=2), gpu_engine()
-    try:
+    with gpu_ring(mode) as (ring, engine):
         stream = torch.cuda.Stream()
         for seed in range(3):
             gpu, host = tensors(seed, **BIG)
@@ -242,20 +251,15 @@ def test_gpu_stream_wait(mode):
                     handle.gpu_wait_layer(layer, stream.cuda_stream)
                     snapshot[layer].copy_(gpu[layer])
             stream.synchronize()
-            for layer in range(LAYERS):
-                assert torch.equal(snapshot[layer].cpu(), host[:, layer]), (mode, seed, layer)
+            assert_snapshot_is_host(snapshot, host, mode, seed)
             handle.wait()
             handle.release()
-    finally:
-        engine.close()
-        ring.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [SignalMode.EVENT, SignalMode.WAITVALUE])
 def test_captured_graph_replays_for_two_onboardings(mode):
-    ring, engine = make_signals(mode, LAYERS, num_counters=2), gpu_engine()
-    try:
+    with gpu_ring(mode) as (ring, engine):
         gpu, _ = tensors(0, **BIG)
         snapshot = [torch.empty_like(layer) for layer in gpu]
         graph = torch.cuda.CUDAGraph()
@@ -275,22 +279,15 @@ def test_captured_graph_replays_for_two_onboardings(mode):
             ring.prepare_replay(handle, stream.cuda_stream)
             graph.replay()
             stream.synchronize()
-            for layer in range(LAYERS):
-                assert torch.equal(snapshot[layer].cpu(), host[:, layer]), (mode, seed, layer)
+            assert_snapshot_is_host(snapshot, host, mode, seed)
             handle.wait()
             handle.release()
-    finally:
-        engine.close()
-        ring.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(SignalMode))
 def test_gpu_injected_failure_poisons_every_mode(mode):
-    from layerflow.transfer.cuda_copy import CudaCopyEngine
-
-    ring, engine = make_signals(mode, LAYERS, num_counters=2), CudaCopyEngine(fail_at_layer=2)
-    try:
+    with gpu_ring(mode, fail_at_layer=2) as (ring, engine):
         gpu, host = tensors(0, **BIG)
         handle = ring.acquire()
         transfer = engine.onboard(gpu, host, range(512), range(512), handle)
@@ -300,6 +297,3 @@ def test_gpu_injected_failure_poisons_every_mode(mode):
         with pytest.raises(TransferError, match="layer 2"):
             transfer.wait(5)
         assert landed(gpu, host, 1, 512), "layers before the failure must still land"
-    finally:
-        engine.close()
-        ring.close()
