@@ -9,6 +9,7 @@ candidate's result never depends on the other candidates or their order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -78,19 +79,19 @@ class JaggedBatch:
     def query_lens(self) -> list[int]:
         return [a + k for a, k in zip(self.appended_lens, self.candidate_lens)]
 
-    @property
+    @cached_property
     def query_offsets(self) -> torch.Tensor:
         return _offsets(self.query_lens)
 
-    @property
+    @cached_property
     def cached_offsets(self) -> torch.Tensor:
         return _offsets(self.cached_lens)
 
-    @property
+    @cached_property
     def appended_offsets(self) -> torch.Tensor:
         return _offsets(self.appended_lens)
 
-    @property
+    @cached_property
     def candidate_offsets(self) -> torch.Tensor:
         return _offsets(self.candidate_lens)
 
