@@ -69,6 +69,32 @@ class CudaTransfer(Transfer):
             raise TransferError(f"transfer failed: {self.error}") from self.error
 
 
+class _BatchedLayers:
+    """Issues one layer's per-page copies as cudaMemcpyBatchAsync calls over descriptor arrays it keeps alive.
+
+    Every call's addresses are computed here once (numpy's `.ctypes` costs ~1 us per array and the first layer's
+    chunks are issued while the copy engine waits for them); the first layer goes in doubling chunks (`ramp_bounds`).
+    """
+
+    def __init__(self, copier: cudart.BatchCopier, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                 stream: int) -> None:
+        self._arrays = (dsts, srcs, sizes)
+        self._copier, self._stream, self._pages = copier, stream, sizes.size
+        entry = dsts.itemsize
+        self._row_bytes = self._pages * entry
+        self._dst, self._src, self._size = dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data
+        self._first_layer = [(self._dst + a * entry, self._src + a * entry, self._size + a * entry, b - a)
+                             for a, b in pairwise(ramp_bounds(self._pages))]
+
+    def __call__(self, layer: int) -> None:
+        if layer == 0:
+            for call in self._first_layer:
+                self._copier.copy(*call, self._stream)
+        else:
+            row = layer * self._row_bytes
+            self._copier.copy(self._dst + row, self._src + row, self._size, self._pages, self._stream)
+
+
 class CudaCopyEngine(CopyEngine):
     """`timing=True` records timing events (start, then after each layer) in `Transfer.timing_events`: benchmarks."""
 
@@ -146,17 +172,7 @@ class CudaCopyEngine(CopyEngine):
             gpu = gpu_bases[:, None] + (plan.gpu_pages.astype(np.uint64) * np.uint64(page))[None, :]
             host = host_layers[:, None] + (plan.host_blocks.astype(np.uint64) * np.uint64(pitch))[None, :]
             dsts, srcs = (gpu, host) if to_gpu else (host, gpu)
-            sizes = np.full(plan.num_pages, page, dtype=np.uint64)
-            first_layer_chunks = list(pairwise(ramp_bounds(plan.num_pages)))
-
-            def copy_batched(layer: int) -> None:
-                if layer == 0:
-                    for a, b in first_layer_chunks:
-                        self._batch.copy(dsts[0, a:b], srcs[0, a:b], sizes[a:b], stream)
-                else:
-                    self._batch.copy(dsts[layer], srcs[layer], sizes, stream)
-
-            return copy_batched
+            return _BatchedLayers(self._batch, dsts, srcs, np.full(plan.num_pages, page, dtype=np.uint64), stream)
 
         runs = list(zip((plan.run_gpu * page).tolist(), (plan.run_host * pitch).tolist(), plan.run_len.tolist()))
         gpu_list, host_list = gpu_bases.tolist(), host_layers.tolist()

@@ -75,15 +75,13 @@ class BatchCopier:
         self._attrs = attrs_address
         self._attr_index = np.zeros(1, dtype=np.uint64)
         self._fail_index = np.zeros(1, dtype=np.uint64)
+        self._tail = ((self._attrs, self._attr_index.ctypes.data, 1)
+                      + ((self._fail_index.ctypes.data,) if lib().runtime_version < 13000 else ()))
 
-    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        """`dsts`, `srcs`, `sizes`: contiguous uint64 arrays of one length (kept alive by the caller)."""
-        cuda = lib()
-        args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, dsts.size, self._attrs,
-                self._attr_index.ctypes.data, 1]
-        if cuda.runtime_version < 13000:
-            args.append(self._fail_index.ctypes.data)
-        _check(cuda.cudaMemcpyBatchAsync(*args, stream), "cudaMemcpyBatchAsync")
+    def copy(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
+        """`count` copies whose destinations, sources and sizes are uint64 arrays at these addresses (the caller
+        keeps the arrays alive and computes the addresses once: see cuda_copy._BatchedLayers)."""
+        _check(lib().cudaMemcpyBatchAsync(dsts, srcs, sizes, count, *self._tail, stream), "cudaMemcpyBatchAsync")
 
 
 def launch_host_func(stream: int, fn_addr: int, user_data: int) -> None:
