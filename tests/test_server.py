@@ -410,3 +410,70 @@ def test_stopping_a_spawned_server_removes_the_directory_it_made():
     assert handle.socket_path.exists() and handle.owns_run_dir
     handle.stop()
     assert not handle.run_dir.exists()
+
+
+class OffloadGate:
+    """A ThreadCopyEngine layer hook that holds offload copies (the D2H worker) while closed."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.held = threading.Event()
+
+    def __call__(self, layer: int) -> None:
+        if threading.current_thread().name == "layerflow-d2h" and not self.open.is_set():
+            self.held.set()
+            assert self.open.wait(30), "gate never opened"
+
+
+@pytest.fixture
+def gated(server, monkeypatch):
+    from layerflow.transfer.server import server as server_module
+    from layerflow.transfer.thread_copy import ThreadCopyEngine
+
+    gate = OffloadGate()
+    engine = ThreadCopyEngine(layer_hook=gate)
+    monkeypatch.setattr(server_module, "make_engine", lambda cuda: engine)
+    client, kv = make_client(server, seed=5)
+    yield gate, client, kv
+    gate.open.set()
+    client.close()
+
+
+def test_an_offload_in_flight_does_not_hold_up_an_onboard_of_another_user(gated):
+    gate, client, kv = gated
+    expected = [t.clone() for t in kv]
+    client.offload("alice", [0, 1]).result(10)
+    gate.open.clear()
+    bob = client.offload("bob", [2, 3])
+    assert gate.held.wait(10)
+    handle, done = client.onboard_many([("alice", [8, 9])])
+    handle.wait(5)                       # issued and signalled while bob's copy is still held
+    assert done.result(5) == {"tiers": ["host"]}
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(kv[layer][[8, 9]], expected[layer][[0, 1]])
+    handle.release()
+    assert client.lookup("alice") == ("host", 2)
+    assert not bob.done()
+    gate.open.set()
+    assert bob.result(10) == {"blocks": 2, "copied": 2}
+    assert client.lookup("bob") == ("host", 2)
+
+
+def test_a_request_about_a_user_in_flight_waits_for_it(gated):
+    gate, client, kv = gated
+    expected = [t.clone() for t in kv]
+    client.offload("alice", [0, 1]).result(10)
+    gate.open.clear()
+    carol = client.offload("carol", [2, 3, 4])
+    assert gate.held.wait(10)
+    dropped = []
+    dropper = threading.Thread(target=lambda: dropped.append(client.drop("carol")))
+    dropper.start()
+    dropper.join(0.3)
+    assert dropper.is_alive() and not carol.done()   # the drop must not free blocks the offload is writing
+    gate.open.set()
+    dropper.join(10)
+    assert dropped == [True] and carol.result(10)["copied"] == 3
+    assert client.lookup("carol") == (None, 0)
+    onboard_and_check(client, kv, "alice", [0, 1], [8, 9], expected)

@@ -7,7 +7,6 @@ gather + scatter (index_select / index_copy_), so there is no Python loop over p
 
 from __future__ import annotations
 
-import queue
 import threading
 import weakref
 from typing import Callable
@@ -16,6 +15,7 @@ import torch
 
 from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.fifo_worker import FifoWorker
 
 
 class ThreadTransfer(Transfer):
@@ -41,27 +41,7 @@ class ThreadTransfer(Transfer):
         self._finished.set()
 
 
-class _Worker:
-    """A FIFO of callables run on one daemon thread."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, work: Callable[[], None]) -> None:
-        self._queue.put(work)
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (work := self._queue.get()) is not None:
-            work()
-
-
-def _stop_workers(*workers: _Worker) -> None:
+def _stop_workers(*workers: FifoWorker) -> None:
     for worker in workers:
         worker.stop()
 
@@ -72,8 +52,8 @@ class ThreadCopyEngine(CopyEngine):
     def __init__(self, fail_at_layer: int | None = None, layer_hook: Callable[[int], None] | None = None) -> None:
         super().__init__(fail_at_layer)
         self.layer_hook = layer_hook
-        self._h2d = _Worker("layerflow-h2d")
-        self._d2h = _Worker("layerflow-d2h")
+        self._h2d = FifoWorker("layerflow-h2d")
+        self._d2h = FifoWorker("layerflow-d2h")
         # Stop the workers at close, at garbage collection or at interpreter exit, whichever comes first: a worker
         # thread still alive when torch's OpenMP pool is torn down aborts the process.
         self._stop = weakref.finalize(self, _stop_workers, self._h2d, self._d2h)

@@ -6,6 +6,11 @@ offload requests and posts the client's eventfds layer by layer. Users live in t
 (LRU); with an SSD tier, a user evicted from the host is first written to SSD, and an onboard
 of a user found only on SSD reads it back in groups, each group handed to the copy engine as it
 lands (SSD -> host -> GPU pipelined; the layer signals fire once the last group's copies are done).
+
+A client's requests are read and issued in order on its connection thread; waiting for an onboard's or an offload's
+copies (and answering DONE) happens on that client's onboard or offload completion lane, so a 16K-token offload in
+flight does not hold up the next onboard. A request about a user with a request still in flight (any client) waits
+for that one first: an onboard never reads blocks an offload is still writing, a drop never frees them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from layerflow.transfer.config import TransferConfig
 from layerflow.transfer.copy_engine import CopyEngine, Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.event_notifier import EventNotifier
+from layerflow.transfer.fifo_worker import FifoWorker
 from layerflow.transfer.host_pool import HostKVPool
 from layerflow.transfer.layout import KVLayout
 from layerflow.transfer.server import protocol
@@ -49,7 +55,7 @@ def make_engine(cuda: bool) -> CopyEngine:
 
 
 class _Client:
-    """One connected client: its socket, eventfds and mapped KV pool."""
+    """One connected client: its socket, eventfds, mapped KV pool and completion lanes (onboard, offload)."""
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
         self.sock = sock
@@ -57,10 +63,43 @@ class _Client:
         self.pool: ClientPool | None = None
         self.engine: CopyEngine | None = None
         self.send_lock = threading.Lock()
+        self.lanes = {Op.ONBOARD: FifoWorker("layerflow-server-onboard"),
+                      Op.OFFLOAD: FifoWorker("layerflow-server-offload")}
 
     def send(self, op: Op, **fields) -> None:
         with self.send_lock:
             protocol.send(self.sock, op, **fields)
+
+    def close_lanes(self) -> None:
+        """Let the requests already issued finish (and answer, if the socket still takes it)."""
+        for lane in self.lanes.values():
+            lane.stop()
+
+
+class _InFlight:
+    """Users with a request not yet finished (every client's): a request claims all its users at once, waiting
+    while any of them is claimed, and releases them when it finished."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[str, threading.Event] = {}
+
+    def claim(self, users: list) -> threading.Event:
+        keys = [repr(user) for user in users]
+        while True:
+            with self._lock:
+                busy = next((self._users[k] for k in keys if k in self._users), None)
+                if busy is None:
+                    finished = threading.Event()
+                    self._users.update(dict.fromkeys(keys, finished))
+                    return finished
+            busy.wait()
+
+    def release(self, users: list, finished: threading.Event) -> None:
+        with self._lock:
+            for user in users:
+                self._users.pop(repr(user), None)
+        finished.set()
 
 
 class TransferServer:
@@ -89,6 +128,7 @@ class TransferServer:
         self.ssd: SsdStore | None = None
         self._clients: set[_Client] = set()
         self._threads: list[threading.Thread] = []   # one per client connection, joined at close
+        self._in_flight = _InFlight()
         self._closed = threading.Event()
         self._handlers: dict[Op, Callable[[_Client, protocol.Message], None]] = {
             Op.REGISTER_POOL: self._register_pool,
@@ -156,6 +196,7 @@ class TransferServer:
             log.info("client pid=%d rank=%d gone: %s", session.peer.pid, session.rank, e)
         finally:
             self._clients.discard(client)
+            client.close_lanes()
             session.close()
             sock.close()
 
@@ -206,18 +247,61 @@ class TransferServer:
     # ---- requests ------------------------------------------------------------------------
 
     def _request(self, client: _Client, msg: protocol.Message, work: Callable[[], dict]) -> None:
-        """Run `work`; answer DONE with its fields or ERROR naming the user (then non-resident)."""
+        """Run `work` once no request about its user is in flight; answer DONE with its fields or ERROR naming the
+        user (then non-resident)."""
         msg.close_fds()
+        users = _users_of(msg)
+        finished = self._in_flight.claim(users)
         try:
             if client.pool is None:
                 raise ValueError(f"{msg.op.value} before register_pool")
             fields = work()
         except Exception as e:  # noqa: BLE001 - whatever failed, the client's waiters must hear about it
-            users = _users_of(msg)
-            log.warning("%s of users %r failed: %s", msg.op.value, users, e)
-            client.send(Op.ERROR, req=msg.get("req"), users=users, reason=str(e))
+            self._reply_error(client, msg, e)
             return
+        finally:
+            self._in_flight.release(users, finished)
         client.send(Op.DONE, req=msg["req"], **fields)
+
+    def _issued_request(self, client: _Client, msg: protocol.Message, issue: Callable[[], Callable[[], dict]]) -> None:
+        """Run `issue` (checks, pins, issues the copies) now; its returned finish step (waits for the copies, unpins,
+        returns the DONE fields) runs on the client's lane for this op. The request claims its users first and holds
+        them until then. An error at either step is answered with ERROR."""
+        msg.close_fds()
+        users = _users_of(msg)
+        finished = self._in_flight.claim(users)
+        try:
+            if client.pool is None:
+                raise ValueError(f"{msg.op.value} before register_pool")
+            finish = issue()
+        except Exception as e:  # noqa: BLE001 - whatever failed, the client's waiters must hear about it
+            self._in_flight.release(users, finished)
+            self._reply_error(client, msg, e)
+            return
+
+        def complete() -> None:
+            try:
+                fields = finish()
+            except Exception as e:  # noqa: BLE001 - as above, on the lane
+                self._in_flight.release(users, finished)
+                self._reply_error(client, msg, e)
+                return
+            self._in_flight.release(users, finished)
+            try:
+                client.send(Op.DONE, req=msg["req"], **fields)
+            except OSError as e:
+                log.info("%s done but the client is gone: %s", msg.op.value, e)
+
+        client.lanes[msg.op].submit(complete)
+
+    @staticmethod
+    def _reply_error(client: _Client, msg: protocol.Message, error: Exception) -> None:
+        users = _users_of(msg)
+        log.warning("%s of users %r failed: %s", msg.op.value, users, error)
+        try:
+            client.send(Op.ERROR, req=msg.get("req"), users=users, reason=str(error))
+        except OSError as e:
+            log.info("cannot report the failure, the client is gone: %s", e)
 
     def _views(self):
         return tensor_block_views(self.host.blocks)
@@ -231,30 +315,40 @@ class TransferServer:
                 log.warning("could not spill user %r to SSD: %s", user, e)
 
     def _groups(self, client: _Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
-                onboard: bool) -> list[Transfer]:
-        out = []
+                onboard: bool, issued: list[Transfer]) -> list[Transfer]:
+        """One copy-engine call per layer group, each transfer appended to `issued` as soon as it is in flight."""
         for g, r in enumerate(self.layout.group_ranges):
             layers = client.pool.layers[r.start:r.stop]
             if onboard:
-                out.append(client.engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, r.start))
+                issued.append(client.engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, r.start))
             else:
-                out.append(client.engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
-        return out
+                issued.append(client.engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
+        return issued
 
     def _wait(self, transfers: list[Transfer]) -> None:
         for t in transfers:
             t.wait(self.config.transfer_timeout_s)
 
+    def _drain(self, transfers: list[Transfer]) -> None:
+        """After a failed issue: let the copies already in flight end before their blocks are unpinned."""
+        for t in transfers:
+            try:
+                t.wait(self.config.transfer_timeout_s)
+            except TransferError:
+                pass
+
     def _onboard(self, client: _Client, msg: protocol.Message) -> None:
-        """Several users onto one counter: SSD users are read back first (SSD -> host -> GPU pipelined, unsignalled),
-        then every host user's pages go in ONE copy-engine call per layer group, signalled layer by layer."""
-        def work() -> dict:
+        """Several users onto one counter: SSD users are read back first (SSD -> host -> GPU pipelined, unsignalled,
+        on the connection thread), then every host user's pages go in ONE copy-engine call per layer group,
+        signalled layer by layer; the lane waits for those copies."""
+        def issue() -> Callable[[], dict]:
             loads = _parse_loads(msg["loads"])
             counter = msg["counter_id"]
             if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
                 raise ValueError(f"counter_id={counter!r} outside [0, {client.session.counters})")
             signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), self._notifier)
             pinned = self._pin_for_onboard(loads)
+            transfers: list[Transfer] = []
             try:
                 gpu_pages, blocks = [], []
                 for (user, pages), (held, from_ssd) in zip(loads, pinned):
@@ -264,22 +358,33 @@ class TransferServer:
                         gpu_pages += pages
                         blocks += held[:len(pages)]
                 if gpu_pages:
-                    self._wait(self._groups(client, gpu_pages, blocks, signal, onboard=True))
+                    self._groups(client, gpu_pages, blocks, signal, True, transfers)
                 else:
                     for layer in range(signal.num_layers):
                         signal.complete_layer(layer)
-                signal.flush(self.config.transfer_timeout_s)
-                if signal.error is not None:
-                    raise TransferError(str(signal.error))
             except BaseException as e:
+                self._drain(transfers)
                 self._unpin_onboarded(loads, pinned, failed=True)
                 if isinstance(e, Miss):
                     raise LookupError(f"not resident: {e.args[0]}") from e
                 raise
-            self._unpin_onboarded(loads, pinned, failed=False)
-            return {"tiers": ["ssd" if from_ssd else "host" for _, from_ssd in pinned]}
 
-        self._request(client, msg, work)
+            def finish() -> dict:
+                try:
+                    self._wait(transfers)
+                    signal.flush(self.config.transfer_timeout_s)
+                    if signal.error is not None:
+                        raise TransferError(str(signal.error))
+                except BaseException:
+                    self._drain(transfers)
+                    self._unpin_onboarded(loads, pinned, failed=True)
+                    raise
+                self._unpin_onboarded(loads, pinned, failed=False)
+                return {"tiers": ["ssd" if from_ssd else "host" for _, from_ssd in pinned]}
+
+            return finish
+
+        self._issued_request(client, msg, issue)
 
     def _pin_for_onboard(self, loads: list[tuple[object, list[int]]]) -> list[tuple[list[int], bool]]:
         """Pin every user's host blocks (allocating them for users found only on SSD): `(blocks, from_ssd)` each.
@@ -333,7 +438,7 @@ class TransferServer:
         def landed(group_blocks: list[int]) -> None:
             wanted = [b for b in group_blocks if b in page_of]
             if wanted:
-                transfers.extend(self._groups(client, [page_of[b] for b in wanted], wanted, None, True))
+                self._groups(client, [page_of[b] for b in wanted], wanted, None, True, transfers)
 
         try:
             self.ssd.load(user, self._views(), blocks, on_group=landed)
@@ -341,7 +446,7 @@ class TransferServer:
             self._wait(transfers)
 
     def _offload(self, client: _Client, msg: protocol.Message) -> None:
-        def work() -> dict:
+        def issue() -> Callable[[], dict]:
             user, gpu_pages, first = msg["user"], [int(p) for p in msg["gpu_pages"]], msg["first"]
             if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(gpu_pages):
                 raise ValueError(f"offload of user {user!r}: first={first!r} not in [0, {len(gpu_pages)}]")
@@ -355,19 +460,33 @@ class TransferServer:
                 self.host.pin(user)
                 if self.ssd is not None:
                     self.ssd.evict(user)
-            try:
-                self._wait(self._groups(client, gpu_pages[first:], blocks[first:len(gpu_pages)], None,
-                                        onboard=False))
-            except BaseException:
+            transfers: list[Transfer] = []
+
+            def fail() -> None:
+                self._drain(transfers)
                 with self._lock:
                     self.host.unpin(user)
                     self.host.free(user)
-                raise
-            with self._lock:
-                self.host.unpin(user)
-            return {"blocks": len(blocks), "copied": len(gpu_pages) - first}
 
-        self._request(client, msg, work)
+            try:
+                self._groups(client, gpu_pages[first:], blocks[first:len(gpu_pages)], None, False, transfers)
+            except BaseException:
+                fail()
+                raise
+
+            def finish() -> dict:
+                try:
+                    self._wait(transfers)
+                except BaseException:
+                    fail()
+                    raise
+                with self._lock:
+                    self.host.unpin(user)
+                return {"blocks": len(blocks), "copied": len(gpu_pages) - first}
+
+            return finish
+
+        self._issued_request(client, msg, issue)
 
     def _lookup(self, client: _Client, msg: protocol.Message) -> None:
         def work() -> dict:

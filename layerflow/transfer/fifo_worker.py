@@ -1,0 +1,28 @@
+"""A FIFO of callables run on one daemon thread: the CPU copy engine's copy "streams" and the transfer server's
+completion lanes (work that must finish in submission order, off the thread that submits it)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+
+class FifoWorker:
+    """Runs submitted callables one at a time, in order; `stop()` runs what was already submitted, then joins."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self._queue.put(work)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (work := self._queue.get()) is not None:
+            work()
