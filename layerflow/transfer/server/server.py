@@ -246,27 +246,11 @@ class TransferServer:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _request(self, client: _Client, msg: protocol.Message, work: Callable[[], dict]) -> None:
-        """Run `work` once no request about its user is in flight; answer DONE with its fields or ERROR naming the
-        user (then non-resident)."""
-        msg.close_fds()
-        users = _users_of(msg)
-        finished = self._in_flight.claim(users)
-        try:
-            if client.pool is None:
-                raise ValueError(f"{msg.op.value} before register_pool")
-            fields = work()
-        except Exception as e:  # noqa: BLE001 - whatever failed, the client's waiters must hear about it
-            self._reply_error(client, msg, e)
-            return
-        finally:
-            self._in_flight.release(users, finished)
-        client.send(Op.DONE, req=msg["req"], **fields)
-
-    def _issued_request(self, client: _Client, msg: protocol.Message, issue: Callable[[], Callable[[], dict]]) -> None:
+    def _request(self, client: _Client, msg: protocol.Message, issue: Callable[[], Callable[[], dict]]) -> None:
         """Run `issue` (checks, pins, issues the copies) now; its returned finish step (waits for the copies, unpins,
-        returns the DONE fields) runs on the client's lane for this op. The request claims its users first and holds
-        them until then. An error at either step is answered with ERROR."""
+        returns the DONE fields) runs on the client's lane for this op, or at once for an op without copies. The
+        request claims its users first and holds them until then. An error at either step is answered with ERROR
+        naming the users (then non-resident)."""
         msg.close_fds()
         users = _users_of(msg)
         finished = self._in_flight.claim(users)
@@ -292,7 +276,11 @@ class TransferServer:
             except OSError as e:
                 log.info("%s done but the client is gone: %s", msg.op.value, e)
 
-        client.lanes[msg.op].submit(complete)
+        lane = client.lanes.get(msg.op)
+        if lane is None:
+            complete()
+        else:
+            lane.submit(complete)
 
     @staticmethod
     def _reply_error(client: _Client, msg: protocol.Message, error: Exception) -> None:
@@ -384,7 +372,7 @@ class TransferServer:
 
             return finish
 
-        self._issued_request(client, msg, issue)
+        self._request(client, msg, issue)
 
     def _pin_for_onboard(self, loads: list[tuple[object, list[int]]]) -> list[tuple[list[int], bool]]:
         """Pin every user's host blocks (allocating them for users found only on SSD): `(blocks, from_ssd)` each.
@@ -486,31 +474,33 @@ class TransferServer:
 
             return finish
 
-        self._issued_request(client, msg, issue)
+        self._request(client, msg, issue)
 
     def _lookup(self, client: _Client, msg: protocol.Message) -> None:
-        def work() -> dict:
+        def issue() -> Callable[[], dict]:
             user = msg["user"]
             with self._lock:
                 if user in self.host:
-                    return {"tier": "host", "blocks": len(self.host.pages(user))}
-                if self.ssd is not None and self.ssd.contains(user):
-                    return {"tier": "ssd", "blocks": self.ssd.num_blocks(user)}
-            return {"tier": None, "blocks": 0}
+                    found = {"tier": "host", "blocks": len(self.host.pages(user))}
+                elif self.ssd is not None and self.ssd.contains(user):
+                    found = {"tier": "ssd", "blocks": self.ssd.num_blocks(user)}
+                else:
+                    found = {"tier": None, "blocks": 0}
+            return lambda: found
 
-        self._request(client, msg, work)
+        self._request(client, msg, issue)
 
     def _drop(self, client: _Client, msg: protocol.Message) -> None:
-        def work() -> dict:
+        def issue() -> Callable[[], dict]:
             user = msg["user"]
             with self._lock:
                 on_host = user in self.host
                 if on_host:
                     self.host.free(user)
                 on_ssd = self.ssd.evict(user) if self.ssd is not None else False
-            return {"dropped": on_host or on_ssd}
+            return lambda: {"dropped": on_host or on_ssd}
 
-        self._request(client, msg, work)
+        self._request(client, msg, issue)
 
 
 def _parse_loads(loads: object) -> list[tuple[object, list[int]]]:
