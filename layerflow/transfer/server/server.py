@@ -303,7 +303,7 @@ class TransferServer:
                 log.warning("could not spill user %r to SSD: %s", user, e)
 
     def _groups(self, client: _Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
-                onboard: bool, issued: list[Transfer]) -> list[Transfer]:
+                onboard: bool, issued: list[Transfer]) -> None:
         """One copy-engine call per layer group, each transfer appended to `issued` as soon as it is in flight."""
         for g, r in enumerate(self.layout.group_ranges):
             layers = client.pool.layers[r.start:r.stop]
@@ -311,7 +311,6 @@ class TransferServer:
                 issued.append(client.engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, r.start))
             else:
                 issued.append(client.engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
-        return issued
 
     def _wait(self, transfers: list[Transfer]) -> None:
         for t in transfers:
