@@ -477,3 +477,38 @@ def test_a_request_about_a_user_in_flight_waits_for_it(gated):
     assert dropped == [True] and carol.result(10)["copied"] == 3
     assert client.lookup("carol") == (None, 0)
     onboard_and_check(client, kv, "alice", [0, 1], [8, 9], expected)
+
+
+def test_an_ssd_read_back_does_not_hold_up_a_host_hit(server, monkeypatch):
+    client, kv = make_client(server, seed=6)
+    expected = [t.clone() for t in kv]
+    client.offload("s", [0]).result(10)
+    client.offload("h", [1, 2]).result(10)
+    client.offload("f", [3, 4, 5, 6]).result(10)   # 7 blocks > 6: "s", the least recent, goes to SSD
+    assert client.lookup("s") == ("ssd", 1)
+    onboard_and_check(client, kv, "h", [1, 2], [8, 9], expected)   # "h" is now more recent than "f"
+
+    gate, reading = threading.Event(), threading.Event()
+    real_load = server.ssd.load
+
+    def slow_load(*args, **kwargs):
+        reading.set()
+        assert gate.wait(30), "gate never opened"
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(server.ssd, "load", slow_load)
+    for t in kv:
+        t[10:14] = 0
+    from_ssd, ssd_done = client.onboard_many([("s", [10])])
+    assert reading.wait(10)
+    host, host_done = client.onboard_many([("h", [12, 13])])
+    host.wait(5)                                     # served while the SSD read is held
+    assert host_done.result(5) == {"tiers": ["host"]} and not ssd_done.done()
+    host.release()
+    gate.set()
+    from_ssd.wait(10)
+    assert ssd_done.result(10) == {"tiers": ["ssd"]}
+    from_ssd.release()
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(kv[layer][[10, 12, 13]], expected[layer][[0, 1, 2]])
+    client.close()

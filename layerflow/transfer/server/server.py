@@ -8,18 +8,21 @@ of a user found only on SSD reads it back in groups, each group handed to the co
 lands (SSD -> host -> GPU pipelined; the layer signals fire once the last group's copies are done).
 
 A client's requests are read and issued in order on its connection thread; waiting for an onboard's or an offload's
-copies (and answering DONE) happens on that client's onboard or offload completion lane, so a 16K-token offload in
-flight does not hold up the next onboard. A request about a user with a request still in flight (any client) waits
-for that one first: an onboard never reads blocks an offload is still writing, a drop never frees them.
+copies (and answering DONE) happens on one of that client's completion lanes, so a 16K-token offload in flight does
+not hold up the next onboard, and an onboard that reads users back from SSD runs whole on its own lane, so it does not
+hold up host hits. A request about a user with a request still in flight (any client) waits for that one first: an
+onboard never reads blocks an offload is still writing, a drop never frees them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import enum
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,8 +57,24 @@ def make_engine(cuda: bool) -> CopyEngine:
     return ThreadCopyEngine()
 
 
+class _Lane(enum.Enum):
+    """A client's completion lanes: each finishes its requests in order, independently of the others."""
+
+    ONBOARD = "onboard"
+    OFFLOAD = "offload"
+    SSD_ONBOARD = "ssd-onboard"
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """What an issued request leaves to do: `run` returns the DONE fields; it runs on `lane`, or at once if None."""
+
+    run: Callable[[], dict]
+    lane: _Lane | None = None
+
+
 class _Client:
-    """One connected client: its socket, eventfds, mapped KV pool and completion lanes (onboard, offload)."""
+    """One connected client: its socket, eventfds, mapped KV pool and completion lanes."""
 
     def __init__(self, sock: socket.socket, session: Session) -> None:
         self.sock = sock
@@ -63,8 +82,7 @@ class _Client:
         self.pool: ClientPool | None = None
         self.engine: CopyEngine | None = None
         self.send_lock = threading.Lock()
-        self.lanes = {Op.ONBOARD: FifoWorker("layerflow-server-onboard"),
-                      Op.OFFLOAD: FifoWorker("layerflow-server-offload")}
+        self.lanes = {lane: FifoWorker(f"layerflow-server-{lane.value}") for lane in _Lane}
 
     def send(self, op: Op, **fields) -> None:
         with self.send_lock:
@@ -246,11 +264,11 @@ class TransferServer:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _request(self, client: _Client, msg: protocol.Message, issue: Callable[[], Callable[[], dict]]) -> None:
-        """Run `issue` (checks, pins, issues the copies) now; its returned finish step (waits for the copies, unpins,
-        returns the DONE fields) runs on the client's lane for this op, or at once for an op without copies. The
-        request claims its users first and holds them until then. An error at either step is answered with ERROR
-        naming the users (then non-resident)."""
+    def _request(self, client: _Client, msg: protocol.Message, issue: Callable[[], _Finish]) -> None:
+        """Run `issue` (checks, pins, issues the copies) now; the finish step it returns (waits for the copies,
+        unpins, returns the DONE fields) runs on the client's lane it names, or at once. The request claims its users
+        first and holds them until then. An error at either step is answered with ERROR naming the users (then
+        non-resident)."""
         msg.close_fds()
         users = _users_of(msg)
         finished = self._in_flight.claim(users)
@@ -265,7 +283,7 @@ class TransferServer:
 
         def complete() -> None:
             try:
-                fields = finish()
+                fields = finish.run()
             except Exception as e:  # noqa: BLE001 - as above, on the lane
                 self._in_flight.release(users, finished)
                 self._reply_error(client, msg, e)
@@ -276,11 +294,10 @@ class TransferServer:
             except OSError as e:
                 log.info("%s done but the client is gone: %s", msg.op.value, e)
 
-        lane = client.lanes.get(msg.op)
-        if lane is None:
+        if finish.lane is None:
             complete()
         else:
-            lane.submit(complete)
+            client.lanes[finish.lane].submit(complete)
 
     @staticmethod
     def _reply_error(client: _Client, msg: protocol.Message, error: Exception) -> None:
@@ -325,10 +342,11 @@ class TransferServer:
                 pass
 
     def _onboard(self, client: _Client, msg: protocol.Message) -> None:
-        """Several users onto one counter: SSD users are read back first (SSD -> host -> GPU pipelined, unsignalled,
-        on the connection thread), then every host user's pages go in ONE copy-engine call per layer group,
-        signalled layer by layer; the lane waits for those copies."""
-        def issue() -> Callable[[], dict]:
+        """Several users onto one counter: SSD users are read back first (SSD -> host -> GPU pipelined, unsignalled),
+        then every host user's pages go in ONE copy-engine call per layer group, signalled layer by layer. Without SSD
+        users the copies are issued here and the onboard lane waits for them; with any, the whole onboarding runs on
+        the SSD lane."""
+        def issue() -> _Finish:
             loads = _parse_loads(msg["loads"])
             counter = msg["counter_id"]
             if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
@@ -336,25 +354,27 @@ class TransferServer:
             signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), self._notifier)
             pinned = self._pin_for_onboard(loads)
             transfers: list[Transfer] = []
-            try:
-                gpu_pages, blocks = [], []
-                for (user, pages), (held, from_ssd) in zip(loads, pinned):
-                    if from_ssd:
-                        self._onboard_from_ssd(client, user, pages, held)
+
+            def copy() -> None:
+                try:
+                    gpu_pages, blocks = [], []
+                    for (user, pages), (held, from_ssd) in zip(loads, pinned):
+                        if from_ssd:
+                            self._onboard_from_ssd(client, user, pages, held)
+                        else:
+                            gpu_pages += pages
+                            blocks += held[:len(pages)]
+                    if gpu_pages:
+                        self._groups(client, gpu_pages, blocks, signal, True, transfers)
                     else:
-                        gpu_pages += pages
-                        blocks += held[:len(pages)]
-                if gpu_pages:
-                    self._groups(client, gpu_pages, blocks, signal, True, transfers)
-                else:
-                    for layer in range(signal.num_layers):
-                        signal.complete_layer(layer)
-            except BaseException as e:
-                self._drain(transfers)
-                self._unpin_onboarded(loads, pinned, failed=True)
-                if isinstance(e, Miss):
-                    raise LookupError(f"not resident: {e.args[0]}") from e
-                raise
+                        for layer in range(signal.num_layers):
+                            signal.complete_layer(layer)
+                except BaseException as e:
+                    self._drain(transfers)
+                    self._unpin_onboarded(loads, pinned, failed=True)
+                    if isinstance(e, Miss):
+                        raise LookupError(f"not resident: {e.args[0]}") from e
+                    raise
 
             def finish() -> dict:
                 try:
@@ -369,7 +389,14 @@ class TransferServer:
                 self._unpin_onboarded(loads, pinned, failed=False)
                 return {"tiers": ["ssd" if from_ssd else "host" for _, from_ssd in pinned]}
 
-            return finish
+            def copy_then_finish() -> dict:
+                copy()
+                return finish()
+
+            if any(from_ssd for _, from_ssd in pinned):
+                return _Finish(copy_then_finish, _Lane.SSD_ONBOARD)
+            copy()
+            return _Finish(finish, _Lane.ONBOARD)
 
         self._request(client, msg, issue)
 
@@ -433,7 +460,7 @@ class TransferServer:
             self._wait(transfers)
 
     def _offload(self, client: _Client, msg: protocol.Message) -> None:
-        def issue() -> Callable[[], dict]:
+        def issue() -> _Finish:
             user, gpu_pages, first = msg["user"], [int(p) for p in msg["gpu_pages"]], msg["first"]
             if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(gpu_pages):
                 raise ValueError(f"offload of user {user!r}: first={first!r} not in [0, {len(gpu_pages)}]")
@@ -471,12 +498,12 @@ class TransferServer:
                     self.host.unpin(user)
                 return {"blocks": len(blocks), "copied": len(gpu_pages) - first}
 
-            return finish
+            return _Finish(finish, _Lane.OFFLOAD)
 
         self._request(client, msg, issue)
 
     def _lookup(self, client: _Client, msg: protocol.Message) -> None:
-        def issue() -> Callable[[], dict]:
+        def issue() -> _Finish:
             user = msg["user"]
             with self._lock:
                 if user in self.host:
@@ -485,19 +512,19 @@ class TransferServer:
                     found = {"tier": "ssd", "blocks": self.ssd.num_blocks(user)}
                 else:
                     found = {"tier": None, "blocks": 0}
-            return lambda: found
+            return _Finish(lambda: found)
 
         self._request(client, msg, issue)
 
     def _drop(self, client: _Client, msg: protocol.Message) -> None:
-        def issue() -> Callable[[], dict]:
+        def issue() -> _Finish:
             user = msg["user"]
             with self._lock:
                 on_host = user in self.host
                 if on_host:
                     self.host.free(user)
                 on_ssd = self.ssd.evict(user) if self.ssd is not None else False
-            return lambda: {"dropped": on_host or on_ssd}
+            return _Finish(lambda: {"dropped": on_host or on_ssd})
 
         self._request(client, msg, issue)
 
