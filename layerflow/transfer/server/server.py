@@ -287,26 +287,28 @@ class TransferServer:
             except Exception as e:  # noqa: BLE001 - as above, on the lane
                 self._in_flight.release(users, finished)
                 self._reply_error(client, msg, e)
-                return
-            self._in_flight.release(users, finished)
-            try:
-                client.send(Op.DONE, req=msg["req"], **fields)
-            except OSError as e:
-                log.info("%s done but the client is gone: %s", msg.op.value, e)
+            else:
+                self._in_flight.release(users, finished)
+                self._answer(client, Op.DONE, req=msg["req"], **fields)
 
         if finish.lane is None:
             complete()
         else:
             client.lanes[finish.lane].submit(complete)
 
-    @staticmethod
-    def _reply_error(client: _Client, msg: protocol.Message, error: Exception) -> None:
+    @classmethod
+    def _reply_error(cls, client: _Client, msg: protocol.Message, error: Exception) -> None:
         users = _users_of(msg)
         log.warning("%s of users %r failed: %s", msg.op.value, users, error)
+        cls._answer(client, Op.ERROR, req=msg.get("req"), users=users, reason=str(error))
+
+    @staticmethod
+    def _answer(client: _Client, op: Op, **fields) -> None:
+        """A reply from a lane: a client gone by then is logged, not raised (the request's work is over)."""
         try:
-            client.send(Op.ERROR, req=msg.get("req"), users=users, reason=str(error))
+            client.send(op, **fields)
         except OSError as e:
-            log.info("cannot report the failure, the client is gone: %s", e)
+            log.info("cannot send %s, the client is gone: %s", op.value, e)
 
     def _views(self):
         return tensor_block_views(self.host.blocks)
@@ -355,6 +357,10 @@ class TransferServer:
             pinned = self._pin_for_onboard(loads)
             transfers: list[Transfer] = []
 
+            def fail() -> None:
+                self._drain(transfers)
+                self._unpin_onboarded(loads, pinned, failed=True)
+
             def copy() -> None:
                 try:
                     gpu_pages, blocks = [], []
@@ -370,8 +376,7 @@ class TransferServer:
                         for layer in range(signal.num_layers):
                             signal.complete_layer(layer)
                 except BaseException as e:
-                    self._drain(transfers)
-                    self._unpin_onboarded(loads, pinned, failed=True)
+                    fail()
                     if isinstance(e, Miss):
                         raise LookupError(f"not resident: {e.args[0]}") from e
                     raise
@@ -383,8 +388,7 @@ class TransferServer:
                     if signal.error is not None:
                         raise TransferError(str(signal.error))
                 except BaseException:
-                    self._drain(transfers)
-                    self._unpin_onboarded(loads, pinned, failed=True)
+                    fail()
                     raise
                 self._unpin_onboarded(loads, pinned, failed=False)
                 return {"tiers": ["ssd" if from_ssd else "host" for _, from_ssd in pinned]}
