@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from layerflow.hstu.config import HSTUConfig
@@ -19,6 +20,21 @@ from layerflow.hstu.config import HSTUConfig
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64)
+
+
+def _item_ids(config: HSTUConfig, user: object, kind: str, ids: list[int]) -> np.ndarray:
+    """`ids` as int64, checked in bulk: the per-item loop that names the bad id runs only when a check fails."""
+    arr = None
+    if set(map(type, ids)) <= {int}:
+        try:
+            arr = np.array(ids, dtype=np.int64)
+        except OverflowError:
+            arr = None
+    if arr is None or (arr.size and (int(arr.min()) < 0 or int(arr.max()) >= config.item_vocab_size)):
+        bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+                   or not 0 <= i < config.item_vocab_size)
+        raise ValueError(f"user {user}: {kind} item id {bad!r} out of vocabulary [0, {config.item_vocab_size})")
+    return arr
 
 
 @dataclass(frozen=True)
@@ -51,19 +67,14 @@ class JaggedBatch:
                     f"user {b}: total length {total} (cached {c} + appended {len(a)} + candidates {len(k)}) "
                     f"exceeds max_seq_len={config.max_seq_len}"
                 )
-            for kind, ids in (("appended", a), ("candidate", k)):
-                bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)
-                       or not 0 <= i < config.item_vocab_size]
-                if bad:
-                    raise ValueError(
-                        f"user {b}: {kind} item id {bad[0]!r} out of vocabulary [0, {config.item_vocab_size})"
-                    )
+        arrays = {kind: [_item_ids(config, b, kind, ids) for b, ids in zip(names, lists)]
+                  for kind, lists in (("appended", appended), ("candidate", candidates))}
         return cls(
             cached_lens=list(cached_lens),
             appended_lens=[len(a) for a in appended],
             candidate_lens=[len(k) for k in candidates],
-            appended_ids=torch.tensor([i for a in appended for i in a], dtype=torch.int64),
-            candidate_ids=torch.tensor([i for k in candidates for i in k], dtype=torch.int64),
+            appended_ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *arrays["appended"]])),
+            candidate_ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *arrays["candidate"]])),
         )
 
     @property
@@ -95,19 +106,26 @@ class JaggedBatch:
     def candidate_offsets(self) -> torch.Tensor:
         return _offsets(self.candidate_lens)
 
+    def query_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(item ids, positions, is-candidate flags) of the query tokens in jagged order, per user appended then
+        candidates: numpy, computed without a per-user loop (the runtime packs them into its buffers per request)."""
+        appended = np.asarray(self.appended_lens, dtype=np.int64)
+        query = appended + np.asarray(self.candidate_lens, dtype=np.int64)
+        user = np.repeat(np.arange(self.batch_size), query)
+        j = np.arange(int(query.sum()), dtype=np.int64) - (np.cumsum(query) - query)[user]
+        is_candidate = j >= appended[user]
+        ids = np.empty(j.size, dtype=np.int64)
+        ids[~is_candidate] = self.appended_ids.numpy()  # both lists are in jagged order already
+        ids[is_candidate] = self.candidate_ids.numpy()
+        positions = np.asarray(self.cached_lens, dtype=np.int64)[user] + np.minimum(j, appended[user])
+        return ids, positions, is_candidate
+
     def query_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(item ids, positions) of the query tokens in jagged order: per user appended then candidates."""
-        ids, positions = [], []
-        ao, co = self.appended_offsets.tolist(), self.candidate_offsets.tolist()
-        for b, (c, a, k) in enumerate(zip(self.cached_lens, self.appended_lens, self.candidate_lens)):
-            ids += [self.appended_ids[ao[b]:ao[b + 1]], self.candidate_ids[co[b]:co[b + 1]]]
-            positions += [torch.arange(c, c + a), torch.full((k,), c + a)]
-        if not ids:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-        return torch.cat(ids), torch.cat(positions).to(torch.int64)
+        """(item ids, positions) of the query tokens: appended token j of a user sits at cached_len + j, every
+        candidate at the history length."""
+        ids, positions, _ = self.query_arrays()
+        return torch.from_numpy(ids), torch.from_numpy(positions)
 
     def candidate_mask(self) -> torch.Tensor:
         """Bool [total query tokens]: True where the token is a candidate."""
-        flags = [torch.cat([torch.zeros(a, dtype=torch.bool), torch.ones(k, dtype=torch.bool)])
-                 for a, k in zip(self.appended_lens, self.candidate_lens)]
-        return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)
+        return torch.from_numpy(self.query_arrays()[2])

@@ -72,13 +72,12 @@ class BatchBuffers:
         table.fill(0)  # page 0 is valid: a kernel reading past a user's pages cannot fault
         for b, pages in enumerate(page_rows):
             table[b, :len(pages)] = pages
-        ids, positions = batch.query_tokens()
-        self._put("ids", ids.numpy())
-        self._put("positions", positions.numpy())
-        is_candidate = batch.candidate_mask().numpy()
+        ids, positions, is_candidate = batch.query_arrays()
+        self._put("ids", ids)
+        self._put("positions", positions)
         self._put("candidate_rows", np.flatnonzero(is_candidate))
         self._put("candidate_ids", batch.candidate_ids.numpy())
-        self.num_candidates = int(is_candidate.sum())
+        self.num_candidates = int(batch.candidate_ids.numel())
         self._device.copy_(self._host, non_blocking=True)
 
     def fetch_scores(self) -> torch.Tensor:
