@@ -162,23 +162,24 @@ class CudaCopyEngine(CopyEngine):
         return event
 
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:
-        """Per-layer issue function with every per-run/per-page address computed once here, in numpy."""
+        """Per-layer issue function with every per-run/per-page address computed once here (plain ints for runs,
+        numpy for a batch of pages)."""
         plan, page = job.plan, job.layer_page_bytes
         pitch = job.num_layers * page
         host_base = job.host.data_ptr()
-        gpu_bases = np.array([t.data_ptr() for t in job.gpu_layers], dtype=np.uint64)
-        host_layers = np.uint64(host_base) + np.arange(job.num_layers, dtype=np.uint64) * np.uint64(page)
+        gpu_bases = [t.data_ptr() for t in job.gpu_layers]
+        host_layers = [host_base + layer * page for layer in range(job.num_layers)]
         if plan.num_runs and plan.num_pages / plan.num_runs < self.batch_below_pages:
-            gpu = gpu_bases[:, None] + (plan.gpu_pages.astype(np.uint64) * np.uint64(page))[None, :]
-            host = host_layers[:, None] + (plan.host_blocks.astype(np.uint64) * np.uint64(pitch))[None, :]
+            u64 = np.uint64
+            gpu = np.array(gpu_bases, dtype=u64)[:, None] + (plan.gpu_pages.astype(u64) * u64(page))[None, :]
+            host = np.array(host_layers, dtype=u64)[:, None] + (plan.host_blocks.astype(u64) * u64(pitch))[None, :]
             dsts, srcs = (gpu, host) if to_gpu else (host, gpu)
-            return _BatchedLayers(self._batch, dsts, srcs, np.full(plan.num_pages, page, dtype=np.uint64), stream)
+            return _BatchedLayers(self._batch, dsts, srcs, np.full(plan.num_pages, page, dtype=u64), stream)
 
         runs = list(zip((plan.run_gpu * page).tolist(), (plan.run_host * pitch).tolist(), plan.run_len.tolist()))
-        gpu_list, host_list = gpu_bases.tolist(), host_layers.tolist()
 
         def copy_runs(layer: int) -> None:
-            gpu_base, host_layer = gpu_list[layer], host_list[layer]
+            gpu_base, host_layer = gpu_bases[layer], host_layers[layer]
             for gpu_off, host_off, rows in runs:
                 if to_gpu:
                     cudart.memcpy_2d_async(gpu_base + gpu_off, page, host_layer + host_off, pitch, page, rows,

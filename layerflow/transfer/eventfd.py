@@ -58,8 +58,9 @@ class EventfdSignals(LayerSignals):
         return super()._is_free(counter) and self._pending[counter] == 0
 
     def _reset_counter(self, counter: int) -> None:
-        for fd in self._fds[counter]:
-            while select.select([fd], [], [], 0)[0]:
+        fds = self._fds[counter]
+        while ready := select.select(fds, [], [], 0)[0]:  # one syscall for the whole row (a new counter: none)
+            for fd in ready:
                 os.eventfd_read(fd)
 
     def _signal(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
