@@ -13,9 +13,11 @@ import torch
 
 from layerflow.hstu import HSTUWeights
 from layerflow.hstu.config import PRESETS
-from layerflow.runtime import buffers, graphs, kv_manager
+from layerflow.hstu.batch import JaggedBatch
+from layerflow.runtime import buffers, graphs, kv_manager, tiers, waits
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.workload import Request
+from layerflow.transfer import copy_engine, cuda_copy, gpu_pool, signal_base
 from layerflow.transfer.config import TransferConfig
 
 PHASES = defaultdict(list)
@@ -36,8 +38,15 @@ def timed(cls, name, label):
 
 
 for cls, name in ((kv_manager.KVManager, "prepare"), (buffers.BatchBuffers, "fill"), (graphs.GraphRunner, "replay"),
-                  (buffers.BatchBuffers, "fetch_scores"), (kv_manager.KVManager, "commit"), (Engine, "score")):
-    timed(cls, name, name)
+                  (buffers.BatchBuffers, "fetch_scores"), (kv_manager.KVManager, "commit"), (Engine, "score"),
+                  (kv_manager.KVManager, "offload_early"), (JaggedBatch, "from_lists"),
+                  (gpu_pool.GpuKVPool, "allocate"), (tiers.InProcessTier, "onboard"),
+                  (tiers.InProcessTier, "offload"), (cuda_copy.CudaCopyEngine, "_issue"),
+                  (cuda_copy.CudaCopyEngine, "_layer_copier"), (signal_base.LayerSignals, "acquire"),
+                  (signal_base.SignalHandle, "complete_layer"), (waits.LayerWait, "bind"),
+                  (waits.EventfdNodeWait, "bind"), (waits.EventfdNodeWait, "check")):
+    timed(cls, name, f"{cls.__name__}.{name}")
+timed(copy_engine, "make_job", "make_job")
 
 history_len = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 signal = sys.argv[2] if len(sys.argv) > 2 else "eventfd"
@@ -70,5 +79,5 @@ for host_hit in (False, True):
           run(host_hit, 20))
 profile = cProfile.Profile()
 run(True, 20, profile)
-pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+pstats.Stats(profile).sort_stats("cumulative").print_stats(40)  # every thread (Python 3.12 monitoring)
 engine.close()
