@@ -163,6 +163,9 @@ def test_config_rejects_short_position_table(small_config):
     ([0], [[1000]], [[2]], "item id 1000"),
     ([0], [[1]], [[-3]], "item id -3"),
     ([500], [[1] * 10], [[2] * 3], "total length 513"),
+    ([0], [[1, True]], [[2]], "appended item id True"),
+    ([0], [[1]], [[2, 3.0]], "candidate item id 3.0"),
+    ([0], [[2 ** 70]], [[2]], f"item id {2 ** 70}"),
 ])
 def test_batch_rejects_bad_inputs(small_config, cached, appended, cands, match):
     with pytest.raises(ValueError, match=match):
@@ -179,3 +182,20 @@ def test_cached_forward_rejects_bad_cache(small_weights):
         cached_forward(small_weights, batch, [t.half() for t in good[0]], good[1])
     with pytest.raises(ValueError, match="cover 1/2 layers"):
         cached_forward(small_weights, batch, good[0][:1], good[1])
+
+
+def test_query_arrays_follow_the_jagged_order(small_config):
+    """Per user: its appended tokens at cached_len + j, then its candidates at the history length; users with no
+    appended items or no candidates included."""
+    cached, appended, cands = [5, 0, 7, 3], [[1, 2], [3], [], [4, 5, 6]], [[7], [], [8, 9], []]
+    batch = JaggedBatch.from_lists(small_config, cached, appended, cands)
+    ids, positions, is_candidate = batch.query_arrays()
+    want_ids, want_pos, want_cand = [], [], []
+    for c, a, k in zip(cached, appended, cands):
+        want_ids += a + k
+        want_pos += list(range(c, c + len(a))) + [c + len(a)] * len(k)
+        want_cand += [False] * len(a) + [True] * len(k)
+    assert ids.tolist() == want_ids and positions.tolist() == want_pos and is_candidate.tolist() == want_cand
+    tok_ids, tok_pos = batch.query_tokens()
+    assert tok_ids.tolist() == want_ids and tok_pos.tolist() == want_pos
+    assert batch.candidate_mask().tolist() == want_cand
