@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
-import enum
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,16 +29,16 @@ from layerflow.transfer.config import TransferConfig
 from layerflow.transfer.copy_engine import CopyEngine, Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.event_notifier import EventNotifier
-from layerflow.transfer.fifo_worker import FifoWorker
 from layerflow.transfer.host_pool import HostKVPool
 from layerflow.transfer.layout import KVLayout
 from layerflow.transfer.server import protocol
 from layerflow.transfer.server.auth import (TOKEN_FILE, PeerCred, check_peer, make_private_dir, read_token,
                                             write_token)
-from layerflow.transfer.server.handoff import HandoffError, Session, server_handoff
+from layerflow.transfer.server.handoff import HandoffError, server_handoff
 from layerflow.transfer.server.protocol import Op, ProtocolError
-from layerflow.transfer.server.registration import ClientPool, import_pool, layout_to_dict
+from layerflow.transfer.server.registration import import_pool, layout_to_dict
 from layerflow.transfer.server.remote_signal import ClientSignal
+from layerflow.transfer.server.scheduling import Client, Finish, InFlight, Lane
 from layerflow.transfer.server.shm import SharedMemory
 from layerflow.transfer.ssd import Miss, SsdStore, tensor_block_views
 
@@ -55,69 +53,6 @@ def make_engine(cuda: bool) -> CopyEngine:
         return CudaCopyEngine()
     from layerflow.transfer.thread_copy import ThreadCopyEngine
     return ThreadCopyEngine()
-
-
-class _Lane(enum.Enum):
-    """A client's completion lanes: each finishes its requests in order, independently of the others."""
-
-    ONBOARD = "onboard"
-    OFFLOAD = "offload"
-    SSD_ONBOARD = "ssd-onboard"
-
-
-@dataclass(frozen=True)
-class _Finish:
-    """What an issued request leaves to do: `run` returns the DONE fields; it runs on `lane`, or at once if None."""
-
-    run: Callable[[], dict]
-    lane: _Lane | None = None
-
-
-class _Client:
-    """One connected client: its socket, eventfds, mapped KV pool and completion lanes."""
-
-    def __init__(self, sock: socket.socket, session: Session) -> None:
-        self.sock = sock
-        self.session = session
-        self.pool: ClientPool | None = None
-        self.engine: CopyEngine | None = None
-        self.send_lock = threading.Lock()
-        self.lanes = {lane: FifoWorker(f"layerflow-server-{lane.value}") for lane in _Lane}
-
-    def send(self, op: Op, **fields) -> None:
-        with self.send_lock:
-            protocol.send(self.sock, op, **fields)
-
-    def close_lanes(self) -> None:
-        """Let the requests already issued finish (and answer, if the socket still takes it)."""
-        for lane in self.lanes.values():
-            lane.stop()
-
-
-class _InFlight:
-    """Users with a request not yet finished (every client's): a request claims all its users at once, waiting
-    while any of them is claimed, and releases them when it finished."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users: dict[str, threading.Event] = {}
-
-    def claim(self, users: list) -> threading.Event:
-        keys = [repr(user) for user in users]
-        while True:
-            with self._lock:
-                busy = next((self._users[k] for k in keys if k in self._users), None)
-                if busy is None:
-                    finished = threading.Event()
-                    self._users.update(dict.fromkeys(keys, finished))
-                    return finished
-            busy.wait()
-
-    def release(self, users: list, finished: threading.Event) -> None:
-        with self._lock:
-            for user in users:
-                self._users.pop(repr(user), None)
-        finished.set()
 
 
 class TransferServer:
@@ -144,11 +79,11 @@ class TransferServer:
         self.host: HostKVPool | None = None
         self._host_shm: SharedMemory | None = None
         self.ssd: SsdStore | None = None
-        self._clients: set[_Client] = set()
+        self._clients: set[Client] = set()
         self._threads: list[threading.Thread] = []   # one per client connection, joined at close
-        self._in_flight = _InFlight()
+        self._in_flight = InFlight()
         self._closed = threading.Event()
-        self._handlers: dict[Op, Callable[[_Client, protocol.Message], None]] = {
+        self._handlers: dict[Op, Callable[[Client, protocol.Message], None]] = {
             Op.REGISTER_POOL: self._register_pool,
             Op.ONBOARD: self._onboard,
             Op.OFFLOAD: self._offload,
@@ -197,7 +132,7 @@ class TransferServer:
         except (HandoffError, OSError):
             sock.close()
             return
-        client = _Client(sock, session)
+        client = Client(sock, session)
         self._clients.add(client)
         log.info("client pid=%d rank=%d connected (%d layers x %d counters)",
                  session.peer.pid, session.rank, session.layers, session.counters)
@@ -218,7 +153,7 @@ class TransferServer:
             session.close()
             sock.close()
 
-    def _register_pool(self, client: _Client, msg: protocol.Message) -> None:
+    def _register_pool(self, client: Client, msg: protocol.Message) -> None:
         try:
             pool = import_pool(msg.fields, msg.fds, msg.payload)
             if pool.layout.num_layers != client.session.layers:
@@ -264,7 +199,7 @@ class TransferServer:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def _request(self, client: _Client, msg: protocol.Message, issue: Callable[[], _Finish]) -> None:
+    def _request(self, client: Client, msg: protocol.Message, issue: Callable[[], Finish]) -> None:
         """Run `issue` (checks, pins, issues the copies) now; the finish step it returns (waits for the copies,
         unpins, returns the DONE fields) runs on the client's lane it names, or at once. The request claims its users
         first and holds them until then. An error at either step is answered with ERROR naming the users (then
@@ -297,13 +232,13 @@ class TransferServer:
             client.lanes[finish.lane].submit(complete)
 
     @classmethod
-    def _reply_error(cls, client: _Client, msg: protocol.Message, error: Exception) -> None:
+    def _reply_error(cls, client: Client, msg: protocol.Message, error: Exception) -> None:
         users = _users_of(msg)
         log.warning("%s of users %r failed: %s", msg.op.value, users, error)
         cls._answer(client, Op.ERROR, req=msg.get("req"), users=users, reason=str(error))
 
     @staticmethod
-    def _answer(client: _Client, op: Op, **fields) -> None:
+    def _answer(client: Client, op: Op, **fields) -> None:
         """A reply from a lane: a client gone by then is logged, not raised (the request's work is over)."""
         try:
             client.send(op, **fields)
@@ -321,7 +256,7 @@ class TransferServer:
             except (OSError, ValueError) as e:
                 log.warning("could not spill user %r to SSD: %s", user, e)
 
-    def _groups(self, client: _Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
+    def _groups(self, client: Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
                 onboard: bool, issued: list[Transfer]) -> None:
         """One copy-engine call per layer group, each transfer appended to `issued` as soon as it is in flight."""
         for g, r in enumerate(self.layout.group_ranges):
@@ -343,12 +278,12 @@ class TransferServer:
             except TransferError:
                 pass
 
-    def _onboard(self, client: _Client, msg: protocol.Message) -> None:
+    def _onboard(self, client: Client, msg: protocol.Message) -> None:
         """Several users onto one counter: SSD users are read back first (SSD -> host -> GPU pipelined, unsignalled),
         then every host user's pages go in ONE copy-engine call per layer group, signalled layer by layer. Without SSD
         users the copies are issued here and the onboard lane waits for them; with any, the whole onboarding runs on
         the SSD lane."""
-        def issue() -> _Finish:
+        def issue() -> Finish:
             loads = _parse_loads(msg["loads"])
             counter = msg["counter_id"]
             if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
@@ -398,9 +333,9 @@ class TransferServer:
                 return finish()
 
             if any(from_ssd for _, from_ssd in pinned):
-                return _Finish(copy_then_finish, _Lane.SSD_ONBOARD)
+                return Finish(copy_then_finish, Lane.SSD_ONBOARD)
             copy()
-            return _Finish(finish, _Lane.ONBOARD)
+            return Finish(finish, Lane.ONBOARD)
 
         self._request(client, msg, issue)
 
@@ -448,7 +383,7 @@ class TransferServer:
         if not 0 < num_pages <= num_blocks:
             raise ValueError(f"gpu_pages has {num_pages} pages, user {user!r} holds {num_blocks} blocks")
 
-    def _onboard_from_ssd(self, client: _Client, user, gpu_pages: list[int], blocks: list[int]) -> None:
+    def _onboard_from_ssd(self, client: Client, user, gpu_pages: list[int], blocks: list[int]) -> None:
         """SSD -> host in groups, each group's prefix blocks handed to the copy engine as it lands."""
         page_of = dict(zip(blocks, gpu_pages))
         transfers: list[Transfer] = []
@@ -463,8 +398,8 @@ class TransferServer:
         finally:
             self._wait(transfers)
 
-    def _offload(self, client: _Client, msg: protocol.Message) -> None:
-        def issue() -> _Finish:
+    def _offload(self, client: Client, msg: protocol.Message) -> None:
+        def issue() -> Finish:
             user, gpu_pages, first = msg["user"], [int(p) for p in msg["gpu_pages"]], msg["first"]
             if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(gpu_pages):
                 raise ValueError(f"offload of user {user!r}: first={first!r} not in [0, {len(gpu_pages)}]")
@@ -502,12 +437,12 @@ class TransferServer:
                     self.host.unpin(user)
                 return {"blocks": len(blocks), "copied": len(gpu_pages) - first}
 
-            return _Finish(finish, _Lane.OFFLOAD)
+            return Finish(finish, Lane.OFFLOAD)
 
         self._request(client, msg, issue)
 
-    def _lookup(self, client: _Client, msg: protocol.Message) -> None:
-        def issue() -> _Finish:
+    def _lookup(self, client: Client, msg: protocol.Message) -> None:
+        def issue() -> Finish:
             user = msg["user"]
             with self._lock:
                 if user in self.host:
@@ -516,19 +451,19 @@ class TransferServer:
                     found = {"tier": "ssd", "blocks": self.ssd.num_blocks(user)}
                 else:
                     found = {"tier": None, "blocks": 0}
-            return _Finish(lambda: found)
+            return Finish(lambda: found)
 
         self._request(client, msg, issue)
 
-    def _drop(self, client: _Client, msg: protocol.Message) -> None:
-        def issue() -> _Finish:
+    def _drop(self, client: Client, msg: protocol.Message) -> None:
+        def issue() -> Finish:
             user = msg["user"]
             with self._lock:
                 on_host = user in self.host
                 if on_host:
                     self.host.free(user)
                 on_ssd = self.ssd.evict(user) if self.ssd is not None else False
-            return _Finish(lambda: {"dropped": on_host or on_ssd})
+            return Finish(lambda: {"dropped": on_host or on_ssd})
 
         self._request(client, msg, issue)
 
