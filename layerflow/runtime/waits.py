@@ -68,9 +68,9 @@ class EventfdNodeWait(LayerWait):
 
     def bind(self, handle: SignalHandle | None) -> None:
         self._handle = handle
+        poison = 0 if handle is None else handle.status_address
         for layer in range(self.slots.num_layers):
             fd = -1 if handle is None else handle.eventfd(layer)
-            poison = 0 if handle is None else handle.status_address
             self.slots.set(layer, fd, self.timeout_ms, poison)
         self.slots.reset()
 

@@ -74,7 +74,7 @@ class SignalHandle:
     @property
     def status_address(self) -> int:
         """Address of this counter's int32 status word (0 ok, nonzero poisoned), for native waiters."""
-        return self.ring.status.ctypes.data + self.counter_id * self.ring.status.itemsize
+        return self.ring.status_base + self.counter_id * self.ring.status.itemsize
 
     def release(self) -> None:
         """The consumer is done with this counter (call after every reader, graph replays included, finished)."""
@@ -123,6 +123,7 @@ class LayerSignals(ABC):
         self.num_counters = num_counters
         self.timeout_s = float(timeout_s)
         self.status = np.zeros(num_counters, dtype=np.int32)
+        self.status_base = self.status.ctypes.data  # the array is never reallocated; `.ctypes` costs ~1 us a call
         self._errors: list[BaseException | None] = [None] * num_counters
         self._generation = [0] * num_counters
         self._posted = np.ones((num_counters, num_layers), dtype=bool)
