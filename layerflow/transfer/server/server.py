@@ -218,13 +218,14 @@ class TransferServer:
 
         def complete() -> None:
             try:
-                fields = finish.run()
+                fields, error = finish.run(), None
             except Exception as e:  # noqa: BLE001 - as above, on the lane
-                self._in_flight.release(users, finished)
-                self._reply_error(client, msg, e)
-            else:
-                self._in_flight.release(users, finished)
+                fields, error = {}, e
+            self._in_flight.release(users, finished)  # before the reply: the client's next request may name them
+            if error is None:
                 self._answer(client, Op.DONE, req=msg["req"], **fields)
+            else:
+                self._reply_error(client, msg, error)
 
         if finish.lane is None:
             complete()
