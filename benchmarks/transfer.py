@@ -1,8 +1,11 @@
 """Transfer microbenchmark: copy-engine onboarding/offload against one bulk pinned memcpy, and signal latency.
 
-Efficiency = bulk time / transfer time for the same bytes, both measured here (median): "wall" is host wall clock from
-issue to completion (Python issue cost included, alternating engine and bulk), "GPU" is CUDA-event time on the copy
-stream. Fragmented placements are measured on both copy paths (per-run 2D copies, per-page batch). Placements of a user's pages:
+Efficiency = bulk time / transfer time for the same bytes, both measured here (medians, engine and bulk alternated so
+drift hits both). The bulk is one plain cudaMemcpyAsync issued through ctypes, like the engine's copies. Onboardings
+run as in the runtime: with a counter of the `--signal` mode's ring, posted after each layer, waited and released.
+"wall" is host wall clock from issue to completion (Python issue cost included); "GPU" is CUDA-event time on the copy
+stream from a start event to an end event (no timing events between layers: each costs the copy engine 1-2 us).
+`signal_cost` repeats the smallest fragmented user per signal mode and without signals. Fragmented placements are measured on both copy paths (per-run 2D copies, per-page batch). Placements of a user's pages:
 - contiguous: one run on both sides;
 - churn: first-fit (lowest free index) allocations on a GPU pool and a host pool fragmented by random users coming
   and going, the allocator behaviour a bitmap pool gives;
@@ -29,9 +32,9 @@ import numpy as np
 import torch
 from cuda.bindings import driver
 
-from layerflow.transfer import cuda_events
-from layerflow.transfer.config import SignalMode
-from layerflow.transfer.cuda_copy import CudaCopyEngine
+from layerflow.transfer import cuda_events, cudart
+from layerflow.transfer.config import SignalMode, TransferConfig
+from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
 from layerflow.transfer.signals import make_signals
 
 
@@ -72,81 +75,112 @@ def placements(pages: int, total: int, seed: int) -> dict[str, tuple[np.ndarray,
     }
 
 
-def wall(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+class BulkCopy:
+    """The reference: one plain cudaMemcpyAsync of the same bytes, issued through the engine's own ctypes path on a
+    stream of its own (torch's `copy_` adds a dispatch of 5-70 us before the copy starts, which varied between runs)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.host = torch.empty(max_bytes, dtype=torch.uint8).pin_memory()
+        self.gpu = torch.empty(max_bytes, dtype=torch.uint8, device="cuda")
+        self.stream = cuda_events.create_stream()
+        self.start, self.end = cuda_events.create_event(timing=True), cuda_events.create_event(timing=True)
+
+    def _issue(self, nbytes: int, to_gpu: bool) -> None:
+        if to_gpu:
+            cudart.memcpy_async(self.gpu.data_ptr(), self.host.data_ptr(), nbytes, cudart.MEMCPY_HOST_TO_DEVICE,
+                                self.stream)
+        else:
+            cudart.memcpy_async(self.host.data_ptr(), self.gpu.data_ptr(), nbytes, cudart.MEMCPY_DEVICE_TO_HOST,
+                                self.stream)
+        cuda_events.record(self.end, self.stream)
+
+    def wall_seconds(self, nbytes: int, to_gpu: bool) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self._issue(nbytes, to_gpu)
+        cuda_events.synchronize(self.end)
+        return time.perf_counter() - start
+
+    def gpu_seconds(self, nbytes: int, to_gpu: bool) -> float:
+        torch.cuda.synchronize()
+        cuda_events.record(self.start, self.stream)
+        self._issue(nbytes, to_gpu)
+        cuda_events.synchronize(self.end)
+        return cuda_events.elapsed_ms(self.start, self.end) / 1e3
 
 
-def compare(engine_fn, bulk_fn, iters: int) -> tuple[float, float]:
-    """Median seconds of `engine_fn` and `bulk_fn`, alternated so drift hits both."""
+def alternate(engine_fn, bulk_fn, iters: int) -> tuple[float, float]:
+    """Median seconds of `engine_fn` and `bulk_fn` (each returns its own seconds), alternated so drift hits both."""
     engine_fn(), bulk_fn()
     engine_times, bulk_times = [], []
     for _ in range(iters):
-        engine_times.append(wall(engine_fn))
-        bulk_times.append(wall(bulk_fn))
+        engine_times.append(engine_fn())
+        bulk_times.append(bulk_fn())
     return statistics.median(engine_times), statistics.median(bulk_times)
 
 
 PATHS = {"2d": 0.0, "batch": math.inf}  # CudaCopyEngine.batch_below_pages forcing one copy path
 
 
-def gpu_seconds(transfer) -> float:
-    """GPU time from the transfer's start event to its last layer's event (timing engine)."""
+def transfer_seconds(transfer) -> float:
+    """GPU time from a timed transfer's start event to its end event."""
     transfer.wait()
-    start, *layers = transfer.timing_events
-    seconds = cuda_events.elapsed_ms(start, layers[-1]) / 1e3
+    seconds = cuda_events.elapsed_ms(transfer.timing_events[0], transfer.timing_events[-1]) / 1e3
     for event in transfer.timing_events:
         cuda_events.destroy_event(event)
     return seconds
 
 
-def bulk_gpu_seconds(copy, stream) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        start.record()
-        copy()
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+class Onboarder:
+    """Onboards as the runtime does: a counter of a signal ring per onboarding, posted after every layer's copies,
+    consumed and released after the transfer. `ring=None`: no signals (the copies alone)."""
+
+    def __init__(self, engine: CudaCopyEngine, ring) -> None:
+        self.engine, self.ring = engine, ring
+
+    def __call__(self, *place):
+        handle = self.ring.acquire() if self.ring is not None else None
+        transfer = self.engine.onboard(*place, handle)
+        transfer.wait()
+        if handle is not None:
+            handle.wait()
+            handle.release()
+        return transfer
 
 
-def bandwidth(args, engine, timed, gpu, host, host_bulk, gpu_bulk) -> list[dict]:
+def wall_of(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bandwidth(args, engine, timed, gpu, host, bulk) -> list[dict]:
+    """Every size x placement x copy path, onboarding with `args.signal` signals, against the bulk copy."""
+    ring = make_signals(SignalMode(args.signal), args.layers, num_counters=4)
     page_bytes = gpu[0][0].numel() * gpu[0].element_size()
-    stream = torch.cuda.Stream()
+    onboard, onboard_timed = Onboarder(engine, ring), Onboarder(timed, ring)
     rows = []
     for tokens in args.tokens:
         pages = tokens // args.page
         nbytes = pages * args.layers * page_bytes
-
-        def h2d():
-            gpu_bulk[:nbytes].copy_(host_bulk[:nbytes], non_blocking=True)
-
-        def d2h():
-            host_bulk[:nbytes].copy_(gpu_bulk[:nbytes], non_blocking=True)
-
-        def synced(copy):
-            def run():
-                with torch.cuda.stream(stream):
-                    copy()
-                stream.synchronize()
-            return run
-
         for name, (gpu_pages, host_blocks) in placements(pages, args.pool_pages, tokens).items():
             runs = int(1 + np.count_nonzero((np.diff(gpu_pages) != 1) | (np.diff(host_blocks) != 1)))
             for path in (["2d"] if runs == 1 else list(PATHS)):
                 engine.batch_below_pages = timed.batch_below_pages = PATHS[path]
                 place = (gpu, host, gpu_pages, host_blocks)
-                on, on_bulk = compare(lambda: engine.onboard(*place).wait(), synced(h2d), args.iters)
-                off, off_bulk = compare(lambda: engine.offload(*place).wait(), synced(d2h), args.iters)
-                on_gpu = statistics.median(gpu_seconds(timed.onboard(*place)) for _ in range(args.iters))
-                off_gpu = statistics.median(gpu_seconds(timed.offload(*place)) for _ in range(args.iters))
-                h2d_gpu = statistics.median(bulk_gpu_seconds(h2d, stream) for _ in range(args.iters))
-                d2h_gpu = statistics.median(bulk_gpu_seconds(d2h, stream) for _ in range(args.iters))
+                on, on_bulk = alternate(lambda: wall_of(lambda: onboard(*place)),
+                                        lambda: bulk.wall_seconds(nbytes, True), args.iters)
+                off, off_bulk = alternate(lambda: wall_of(lambda: engine.offload(*place).wait()),
+                                          lambda: bulk.wall_seconds(nbytes, False), args.iters)
+                on_gpu, h2d_gpu = alternate(lambda: transfer_seconds(onboard_timed(*place)),
+                                            lambda: bulk.gpu_seconds(nbytes, True), args.iters)
+                off_gpu, d2h_gpu = alternate(lambda: transfer_seconds(timed.offload(*place)),
+                                             lambda: bulk.gpu_seconds(nbytes, False), args.iters)
                 issue = statistics.median(_issue_time(engine, *place) for _ in range(5))
                 rows.append({
                     "tokens": tokens, "placement": name, "path": path, "runs": runs, "bytes": nbytes,
+                    "signal": args.signal,
                     "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
                     "onboard_efficiency": on_bulk / on, "onboard_gpu_efficiency": h2d_gpu / on_gpu,
                     "offload_GBps": nbytes / off / 1e9, "bulk_d2h_GBps": nbytes / off_bulk / 1e9,
@@ -154,6 +188,31 @@ def bandwidth(args, engine, timed, gpu, host, host_bulk, gpu_bulk) -> list[dict]
                     "onboard_ms": on * 1e3, "bulk_h2d_ms": on_bulk * 1e3, "issue_ms": issue * 1e3,
                 })
                 print(json.dumps(rows[-1]), flush=True)
+    ring.close()
+    return rows
+
+
+def signal_cost(args, timed, gpu, host, bulk) -> list[dict]:
+    """What each signal mode's per-layer marks cost the copy engine: GPU efficiency of the smallest user after churn
+    (the case where per-layer costs weigh most), per mode and with no signals."""
+    tokens = min(args.tokens)
+    pages = tokens // args.page
+    nbytes = pages * args.layers * gpu[0][0].numel() * gpu[0].element_size()
+    gpu_pages, host_blocks = placements(pages, args.pool_pages, tokens)["churn"]
+    place = (gpu, host, gpu_pages, host_blocks)
+    timed.batch_below_pages = PATHS["batch"]
+    rows = []
+    for mode in [None, *SignalMode]:
+        ring = None if mode is None else make_signals(mode, args.layers, num_counters=4)
+        onboard = Onboarder(timed, ring)
+        on_gpu, h2d_gpu = alternate(lambda: transfer_seconds(onboard(*place)),
+                                    lambda: bulk.gpu_seconds(nbytes, True), 3 * args.iters)
+        rows.append({"tokens": tokens, "placement": "churn", "signal": "none" if mode is None else mode.value,
+                     "onboard_gpu_efficiency": h2d_gpu / on_gpu, "onboard_gpu_us": on_gpu * 1e6,
+                     "bulk_gpu_us": h2d_gpu * 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+        if ring is not None:
+            ring.close()
     return rows
 
 
@@ -188,7 +247,7 @@ class Gate:
 
 
 def signal_latency(args, gpu, host) -> list[dict]:
-    engine = CudaCopyEngine(timing=True)
+    engine = CudaCopyEngine(timing=Timing.LAYERS)
     pages = args.latency_tokens // args.page
     gate = Gate()
     rows = []
@@ -261,6 +320,9 @@ def markdown(results: dict) -> str:
                      f"{r['bulk_h2d_GBps']:.1f} | {r['onboard_efficiency']:.3f} / {r['onboard_gpu_efficiency']:.3f} | "
                      f"{r['offload_GBps']:.1f} | {r['bulk_d2h_GBps']:.1f} | "
                      f"{r['offload_efficiency']:.3f} / {r['offload_gpu_efficiency']:.3f} | {r['issue_ms']:.3f} |")
+    lines += ["", "| signal marks (smallest user, churn) | onboard GPU eff. | onboard us | bulk us |", "|---|---|---|---|"]
+    lines += [f"| {r['signal']} | {r['onboard_gpu_efficiency']:.3f} | {r['onboard_gpu_us']:.1f} | {r['bulk_gpu_us']:.1f} |"
+              for r in results["signal_cost"]]
     lines += ["", "| signal | host wait us (median / p90) | GPU wait us | captured-graph wait us |", "|---|---|---|---|"]
     for r in results["signal_latency"]:
         cells = [f"{r[k]['median']:.1f} / {r[k]['p90']:.1f}" if k in r else "-"
@@ -279,6 +341,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--pool-pages", type=int, default=2048, help="GPU pages per layer = host blocks")
     parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--signal", choices=[m.value for m in SignalMode], default=TransferConfig().signal.value,
+                        help="signal mode of the onboardings timed for bandwidth (default: the config default)")
     parser.add_argument("--latency-tokens", type=int, default=2048)
     parser.add_argument("--latency-iters", type=int, default=20)
     args = parser.parse_args()
@@ -286,18 +350,17 @@ def main() -> None:
     shape = (2, args.page, args.heads, args.dim)
     gpu = [torch.randn((args.pool_pages, *shape), device="cuda").to(torch.bfloat16) for _ in range(args.layers)]
     host = torch.randn((args.pool_pages, args.layers, *shape)).to(torch.bfloat16).pin_memory()
-    max_bytes = max(args.tokens) // args.page * args.layers * gpu[0][0].numel() * 2
-    host_bulk = torch.empty(max_bytes, dtype=torch.uint8).pin_memory()
-    gpu_bulk = torch.empty(max_bytes, dtype=torch.uint8, device="cuda")
+    bulk = BulkCopy(max(args.tokens) // args.page * args.layers * gpu[0][0].numel() * 2)
 
-    engine, timed = CudaCopyEngine(), CudaCopyEngine(timing=True)
+    engine, timed = CudaCopyEngine(), CudaCopyEngine(timing=Timing.TOTAL)
     results = {
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_bindings": cuda.bindings.__version__,
                      "driver": driver.cuDriverGetVersion()[1], "python": sys.version.split()[0]},
         "command": " ".join(["python3", *sys.argv]),
         "model": {"layers": args.layers, "heads": args.heads, "head_dim": args.dim, "dtype": "bf16", "page": args.page},
-        "bandwidth": bandwidth(args, engine, timed, gpu, host, host_bulk, gpu_bulk),
+        "bandwidth": bandwidth(args, engine, timed, gpu, host, bulk),
+        "signal_cost": signal_cost(args, timed, gpu, host, bulk),
         "signal_latency": signal_latency(args, gpu, host),
     }
     engine.close()

@@ -164,6 +164,31 @@ def test_cuda_onboard_offload_byte_exact(placement, batch_below_pages):
 
 
 @pytest.mark.gpu
+def test_cuda_timing_events_bracket_the_copies():
+    """TOTAL: a start and an end event; LAYERS: a start and one after each layer, in order; OFF: none."""
+    from layerflow.transfer import cuda_events
+    from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
+
+    gpu, host = make_tensors("cuda", pages=64, blocks=64, layers=4, page=32, heads=4, dim=64, dtype=torch.bfloat16)
+    pages, blocks = list(range(64)), list(range(63, -1, -1))
+    expected = {Timing.OFF: 0, Timing.TOTAL: 2, Timing.LAYERS: 1 + len(gpu)}
+    for timing, count in expected.items():
+        engine = CudaCopyEngine(timing=timing, batch_below_pages=1e9)
+        try:
+            transfer = engine.onboard(gpu, host, pages, blocks)
+            transfer.wait(10)
+            events = transfer.timing_events
+            assert len(events) == count, timing
+            marks = [cuda_events.elapsed_ms(events[0], e) for e in events[1:]]
+            assert all(b >= a for a, b in zip(marks, marks[1:])) and (not marks or marks[-1] > 0), (timing, marks)
+            for event in events:
+                cuda_events.destroy_event(event)
+            check_onboarded(gpu, host, pages, blocks)
+        finally:
+            engine.close()
+
+
+@pytest.mark.gpu
 def test_cuda_injected_failure_reports():
     from layerflow.transfer.cuda_copy import CudaCopyEngine
 
@@ -202,7 +227,7 @@ def test_ramp_bounds_cover_the_batch_in_doubling_chunks_without_a_short_tail(n):
     sizes = np.diff(bounds)
     assert bounds[0] == 0 and bounds[-1] == n
     assert (sizes > 0).all()
-    assert n == 0 or sizes[0] == min(4, n) or len(sizes) == 1
+    assert n == 0 or sizes[0] == min(8, n) or len(sizes) == 1
     assert (sizes[1:-1] == 2 * sizes[:-2]).all()  # every chunk but the last doubles the one before
     if len(sizes) > 1:
         assert 2 * sizes[-2] <= sizes[-1] < 6 * sizes[-2]  # the tail is folded into the last chunk

@@ -469,7 +469,7 @@ def run(settings: Settings, device: torch.device | None = None) -> Results:
 def _run_engine(settings: Settings, weights: HSTUWeights, config: TransferConfig, device: torch.device,
                 scenarios: list[Scenario], clock: Clock, timer: TransferTimer, progress: tqdm,
                 results: Results) -> None:
-    copy = BenchCopyEngine(_copy_engine(device, timing=settings.timeline and config.enable_layerwise))
+    copy = BenchCopyEngine(_copy_engine(device, timeline=settings.timeline and config.enable_layerwise))
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(settings.batch_size,), token_buckets=(settings.query_tokens,),
                 copy_engine=copy) as engine:
@@ -488,10 +488,11 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: TransferConfig
             workload.drop(engine)
 
 
-def _copy_engine(device: torch.device, timing: bool):
+def _copy_engine(device: torch.device, timeline: bool):
+    """Timelines read each onboarding's per-layer timing events."""
     if device.type == "cuda":
-        from layerflow.transfer.cuda_copy import CudaCopyEngine
-        return CudaCopyEngine(device=device.index or 0, timing=timing)
+        from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
+        return CudaCopyEngine(device=device.index or 0, timing=Timing.LAYERS if timeline else Timing.OFF)
     from layerflow.transfer.thread_copy import ThreadCopyEngine
     return ThreadCopyEngine()
 

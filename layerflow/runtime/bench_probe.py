@@ -244,11 +244,11 @@ class CudaTransferTimer(TransferTimer):
 
     def __init__(self, device: torch.device) -> None:
         from layerflow.transfer import cuda_events
-        from layerflow.transfer.cuda_copy import CudaCopyEngine
+        from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
 
         self._events = cuda_events
         self.device = device
-        self.engine = CudaCopyEngine(timing=True, device=device.index or 0)
+        self.engine = CudaCopyEngine(timing=Timing.LAYERS, device=device.index or 0)
         self._src = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         self._dst = torch.empty(0, dtype=torch.uint8, device=device)
 

@@ -1,5 +1,5 @@
 """The CUDA runtime calls layerflow makes through ctypes on the process's libcudart (the one torch loaded): the two
-hot-path copies and the host-function launch of the runtime's wait nodes.
+hot-path copies, the host-function launch of the runtime's wait nodes, and the plain copy benchmarks compare against.
 
 cuda.bindings converts every list element of cudaMemcpyBatchAsync into a Python object and back (about 0.7 ms per
 layer of 512 pages on the H200, which delays the first layer's copy); through ctypes the descriptors are numpy arrays
@@ -44,6 +44,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     version = _c.c_int()
     lib.cudaRuntimeGetVersion(_c.byref(version))
     lib.runtime_version = version.value
+    lib.cudaMemcpyAsync.restype = _c.c_int
+    lib.cudaMemcpyAsync.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int, _c.c_void_p]
     lib.cudaMemcpy2DAsync.restype = _c.c_int
     lib.cudaMemcpy2DAsync.argtypes = [_c.c_void_p, _c.c_size_t, _c.c_void_p, _c.c_size_t, _c.c_size_t, _c.c_size_t,
                                       _c.c_int, _c.c_void_p]
@@ -61,6 +63,11 @@ def _declare(lib: ctypes.CDLL) -> None:
 def _check(err: int, call: str) -> None:
     if err != 0:
         raise TransferError(f"{call} failed: cudaError {err}")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+    """One plain copy: the bulk reference of the transfer benchmarks, issued the way the engine issues its copies."""
+    _check(lib().cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
 
 
 def memcpy_2d_async(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
