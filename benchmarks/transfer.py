@@ -5,7 +5,8 @@ drift hits both). The bulk is one plain cudaMemcpyAsync issued through ctypes, l
 run as in the runtime: with a counter of the `--signal` mode's ring, posted after each layer, waited and released.
 "wall" is host wall clock from issue to completion (Python issue cost included); "GPU" is CUDA-event time on the copy
 stream from a start event to an end event (no timing events between layers: each costs the copy engine 1-2 us).
-`signal_cost` repeats the smallest fragmented user per signal mode and without signals. Fragmented placements are measured on both copy paths (per-run 2D copies, per-page batch). Placements of a user's pages:
+`signal_cost` repeats the smallest fragmented user per signal mode and without signals. Fragmented placements are
+measured on both copy paths (per-run 2D copies, per-page batch). Placements of a user's pages:
 - contiguous: one run on both sides;
 - churn: first-fit (lowest free index) allocations on a GPU pool and a host pool fragmented by random users coming
   and going, the allocator behaviour a bitmap pool gives;
