@@ -321,9 +321,10 @@ def markdown(results: dict) -> str:
                      f"{r['bulk_h2d_GBps']:.1f} | {r['onboard_efficiency']:.3f} / {r['onboard_gpu_efficiency']:.3f} | "
                      f"{r['offload_GBps']:.1f} | {r['bulk_d2h_GBps']:.1f} | "
                      f"{r['offload_efficiency']:.3f} / {r['offload_gpu_efficiency']:.3f} | {r['issue_ms']:.3f} |")
-    lines += ["", "| signal marks (smallest user, churn) | onboard GPU eff. | onboard us | bulk us |", "|---|---|---|---|"]
-    lines += [f"| {r['signal']} | {r['onboard_gpu_efficiency']:.3f} | {r['onboard_gpu_us']:.1f} | {r['bulk_gpu_us']:.1f} |"
-              for r in results["signal_cost"]]
+    lines += ["", "| signal marks (smallest user, churn) | onboard GPU eff. | onboard us | bulk us |",
+              "|---|---|---|---|"]
+    lines += [f"| {r['signal']} | {r['onboard_gpu_efficiency']:.3f} | {r['onboard_gpu_us']:.1f} | "
+              f"{r['bulk_gpu_us']:.1f} |" for r in results["signal_cost"]]
     lines += ["", "| signal | host wait us (median / p90) | GPU wait us | captured-graph wait us |", "|---|---|---|---|"]
     for r in results["signal_latency"]:
         cells = [f"{r[k]['median']:.1f} / {r[k]['p90']:.1f}" if k in r else "-"
