@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import cuda.bindings
 import numpy as np
@@ -35,7 +36,9 @@ from cuda.bindings import driver
 
 from layerflow.transfer import cuda_events, cudart
 from layerflow.transfer.config import SignalMode, TransferConfig
+from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
+from layerflow.transfer.signal_base import LayerSignals
 from layerflow.transfer.signals import make_signals
 
 
@@ -110,7 +113,7 @@ class BulkCopy:
         return cuda_events.elapsed_ms(self.start, self.end) / 1e3
 
 
-def alternate(engine_fn, bulk_fn, iters: int) -> tuple[float, float]:
+def alternate(engine_fn: Callable[[], float], bulk_fn: Callable[[], float], iters: int) -> tuple[float, float]:
     """Median seconds of `engine_fn` and `bulk_fn` (each returns its own seconds), alternated so drift hits both."""
     engine_fn(), bulk_fn()
     engine_times, bulk_times = [], []
@@ -123,7 +126,7 @@ def alternate(engine_fn, bulk_fn, iters: int) -> tuple[float, float]:
 PATHS = {"2d": 0.0, "batch": math.inf}  # CudaCopyEngine.batch_below_pages forcing one copy path
 
 
-def transfer_seconds(transfer) -> float:
+def transfer_seconds(transfer: Transfer) -> float:
     """GPU time from a timed transfer's start event to its end event."""
     transfer.wait()
     seconds = cuda_events.elapsed_ms(transfer.timing_events[0], transfer.timing_events[-1]) / 1e3
@@ -136,10 +139,10 @@ class Onboarder:
     """Onboards as the runtime does: a counter of a signal ring per onboarding, posted after every layer's copies,
     consumed and released after the transfer. `ring=None`: no signals (the copies alone)."""
 
-    def __init__(self, engine: CudaCopyEngine, ring) -> None:
+    def __init__(self, engine: CudaCopyEngine, ring: LayerSignals | None) -> None:
         self.engine, self.ring = engine, ring
 
-    def __call__(self, *place):
+    def __call__(self, *place) -> Transfer:
         handle = self.ring.acquire() if self.ring is not None else None
         transfer = self.engine.onboard(*place, handle)
         transfer.wait()
@@ -149,7 +152,7 @@ class Onboarder:
         return transfer
 
 
-def wall_of(fn) -> float:
+def wall_of(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
