@@ -43,17 +43,21 @@ def _reached(value: int, epoch: int) -> bool:
     return ((value - epoch) & _MASK) < 2**31
 
 
-def _write(stream: int, *writes: tuple[int, int]) -> None:
-    """32-bit `(address, value)` writes on `stream` as one stream operation: each separate cuStreamWriteValue32 between
-    two copies costs the copy engine about 3 us (H200), a batch of them about as much as one."""
-    ops = []
-    for address, value in writes:
-        op = driver.CUstreamBatchMemOpParams()
-        op.writeValue.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
-        op.writeValue.address = address
+def _write_op(address: int) -> driver.CUstreamBatchMemOpParams:
+    """A 32-bit stream write to `address`, built once at set-up (building costs 2-4 us); the value is set per use."""
+    op = driver.CUstreamBatchMemOpParams()
+    op.writeValue.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+    op.writeValue.address = address
+    op.writeValue.flags = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+    return op
+
+
+def _write(stream: int, ops: list[driver.CUstreamBatchMemOpParams], values: list[int]) -> None:
+    """`values` into the ops' words on `stream` as one stream operation: each separate cuStreamWriteValue32 between two
+    copies costs the copy engine about 3 us (H200), a batch of them about as much as one. The call reads the ops
+    before it returns, so they can be reused at once."""
+    for op, value in zip(ops, values):
         op.writeValue.value = value & _MASK
-        op.writeValue.flags = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        ops.append(op)
     check(driver.cuStreamBatchMemOp(stream, len(ops), ops, 0), "cuStreamBatchMemOp")
 
 
@@ -69,6 +73,13 @@ class WaitValueSignals(LayerSignals):
         self._epochs = [0] * num_counters
         self._targets = [0] * num_counters
         self._global = 0
+        # One (counter word, capture word) write pair per (counter, layer), and the replay target's write: the
+        # writes are built here, not per onboarding (a counter is used by one onboarding at a time; replays are
+        # prepared on the launching thread).
+        self._post_ops = [[[_write_op(self._words.data_ptr() + 4 * self._index(counter, layer)),
+                            _write_op(self._device_word(layer).data_ptr())] for layer in range(num_layers)]
+                          for counter in range(num_counters)]
+        self._target_op = [_write_op(self._device_word(num_layers).data_ptr())]
         _wait_geq_kernel[(1,)](self._device_word(0), self._device_word(num_layers), num_warps=1)
         torch.cuda.synchronize()
 
@@ -88,7 +99,7 @@ class WaitValueSignals(LayerSignals):
 
     def prepare_replay(self, handle: SignalHandle | None, stream: int) -> None:
         target = self._global if handle is None else self._targets[handle.counter_id]
-        _write(stream, (self._device_word(self.num_layers).data_ptr(), target))
+        _write(stream, self._target_op, [target])
 
     def _device_word(self, index: int) -> torch.Tensor:
         """Capture word of layer `index`, or (index == num_layers) the replay target."""
@@ -109,7 +120,7 @@ class WaitValueSignals(LayerSignals):
             if stream is None:
                 self._host[self._index(counter, layer)] = epoch - 2**32 if epoch >= 2**31 else epoch
             else:
-                _write(stream, (self.word_address(handle, layer), epoch), (self._device_word(layer).data_ptr(), target))
+                _write(stream, self._post_ops[counter][layer], [epoch, target])
 
     def _poison(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
         self._signal(handle, layers, stream)
