@@ -6,8 +6,10 @@ run as in the runtime: with a counter of the `--signal` mode's ring, posted afte
 "wall" is host wall clock from issue to completion (Python issue cost included); "GPU" is CUDA-event time on the copy
 stream from a start event to an end event (no timing events between layers: each costs the copy engine 1-2 us).
 `signal_cost` repeats the smallest fragmented user per signal mode and without signals. Fragmented placements are
-measured on both copy paths (per-run 2D copies, per-page batch). Placements of a user's pages:
+measured on both copy paths (per-run 2D copies, per-page batch; "auto" marks the engine's default). Placements of a
+user's pages:
 - contiguous: one run on both sides;
+- runs16: runs of 16 pages on both sides (a history written a few visits at a time into a pool with room);
 - churn: first-fit (lowest free index) allocations on a GPU pool and a host pool fragmented by random users coming
   and going, the allocator behaviour a bitmap pool gives;
 - scattered: random pages and blocks (every run one page: the cudaMemcpyBatchAsync path).
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from cuda.bindings import driver
 from layerflow.transfer import cuda_events, cudart
 from layerflow.transfer.config import SignalMode, TransferConfig
 from layerflow.transfer.copy_engine import Transfer
-from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
+from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing
 from layerflow.transfer.signal_base import LayerSignals
 from layerflow.transfer.signals import make_signals
 
@@ -70,10 +71,17 @@ def churned(total: int, n: int, seed: int, steps: int = 3000) -> np.ndarray:
     return first_fit(free, n)
 
 
+def runs_of(n: int, run: int, gap: int) -> np.ndarray:
+    """`n` indices in runs of `run` with `gap` indices skipped between runs."""
+    i = np.arange(n)
+    return i + (i // run) * gap
+
+
 def placements(pages: int, total: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return {
         "contiguous": (np.arange(pages), np.arange(pages)),
+        "runs16": (runs_of(pages, 16, gap=3), runs_of(pages, 16, gap=5)),
         "churn": (churned(total, pages, seed), churned(total, pages, seed + 1000)),
         "scattered": (rng.permutation(total)[:pages], rng.permutation(total)[:pages]),
     }
@@ -123,7 +131,7 @@ def alternate(engine_fn: Callable[[], float], bulk_fn: Callable[[], float], iter
     return statistics.median(engine_times), statistics.median(bulk_times)
 
 
-PATHS = {"2d": 0.0, "batch": math.inf}  # CudaCopyEngine.batch_below_pages forcing one copy path
+PATH_NAMES = {CopyPath.RUNS: "2d", CopyPath.PAGES: "batch"}
 
 
 def transfer_seconds(transfer: Transfer) -> float:
@@ -170,8 +178,8 @@ def bandwidth(args, engine, timed, gpu, host, bulk) -> list[dict]:
         nbytes = pages * args.layers * page_bytes
         for name, (gpu_pages, host_blocks) in placements(pages, args.pool_pages, tokens).items():
             runs = int(1 + np.count_nonzero((np.diff(gpu_pages) != 1) | (np.diff(host_blocks) != 1)))
-            for path in (["2d"] if runs == 1 else list(PATHS)):
-                engine.batch_below_pages = timed.batch_below_pages = PATHS[path]
+            for path in ([CopyPath.RUNS] if runs == 1 else list(PATH_NAMES)):
+                engine.path = timed.path = path
                 place = (gpu, host, gpu_pages, host_blocks)
                 on, on_bulk = alternate(lambda: wall_of(lambda: onboard(*place)),
                                         lambda: bulk.wall_seconds(nbytes, True), args.iters)
@@ -183,7 +191,8 @@ def bandwidth(args, engine, timed, gpu, host, bulk) -> list[dict]:
                                              lambda: bulk.gpu_seconds(nbytes, False), args.iters)
                 issue = statistics.median(_issue_time(engine, *place) for _ in range(5))
                 rows.append({
-                    "tokens": tokens, "placement": name, "path": path, "runs": runs, "bytes": nbytes,
+                    "tokens": tokens, "placement": name, "path": PATH_NAMES[path],
+                    "auto": path is (CopyPath.RUNS if runs == 1 else CopyPath.PAGES), "runs": runs, "bytes": nbytes,
                     "signal": args.signal,
                     "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
                     "onboard_efficiency": on_bulk / on, "onboard_gpu_efficiency": h2d_gpu / on_gpu,
@@ -204,7 +213,7 @@ def signal_cost(args, timed, gpu, host, bulk) -> list[dict]:
     nbytes = pages * args.layers * gpu[0][0].numel() * gpu[0].element_size()
     gpu_pages, host_blocks = placements(pages, args.pool_pages, tokens)["churn"]
     place = (gpu, host, gpu_pages, host_blocks)
-    timed.batch_below_pages = PATHS["batch"]
+    timed.path = CopyPath.AUTO
     rows = []
     for mode in [None, *SignalMode]:
         ring = None if mode is None else make_signals(mode, args.layers, num_counters=4)
@@ -320,7 +329,8 @@ def markdown(results: dict) -> str:
              "| offload GB/s | bulk D2H GB/s | offload eff. (wall / GPU) | issue ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["bandwidth"]:
-        lines.append(f"| {r['tokens']} | {r['placement']} | {r['runs']} | {r['path']} | {r['onboard_GBps']:.1f} | "
+        lines.append(f"| {r['tokens']} | {r['placement']} | {r['runs']} | {r['path']}{' (auto)' * r['auto']} | "
+                     f"{r['onboard_GBps']:.1f} | "
                      f"{r['bulk_h2d_GBps']:.1f} | {r['onboard_efficiency']:.3f} / {r['onboard_gpu_efficiency']:.3f} | "
                      f"{r['offload_GBps']:.1f} | {r['bulk_d2h_GBps']:.1f} | "
                      f"{r['offload_efficiency']:.3f} / {r['offload_gpu_efficiency']:.3f} | {r['issue_ms']:.3f} |")
@@ -345,7 +355,7 @@ def main() -> None:
     parser.add_argument("--page", type=int, default=32)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--pool-pages", type=int, default=2048, help="GPU pages per layer = host blocks")
-    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--signal", choices=[m.value for m in SignalMode], default=TransferConfig().signal.value,
                         help="signal mode of the onboardings timed for bandwidth (default: the config default)")
     parser.add_argument("--latency-tokens", type=int, default=2048)

@@ -139,13 +139,13 @@ GPU_PLACEMENTS = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch_below_pages", [4.0, 1e9], ids=["2d", "batch"])
+@pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES"])
 @pytest.mark.parametrize("placement", GPU_PLACEMENTS)
-def test_cuda_onboard_offload_byte_exact(placement, batch_below_pages):
-    from layerflow.transfer.cuda_copy import CudaCopyEngine
+def test_cuda_onboard_offload_byte_exact(placement, path):
+    from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
 
     pages, blocks = (a.tolist() for a in GPU_PLACEMENTS[placement])
-    engine = CudaCopyEngine(batch_below_pages=batch_below_pages)
+    engine = CudaCopyEngine(path=CopyPath[path])
     try:
         gpu, host = make_tensors("cuda", pages=256, blocks=256, layers=4, page=32, heads=4, dim=64,
                                  dtype=torch.bfloat16)
@@ -167,13 +167,13 @@ def test_cuda_onboard_offload_byte_exact(placement, batch_below_pages):
 def test_cuda_timing_events_bracket_the_copies():
     """TOTAL: a start and an end event; LAYERS: a start and one after each layer, in order; OFF: none."""
     from layerflow.transfer import cuda_events
-    from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
+    from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing
 
     gpu, host = make_tensors("cuda", pages=64, blocks=64, layers=4, page=32, heads=4, dim=64, dtype=torch.bfloat16)
     pages, blocks = list(range(64)), list(range(63, -1, -1))
     expected = {Timing.OFF: 0, Timing.TOTAL: 2, Timing.LAYERS: 1 + len(gpu)}
     for timing, count in expected.items():
-        engine = CudaCopyEngine(timing=timing, batch_below_pages=1e9)
+        engine = CudaCopyEngine(timing=timing, path=CopyPath.PAGES)
         try:
             transfer = engine.onboard(gpu, host, pages, blocks)
             transfer.wait(10)

@@ -63,7 +63,7 @@ def ramp_bounds(n: int, first: int = 8) -> list[int]:
     """Chunk bounds 0, first, 3 first, 7 first, ..., n: chunk sizes doubling from `first`, the last chunk taking
     whatever is left (up to three times the chunk before it) so no short call trails at the end.
 
-    The driver queues a batch only when the call returns, after ~8 us + ~0.6 us per entry on the H200, while each
+    The driver queues a batch only when the call returns, after 7-8 us + 0.4-0.6 us per entry on the H200, while each
     128 KiB entry copies in ~2.4 us and each call costs the copy engine a few microseconds more: the first layer in
     one call left the copy engine idle for the whole call. Doubling chunks start the copy after a short call, and every
     later chunk is queued before the ones ahead of it have finished copying. From 8 entries (3 calls for 64 pages)

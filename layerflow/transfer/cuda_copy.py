@@ -1,16 +1,18 @@
-"""CopyEngine on the GPU's copy engines: cudaMemcpy2DAsync per layer per contiguous run, on dedicated streams.
+"""CopyEngine on the GPU's copy engines: per layer, one cudaMemcpy2DAsync for a placement that is one run on both
+sides, else one cudaMemcpyBatchAsync (an entry per page), on dedicated streams.
 
 The per-copy calls go through ctypes on libcudart (`cudart`): cuda.bindings' per-element list conversion for batches
 cost ~0.7 ms per layer and delayed the first copy.
 
 One H2D and one D2H non-blocking stream per engine, so every onboarding is issued in order on one stream (the signal
-modes rely on that). Onboarding issues, per layer, one strided 2D copy per run (rows = pages, width = one layer-page,
-host pitch = num_layers x layer-page bytes), then posts that layer's signal on the stream, all before returning: the
-host work per call is a loop over layers x runs, with the run arithmetic done once in numpy. Placements fragmented
-into runs shorter than `batch_below_pages` pages on average go through one cudaMemcpyBatchAsync per layer instead
-(one entry per page; the first layer in doubling chunks, see `ramp_bounds`), so the driver-call count stays about one
-per layer. Why: on the H200 (benchmarks/transfer.py), 2D copies of 1-2 page runs reach only ~0.5 of a bulk memcpy in
-GPU time (per-copy cost of the copy engine).
+modes rely on that). Onboarding issues each layer's copies, then posts that layer's signal on the stream, all before
+returning; the addresses are computed once per transfer in numpy. Why one call per layer whenever the placement is
+fragmented at all: each call costs the copy engine about 3 us when it ends (H200, stream held until every call was
+queued: 8 plain copies took 17 us longer than one of the same bytes, 8 batch calls 20 us longer than one call of all
+512 entries, which matched the bulk copy), while entries within a call cost nothing measurable. So per-run 2D copies
+lose to one batch per layer from two runs up (2K tokens, GPU time against a bulk copy: runs of 32 / 16 / 8 pages,
+0.963 / 0.927 / 0.867 against 0.968-0.970; 16K in runs of 32: 0.960 against 0.992), and win only for a single run
+(0.979 against 0.969: a 2D call is queued in ~4 us, a batch in ~7 us plus ~0.4 us per entry, see `ramp_bounds`).
 
 Ordering: the copies wait for the work already queued on the caller's current torch stream (pages a kernel is still
 reading or writing), through an event. `Transfer.done()` queries an event recorded after the last copy; the transfer
@@ -108,16 +110,25 @@ class Timing(enum.Enum):
     LAYERS = enum.auto()
 
 
+class CopyPath(enum.Enum):
+    """How a transfer's copies are issued per layer: AUTO takes RUNS for a placement that is one run on both sides and
+    PAGES otherwise (see the module docstring); the others force one path (tests, benchmarks)."""
+
+    AUTO = enum.auto()
+    RUNS = enum.auto()
+    PAGES = enum.auto()
+
+
 class CudaCopyEngine(CopyEngine):
     """`timing` other than OFF records CUDA timing events per transfer (see `Timing`): benchmarks."""
 
-    def __init__(self, fail_at_layer: int | None = None, batch_below_pages: float = 4.0,
+    def __init__(self, fail_at_layer: int | None = None, path: CopyPath = CopyPath.AUTO,
                  timing: Timing = Timing.OFF, device: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
         super().__init__(fail_at_layer)
         self.device = torch.cuda.current_device() if device is None else device
         cuda_events.set_device(self.device)
-        self.batch_below_pages = batch_below_pages
+        self.path = path
         self.timing = timing
         self.h2d_stream = cuda_events.create_stream()
         self.d2h_stream = cuda_events.create_stream()
@@ -182,7 +193,7 @@ class CudaCopyEngine(CopyEngine):
         host_base = job.host.data_ptr()
         gpu_bases = [t.data_ptr() for t in job.gpu_layers]
         host_layers = [host_base + layer * page for layer in range(job.num_layers)]
-        if plan.num_runs and plan.num_pages / plan.num_runs < self.batch_below_pages:
+        if self.path is CopyPath.PAGES or (self.path is CopyPath.AUTO and plan.num_runs > 1):
             u64 = np.uint64
             gpu = np.array(gpu_bases, dtype=u64)[:, None] + (plan.gpu_pages.astype(u64) * u64(page))[None, :]
             host = np.array(host_layers, dtype=u64)[:, None] + (plan.host_blocks.astype(u64) * u64(pitch))[None, :]
