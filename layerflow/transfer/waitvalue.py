@@ -1,4 +1,8 @@
-"""`waitvalue` signals: 32-bit words written on the copy stream after a layer's copies, waited with GEQ.
+"""`waitvalue` signals: 32-bit words written after a layer's copies, waited with GEQ.
+
+The words are written on a stream of the ring's own that waits for an event recorded after the layer's copies, not on
+the copy stream: a stream write between two copies costs the copy engine about 3 us (H200), an event nothing
+measurable. The posting stream takes the writes in the order they were issued, like the copy stream.
 
 Words never go back to 0 (a reset-to-zero protocol races across back-to-back replays, design.md): each acquisition of
 a counter takes that counter's next epoch, the copy stream writes the epoch into the (counter, layer) word, and waiters
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 from cuda.bindings import driver
 
+from layerflow.transfer import cuda_events
 from layerflow.transfer.config import SignalMode
 from layerflow.transfer.cuda_util import check, poll_until, require_cuda
 from layerflow.transfer.signal_base import LayerSignals, SignalHandle
@@ -53,9 +58,8 @@ def _write_op(address: int) -> driver.CUstreamBatchMemOpParams:
 
 
 def _write(stream: int, ops: list[driver.CUstreamBatchMemOpParams], values: list[int]) -> None:
-    """`values` into the ops' words on `stream` as one stream operation: each separate cuStreamWriteValue32 between two
-    copies costs the copy engine about 3 us (H200), a batch of them about as much as one. The call reads the ops
-    before it returns, so they can be reused at once."""
+    """`values` into the ops' words on `stream` as one stream operation. The call reads the ops before it returns, so
+    they can be reused at once."""
     for op, value in zip(ops, values):
         op.writeValue.value = value & _MASK
     check(driver.cuStreamBatchMemOp(stream, len(ops), ops, 0), "cuStreamBatchMemOp")
@@ -80,6 +84,8 @@ class WaitValueSignals(LayerSignals):
                             _write_op(self._device_word(layer).data_ptr())] for layer in range(num_layers)]
                           for counter in range(num_counters)]
         self._target_op = [_write_op(self._device_word(num_layers).data_ptr())]
+        self._post_stream: int | None = cuda_events.create_stream()
+        self._copied = [[cuda_events.create_event() for _ in range(num_layers)] for _ in range(num_counters)]
         _wait_geq_kernel[(1,)](self._device_word(0), self._device_word(num_layers), num_warps=1)
         torch.cuda.synchronize()
 
@@ -101,6 +107,15 @@ class WaitValueSignals(LayerSignals):
         target = self._global if handle is None else self._targets[handle.counter_id]
         _write(stream, self._target_op, [target])
 
+    def close(self) -> None:
+        if self._post_stream is None:
+            return
+        check(driver.cuStreamSynchronize(self._post_stream), "cuStreamSynchronize")
+        cuda_events.destroy_stream(self._post_stream)
+        for event in [e for row in self._copied for e in row]:
+            cuda_events.destroy_event(event)
+        self._post_stream, self._copied = None, []
+
     def _device_word(self, index: int) -> torch.Tensor:
         """Capture word of layer `index`, or (index == num_layers) the replay target."""
         return self._capture[index * _SPACING:index * _SPACING + 1]
@@ -120,7 +135,10 @@ class WaitValueSignals(LayerSignals):
             if stream is None:
                 self._host[self._index(counter, layer)] = epoch - 2**32 if epoch >= 2**31 else epoch
             else:
-                _write(stream, self._post_ops[counter][layer], [epoch, target])
+                copied = self._copied[counter][layer]
+                cuda_events.record(copied, stream)
+                cuda_events.stream_wait(self._post_stream, copied)
+                _write(self._post_stream, self._post_ops[counter][layer], [epoch, target])
 
     def _poison(self, handle: SignalHandle, layers: list[int], stream: int | None) -> None:
         self._signal(handle, layers, stream)
