@@ -5,7 +5,7 @@ the copy stream: a stream write between two copies costs the copy engine about 3
 measurable. The posting stream takes the writes in the order they were issued, like the copy stream.
 
 Words never go back to 0 (a reset-to-zero protocol races across back-to-back replays, design.md): each acquisition of
-a counter takes that counter's next epoch, the copy stream writes the epoch into the (counter, layer) word, and waiters
+a counter takes that counter's next epoch, the posting stream writes it into the (counter, layer) word, and waiters
 wait for `word - epoch >= 0` as int32 (the cyclic GEQ cuStreamWaitValue32 implements, so wrap-around is harmless).
 The counter words live in pinned host memory (device-visible via UVA) so host waiters poll them directly.
 
@@ -15,7 +15,8 @@ every onboarding also writes a global, monotonically increasing epoch into one d
 `capture_word[layer] - target >= 0`, with `target` read from a device word. `prepare_replay(handle, stream)` writes
 that target with a stream write on the launch stream just before the graph launch, so it is stream-ordered with
 the replay it aims: no host write can retarget a replay already queued. Onboardings are issued in order on one H2D
-stream, so a word >= this onboarding's epoch means this onboarding's layer landed.
+stream and their posts in the same order on the posting stream, so a word >= this onboarding's epoch means this
+onboarding's layer landed.
 """
 
 from __future__ import annotations
