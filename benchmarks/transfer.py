@@ -38,7 +38,7 @@ from cuda.bindings import driver
 from layerflow.transfer import cuda_events, cudart
 from layerflow.transfer.config import SignalMode, TransferConfig
 from layerflow.transfer.copy_engine import Transfer
-from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing
+from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing, resolved_path
 from layerflow.transfer.signal_base import LayerSignals
 from layerflow.transfer.signals import make_signals
 
@@ -192,7 +192,7 @@ def bandwidth(args, engine, timed, gpu, host, bulk) -> list[dict]:
                 issue = statistics.median(_issue_time(engine, *place) for _ in range(5))
                 rows.append({
                     "tokens": tokens, "placement": name, "path": PATH_NAMES[path],
-                    "auto": path is (CopyPath.RUNS if runs == 1 else CopyPath.PAGES), "runs": runs, "bytes": nbytes,
+                    "auto": path is resolved_path(CopyPath.AUTO, runs), "runs": runs, "bytes": nbytes,
                     "signal": args.signal,
                     "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
                     "onboard_efficiency": on_bulk / on, "onboard_gpu_efficiency": h2d_gpu / on_gpu,

@@ -231,3 +231,11 @@ def test_ramp_bounds_cover_the_batch_in_doubling_chunks_without_a_short_tail(n):
     assert (sizes[1:-1] == 2 * sizes[:-2]).all()  # every chunk but the last doubles the one before
     if len(sizes) > 1:
         assert 2 * sizes[-2] <= sizes[-1] < 6 * sizes[-2]  # the tail is folded into the last chunk
+
+
+def test_auto_path_copies_runs_only_for_a_single_run():
+    from layerflow.transfer.cuda_copy import CopyPath, resolved_path
+
+    assert [resolved_path(CopyPath.AUTO, n) for n in (0, 1, 2, 55)] == [CopyPath.RUNS, CopyPath.RUNS,
+                                                                        CopyPath.PAGES, CopyPath.PAGES]
+    assert resolved_path(CopyPath.RUNS, 55) is CopyPath.RUNS and resolved_path(CopyPath.PAGES, 1) is CopyPath.PAGES

@@ -119,6 +119,13 @@ class CopyPath(enum.Enum):
     PAGES = enum.auto()
 
 
+def resolved_path(path: CopyPath, num_runs: int) -> CopyPath:
+    """The path a transfer of `num_runs` runs (contiguous on both sides) takes under `path`."""
+    if path is not CopyPath.AUTO:
+        return path
+    return CopyPath.RUNS if num_runs <= 1 else CopyPath.PAGES
+
+
 class CudaCopyEngine(CopyEngine):
     """`timing` other than OFF records CUDA timing events per transfer (see `Timing`): benchmarks."""
 
@@ -193,7 +200,7 @@ class CudaCopyEngine(CopyEngine):
         host_base = job.host.data_ptr()
         gpu_bases = [t.data_ptr() for t in job.gpu_layers]
         host_layers = [host_base + layer * page for layer in range(job.num_layers)]
-        if self.path is CopyPath.PAGES or (self.path is CopyPath.AUTO and plan.num_runs > 1):
+        if resolved_path(self.path, plan.num_runs) is CopyPath.PAGES:
             u64 = np.uint64
             gpu = np.array(gpu_bases, dtype=u64)[:, None] + (plan.gpu_pages.astype(u64) * u64(page))[None, :]
             host = np.array(host_layers, dtype=u64)[:, None] + (plan.host_blocks.astype(u64) * u64(pitch))[None, :]
