@@ -338,7 +338,8 @@ def markdown(results: dict) -> str:
               "|---|---|---|---|"]
     lines += [f"| {r['signal']} | {r['onboard_gpu_efficiency']:.3f} | {r['onboard_gpu_us']:.1f} | "
               f"{r['bulk_gpu_us']:.1f} |" for r in results["signal_cost"]]
-    lines += ["", "| signal | host wait us (median / p90) | GPU wait us | captured-graph wait us |", "|---|---|---|---|"]
+    lines += ["", "| signal | host wait us (median / p90) | GPU wait us | captured-graph wait us |",
+              "|---|---|---|---|"]
     for r in results["signal_latency"]:
         cells = [f"{r[k]['median']:.1f} / {r[k]['p90']:.1f}" if k in r else "-"
                  for k in ("host_wait_us", "gpu_wait_us", "graph_wait_us")]
