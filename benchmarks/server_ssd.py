@@ -23,14 +23,14 @@ import time
 
 import torch
 
-from layerflow.transfer.config import SignalMode, TransferConfig
-from layerflow.transfer.gpu_pool import GpuKVPool
-from layerflow.transfer.host_pool import HostKVPool
-from layerflow.transfer.layout import KVLayout, LayerGroup
-from layerflow.transfer.server import TransferClient, shared_cpu_pool, spawn_server
-from layerflow.transfer.server.server import make_engine
+from layerflow.config import SignalMode, Config
+from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.tier.host_pool import HostKVPool
+from layerflow.tier.layout import KVLayout, LayerGroup
+from layerflow.server import TransferClient, shared_cpu_pool, spawn_server
+from layerflow.server.server import make_engine
 from layerflow.transfer.signals import make_signals
-from layerflow.transfer.ssd import odirect_supported
+from layerflow.tier.ssd import odirect_supported
 
 
 def gpu_pool(layout: KVLayout, num_pages: int, cuda: bool):
@@ -112,7 +112,7 @@ def disk_read_gbps(directory: str, nbytes: int, chunk: int = 8 << 20) -> tuple[f
 def ssd_hits(layout, kv, shm, user_blocks: int, reps: int, ssd_dir: str) -> tuple[list[float], bool]:
     """Seconds per ssd_hit onboarding through a server whose host holds two users."""
     page_bytes = layout.page_bytes
-    config = TransferConfig(cpu_cache_gb=(2 * user_blocks + 0.5) * page_bytes / 2**30,
+    config = Config(cpu_cache_gb=(2 * user_blocks + 0.5) * page_bytes / 2**30,
                             ssd_cache_gb=(4 * user_blocks + 1) * page_bytes / 2**30, ssd_cache_dir=ssd_dir)
     server = spawn_server(config)
     client = TransferClient(server.socket_path, server.token_path, layout, kv, shm=shm)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     sync(cuda)
 
     local = in_process(layout, kv, user_blocks, args.reps, cuda)
-    server = spawn_server(TransferConfig(cpu_cache_gb=(user_blocks + 0.5) * layout.page_bytes / 2**30))
+    server = spawn_server(Config(cpu_cache_gb=(user_blocks + 0.5) * layout.page_bytes / 2**30))
     client = TransferClient(server.socket_path, server.token_path, layout, kv, shm=shm)
     try:
         client.offload("user", list(range(user_blocks))).result(120)

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from cuda.bindings import driver
 
-from layerflow.transfer import cuda_events, cudart
-from layerflow.transfer.config import SignalMode, TransferConfig
+from layerflow.transfer import cuda_api, cudart
+from layerflow.config import SignalMode, Config
 from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing, resolved_path
-from layerflow.transfer.signal_base import LayerSignals
+from layerflow.transfer.signals.base import LayerSignals
 from layerflow.transfer.signals import make_signals
 
 
@@ -94,8 +94,8 @@ class BulkCopy:
     def __init__(self, max_bytes: int) -> None:
         self.host = torch.empty(max_bytes, dtype=torch.uint8).pin_memory()
         self.gpu = torch.empty(max_bytes, dtype=torch.uint8, device="cuda")
-        self.stream = cuda_events.create_stream()
-        self.start, self.end = cuda_events.create_event(timing=True), cuda_events.create_event(timing=True)
+        self.stream = cuda_api.create_stream()
+        self.start, self.end = cuda_api.create_event(timing=True), cuda_api.create_event(timing=True)
 
     def _issue(self, nbytes: int, to_gpu: bool) -> None:
         if to_gpu:
@@ -104,21 +104,21 @@ class BulkCopy:
         else:
             cudart.memcpy_async(self.host.data_ptr(), self.gpu.data_ptr(), nbytes, cudart.MEMCPY_DEVICE_TO_HOST,
                                 self.stream)
-        cuda_events.record(self.end, self.stream)
+        cuda_api.record(self.end, self.stream)
 
     def wall_seconds(self, nbytes: int, to_gpu: bool) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         self._issue(nbytes, to_gpu)
-        cuda_events.synchronize(self.end)
+        cuda_api.synchronize(self.end)
         return time.perf_counter() - start
 
     def gpu_seconds(self, nbytes: int, to_gpu: bool) -> float:
         torch.cuda.synchronize()
-        cuda_events.record(self.start, self.stream)
+        cuda_api.record(self.start, self.stream)
         self._issue(nbytes, to_gpu)
-        cuda_events.synchronize(self.end)
-        return cuda_events.elapsed_ms(self.start, self.end) / 1e3
+        cuda_api.synchronize(self.end)
+        return cuda_api.elapsed_ms(self.start, self.end) / 1e3
 
 
 def alternate(engine_fn: Callable[[], float], bulk_fn: Callable[[], float], iters: int) -> tuple[float, float]:
@@ -137,9 +137,9 @@ PATH_NAMES = {CopyPath.RUNS: "2d", CopyPath.PAGES: "batch"}
 def transfer_seconds(transfer: Transfer) -> float:
     """GPU time from a timed transfer's start event to its end event."""
     transfer.wait()
-    seconds = cuda_events.elapsed_ms(transfer.timing_events[0], transfer.timing_events[-1]) / 1e3
+    seconds = cuda_api.elapsed_ms(transfer.timing_events[0], transfer.timing_events[-1]) / 1e3
     for event in transfer.timing_events:
-        cuda_events.destroy_event(event)
+        cuda_api.destroy_event(event)
     return seconds
 
 
@@ -270,17 +270,17 @@ def signal_latency(args, gpu, host) -> list[dict]:
         gpu_us: list[float] = []
         graph_us: list[float] = []
         compute = torch.cuda.Stream()
-        after = [cuda_events.create_event(timing=True) for _ in range(args.layers)]
+        after = [cuda_api.create_event(timing=True) for _ in range(args.layers)]
         graph = None
         if mode is not SignalMode.EVENTFD:
-            graph_events = [cuda_events.create_event(timing=True) for _ in range(args.layers)]
+            graph_events = [cuda_api.create_event(timing=True) for _ in range(args.layers)]
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 capture = torch.cuda.current_stream().cuda_stream
                 for layer in range(args.layers):
                     ring.capture_gpu_wait(layer, capture)
-                    cuda_events.record_external(graph_events[layer], capture)
+                    cuda_api.record_external(graph_events[layer], capture)
         for it in range(args.latency_iters):
             torch.cuda.synchronize()
             gate.close()
@@ -294,7 +294,7 @@ def signal_latency(args, gpu, host) -> list[dict]:
             elif graph is not None:
                 for layer in range(args.layers):
                     handle.gpu_wait_layer(layer, compute.cuda_stream)
-                    cuda_events.record(after[layer], compute.cuda_stream)
+                    cuda_api.record(after[layer], compute.cuda_stream)
             opened = gate.open()
             released = []
             for layer in range(args.layers):
@@ -304,12 +304,12 @@ def signal_latency(args, gpu, host) -> list[dict]:
             compute.synchronize()
             start, *layer_done = transfer.timing_events
             for layer in range(args.layers):
-                gpu_done = cuda_events.elapsed_ms(start, layer_done[layer]) / 1e3
+                gpu_done = cuda_api.elapsed_ms(start, layer_done[layer]) / 1e3
                 host_us.append((released[layer] - opened - gpu_done) * 1e6)
                 if use_graph:
-                    graph_us.append(cuda_events.elapsed_ms(layer_done[layer], graph_events[layer]) * 1e3)
+                    graph_us.append(cuda_api.elapsed_ms(layer_done[layer], graph_events[layer]) * 1e3)
                 elif graph is not None:
-                    gpu_us.append(cuda_events.elapsed_ms(layer_done[layer], after[layer]) * 1e3)
+                    gpu_us.append(cuda_api.elapsed_ms(layer_done[layer], after[layer]) * 1e3)
             handle.release()
         row = {"mode": mode.value}
         for name, values in (("host_wait_us", host_us), ("gpu_wait_us", gpu_us), ("graph_wait_us", graph_us)):
@@ -357,7 +357,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--pool-pages", type=int, default=2048, help="GPU pages per layer = host blocks")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--signal", choices=[m.value for m in SignalMode], default=TransferConfig().signal.value,
+    parser.add_argument("--signal", choices=[m.value for m in SignalMode], default=Config().signal.value,
                         help="signal mode of the onboardings timed for bandwidth (default: the config default)")
     parser.add_argument("--latency-tokens", type=int, default=2048)
     parser.add_argument("--latency-iters", type=int, default=20)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import time
 
-from layerflow.hstu import HSTUWeights
-from layerflow.hstu.config import PRESETS
-from layerflow.runtime.bench import add_arguments as add_bench_arguments
-from layerflow.runtime.bench import main as bench_main
+from layerflow.model import HSTUWeights
+from layerflow.model.config import PRESETS
+from layerflow.bench.inference import add_arguments as add_bench_arguments
+from layerflow.bench.inference import main as bench_main
 from layerflow.runtime.engine import Engine
-from layerflow.runtime.workload import returning_users
-from layerflow.transfer.config import load_config
-from layerflow.transfer.server.main import DESCRIPTION as SERVER_DESCRIPTION
-from layerflow.transfer.server.main import add_arguments as add_server_arguments
-from layerflow.transfer.server.main import run as run_server
+from layerflow.bench.workload import returning_users
+from layerflow.config import load_config
+from layerflow.server.main import DESCRIPTION as SERVER_DESCRIPTION
+from layerflow.server.main import add_arguments as add_server_arguments
+from layerflow.server.main import run as run_server
 
 
 def _weights(args: argparse.Namespace) -> HSTUWeights:

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from layerflow.hstu import HSTUConfig, HSTUWeights
+from layerflow.model import HSTUConfig, HSTUWeights
 
 
 def pytest_configure(config):

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from layerflow.runtime import bench_report
-from layerflow.runtime.bench import (DEFAULT_SCENARIOS, SCENARIOS, Settings, add_arguments, main, parse_length,
+from layerflow.bench import report as bench_report
+from layerflow.bench.inference import (DEFAULT_SCENARIOS, SCENARIOS, Settings, add_arguments, main, parse_length,
                                      parse_lengths, run)
-from layerflow.runtime.bench_stats import Bound, Summary, layer_times, lower_bound, percentile
-from layerflow.runtime.bench_throughput import ThroughputSettings, stream, take_batch
+from layerflow.bench.stats import Bound, Summary, layer_times, lower_bound, percentile
+from layerflow.bench.throughput import ThroughputSettings, stream, take_batch
 
 CPU = torch.device("cpu")
 LENGTHS = (64, 96)

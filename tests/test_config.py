@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from layerflow.transfer.config import SignalMode, TransferConfig, load_config
+from layerflow.config import SignalMode, Config, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layerflow.yaml"
 
@@ -16,13 +16,13 @@ def write(tmp_path, text: str) -> Path:
 
 
 def test_defaults_without_file_or_env():
-    assert load_config(env={}) == TransferConfig()
+    assert load_config(env={}) == Config()
 
 
 def test_example_sets_every_key_to_its_default():
     values = yaml.safe_load(EXAMPLE.read_text())
-    assert set(values) == {f.name for f in fields(TransferConfig)}
-    assert load_config(EXAMPLE, env={}) == TransferConfig()
+    assert set(values) == {f.name for f in fields(Config)}
+    assert load_config(EXAMPLE, env={}) == Config()
 
 
 def test_file_values(tmp_path):
@@ -34,7 +34,7 @@ def test_file_values(tmp_path):
     assert cfg.page_size == 16
     assert cfg.ssd_cache_dirs == ("/a", "/b")
     assert cfg.server_socket == "/tmp/lf.sock"
-    assert cfg.gpu_cache_gb == TransferConfig().gpu_cache_gb
+    assert cfg.gpu_cache_gb == Config().gpu_cache_gb
     assert cfg.to_dict()["signal"] == "waitvalue"
 
 
@@ -51,7 +51,7 @@ def test_explicit_path_beats_env_path(tmp_path):
 
 
 def test_empty_file_is_defaults(tmp_path):
-    assert load_config(write(tmp_path, ""), env={}) == TransferConfig()
+    assert load_config(write(tmp_path, ""), env={}) == Config()
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_bad_enum(tmp_path):
     with pytest.raises(ValueError, match=r"signal='semaphore'.*eventfd"):
         load_config(write(tmp_path, "signal: semaphore\n"), env={})
     with pytest.raises(ValueError, match="signal"):
-        TransferConfig(signal="cuda")
+        Config(signal="cuda")
 
 
 def test_bad_env_values():

@@ -166,7 +166,7 @@ def test_cuda_onboard_offload_byte_exact(placement, path):
 @pytest.mark.gpu
 def test_cuda_timing_events_bracket_the_copies():
     """TOTAL: a start and an end event; LAYERS: a start and one after each layer, in order; OFF: none."""
-    from layerflow.transfer import cuda_events
+    from layerflow.transfer import cuda_api
     from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing
 
     gpu, host = make_tensors("cuda", pages=64, blocks=64, layers=4, page=32, heads=4, dim=64, dtype=torch.bfloat16)
@@ -179,10 +179,10 @@ def test_cuda_timing_events_bracket_the_copies():
             transfer.wait(10)
             events = transfer.timing_events
             assert len(events) == count, timing
-            marks = [cuda_events.elapsed_ms(events[0], e) for e in events[1:]]
+            marks = [cuda_api.elapsed_ms(events[0], e) for e in events[1:]]
             assert all(b >= a for a, b in zip(marks, marks[1:])) and (not marks or marks[-1] > 0), (timing, marks)
             for event in events:
-                cuda_events.destroy_event(event)
+                cuda_api.destroy_event(event)
             check_onboarded(gpu, host, pages, blocks)
         finally:
             engine.close()

@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from layerflow.hstu import HSTUConfig, HSTUWeights, full_forward
+from layerflow.model import HSTUConfig, HSTUWeights, full_forward
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
-from layerflow.runtime.workload import Request
-from layerflow.transfer.config import TransferConfig
+from layerflow.runtime.request import Request
+from layerflow.config import Config
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 
@@ -30,7 +30,7 @@ def make_engine(weights, tmp_path=None, **overrides):
         values.update(ssd_cache_gb=0.05, ssd_cache_dir=str(tmp_path / "ssd"))
     copy_engine = overrides.pop("copy_engine", None)
     values.update(overrides)
-    return Engine(weights, TransferConfig(**values), copy_engine=copy_engine)
+    return Engine(weights, Config(**values), copy_engine=copy_engine)
 
 
 def items(rng, n):
@@ -247,7 +247,7 @@ def test_batches_beyond_the_buckets_reuse_a_few_buffer_sizes(weights):
     """Long misses run eagerly in power-of-two buckets: a stream of new users of varied lengths creates O(log)
     buffer sets, not one per length."""
     rng = random.Random(4)
-    config = TransferConfig(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16)
+    config = Config(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16)
     with Engine(weights, config, token_buckets=(64,), batch_buckets=(1,)) as engine:
         for u in range(12):
             engine.score([Request(100 + u, items(rng, 300 + 37 * u), items(rng, 3))])
@@ -263,12 +263,12 @@ def test_a_process_that_never_closes_its_engine_exits_cleanly(tmp_path):
 
     script = tmp_path / "no_close.py"
     script.write_text(
-        "from layerflow.hstu import HSTUWeights\n"
-        "from layerflow.hstu.config import PRESETS\n"
+        "from layerflow.model import HSTUWeights\n"
+        "from layerflow.model.config import PRESETS\n"
         "from layerflow.runtime.engine import Engine\n"
-        "from layerflow.runtime.workload import Request\n"
-        "from layerflow.transfer.config import TransferConfig\n"
-        "engine = Engine(HSTUWeights.init(PRESETS['tiny'], 0), TransferConfig(cpu_cache_gb=0.1, gpu_cache_gb=0.1))\n"
+        "from layerflow.runtime.request import Request\n"
+        "from layerflow.config import Config\n"
+        "engine = Engine(HSTUWeights.init(PRESETS['tiny'], 0), Config(cpu_cache_gb=0.1, gpu_cache_gb=0.1))\n"
         "engine.score([Request(1, list(range(1500)), [])])\n"
         "engine.kv.evict_from_gpu(1)\n"
         "engine.score([Request(1, [1, 2], [3, 4])])\n"

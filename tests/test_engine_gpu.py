@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from layerflow.hstu import HSTUConfig, HSTUWeights, full_forward
+from layerflow.model import HSTUConfig, HSTUWeights, full_forward
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
-from layerflow.runtime.workload import Request
-from layerflow.transfer.config import SignalMode, TransferConfig
+from layerflow.runtime.request import Request
+from layerflow.config import SignalMode, Config
 from layerflow.transfer.errors import TransferError
 
 pytestmark = pytest.mark.gpu
@@ -21,7 +21,7 @@ HISTORY = {1: 2000, 2: 333, 3: 0}
 
 
 def _engine(weights, signal=SignalMode.EVENTFD, graph=True, layerwise=True, copy_engine=None):
-    tc = TransferConfig(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, enable_layerwise=layerwise,
+    tc = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, enable_layerwise=layerwise,
                         transfer_timeout_s=5.0)
     engine = Engine(weights, tc, use_cuda_graph=graph, token_buckets=(64, 256), batch_buckets=(1, 4),
                     copy_engine=copy_engine)

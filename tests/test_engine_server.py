@@ -11,17 +11,17 @@ import time
 import pytest
 import torch
 
-from layerflow.hstu import HSTUConfig, HSTUWeights, full_forward
+from layerflow.model import HSTUConfig, HSTUWeights, full_forward
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
-from layerflow.runtime.remote_tier import RemoteTier
-from layerflow.runtime.tiers import InProcessTier
-from layerflow.runtime.workload import Request
-from layerflow.transfer.config import TransferConfig
+from layerflow.server.remote_tier import RemoteTier
+from layerflow.tier.in_process import InProcessTier
+from layerflow.runtime.request import Request
+from layerflow.config import Config
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.gpu_pool import GpuKVPool
-from layerflow.transfer.layout import KVLayout
-from layerflow.transfer.server import NotResident, spawn_server
+from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.tier.layout import KVLayout
+from layerflow.server import NotResident, spawn_server
 
 CONFIG = HSTUConfig(num_layers=3, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
                     dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
@@ -39,12 +39,12 @@ def weights():
 
 
 def make_config(tmp_path, name: str, host_blocks: int = ROOMY, model: HSTUConfig = CONFIG,
-                **overrides) -> TransferConfig:
+                **overrides) -> Config:
     block_bytes = KVLayout.for_hstu(model, PAGE).page_bytes
     values = dict(cpu_cache_gb=host_blocks * block_bytes / 2**30, gpu_cache_gb=200 * block_bytes / 2**30, page_size=PAGE, transfer_timeout_s=5.0,
                   ssd_cache_gb=0.05, ssd_cache_dir=str(tmp_path / f"ssd-{name}"))
     values.update(overrides)
-    return TransferConfig(**values)
+    return Config(**values)
 
 
 def items(rng, n):
@@ -224,14 +224,14 @@ def test_engine_reconnects_to_a_restarted_server(weights, tmp_path):
 
 def test_config_and_pool_checks():
     with pytest.raises(ValueError, match="spawn_server=True and server_socket"):
-        TransferConfig(spawn_server=True, server_socket="/tmp/x.sock")
+        Config(spawn_server=True, server_socket="/tmp/x.sock")
     layout = KVLayout.for_hstu(CONFIG, PAGE)
     pool = GpuKVPool(layout, 4)
     assert GpuKVPool(layout, 4, layers=pool.kv).kv[0] is pool.kv[0]
     with pytest.raises(ValueError, match=r"layers\[0\]"):
         GpuKVPool(layout, 5, layers=pool.kv)
     with pytest.raises(ValueError, match="signal='event' with a transfer server"):
-        Engine(HSTUWeights.init(CONFIG, seed=0), TransferConfig(spawn_server=True, signal="event"), device="cuda")
+        Engine(HSTUWeights.init(CONFIG, seed=0), Config(spawn_server=True, signal="event"), device="cuda")
 
 
 def test_drop_forgets_a_user_in_every_tier_in_process(weights, tmp_path):

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from layerflow.hstu.config import HSTUConfig
-from layerflow.transfer.layout import KVLayout, LayerGroup
+from layerflow.model.config import HSTUConfig
+from layerflow.tier.layout import KVLayout, LayerGroup
 
 
 def test_hstu_benchmark_model_sizes():

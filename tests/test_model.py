@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from layerflow.hstu import HSTUConfig, HSTUWeights, JaggedBatch, cached_forward, full_forward
+from layerflow.model import HSTUConfig, HSTUWeights, JaggedBatch, cached_forward, full_forward
 
 TOL = 1e-5
 

@@ -3,11 +3,12 @@ import random
 import pytest
 import torch
 
-from layerflow.transfer.gpu_pool import GpuKVPool
-from layerflow.transfer.host_pool import HostKVPool
-from layerflow.transfer.layout import KVLayout, LayerGroup
+from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.tier.host_pool import HostKVPool
+from layerflow.tier.layout import KVLayout, LayerGroup
 from layerflow.transfer.copy_plan import plan_runs
-from layerflow.transfer.lru import PoolExhausted, RunAllocator, UserPages, runs
+from layerflow.tier.allocator import PoolExhausted, RunAllocator, runs
+from layerflow.tier.user_pages import UserPages
 
 PAGE = 4
 TINY = KVLayout((LayerGroup(2, 1, 2, torch.float32),), page_size=PAGE)

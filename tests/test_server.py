@@ -9,15 +9,15 @@ import threading
 import pytest
 import torch
 
-from layerflow.transfer.config import TransferConfig
+from layerflow.config import Config
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.layout import KVLayout, LayerGroup
-from layerflow.transfer.server import (HandoffError, NotResident, TransferClient, TransferServer, shared_cpu_pool,
+from layerflow.tier.layout import KVLayout, LayerGroup
+from layerflow.server import (HandoffError, NotResident, TransferClient, TransferServer, shared_cpu_pool,
                                        spawn_server)
-from layerflow.transfer.server import protocol
-from layerflow.transfer.server.auth import (AuthError, PeerCred, check_peer, make_private_dir, read_token,
+from layerflow.server import protocol
+from layerflow.server.auth import (AuthError, PeerCred, check_peer, make_private_dir, read_token,
                                             write_token)
-from layerflow.transfer.server.handoff import client_handoff, server_handoff
+from layerflow.server.handoff import client_handoff, server_handoff
 
 LAYOUT = KVLayout((LayerGroup(2, 2, 8, torch.float32), LayerGroup(1, 1, 16, torch.bfloat16)), 4)
 EFD = os.EFD_SEMAPHORE | os.EFD_CLOEXEC
@@ -127,7 +127,7 @@ def test_directory_token_and_socket_modes(tmp_path):
     os.chmod(token, 0o644)
     with pytest.raises(AuthError, match="mode 644"):
         read_token(token)
-    server = TransferServer(TransferConfig(cpu_cache_gb=0.001), tmp_path / "srv")
+    server = TransferServer(Config(cpu_cache_gb=0.001), tmp_path / "srv")
     try:
         assert stat.S_IMODE(os.stat(server.run_dir).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(server.token_path).st_mode) == 0o600
@@ -144,7 +144,7 @@ SMALL_HOST_GB = (HOST_BLOCKS + 0.5) * LAYOUT.page_bytes / 2**30
 
 @pytest.fixture
 def server(tmp_path):
-    config = TransferConfig(cpu_cache_gb=SMALL_HOST_GB, ssd_cache_gb=0.01, ssd_cache_dir=str(tmp_path / "ssd"))
+    config = Config(cpu_cache_gb=SMALL_HOST_GB, ssd_cache_gb=0.01, ssd_cache_dir=str(tmp_path / "ssd"))
     srv = TransferServer(config, tmp_path / "run")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
@@ -255,7 +255,7 @@ def test_corrupt_ssd_copy_is_reported_non_resident(server):
 # ---- a real server process: death and restart -----------------------------------------------
 
 def test_server_killed_mid_transfer_releases_waiter_then_reconnect(tmp_path):
-    config = TransferConfig(cpu_cache_gb=0.001)
+    config = Config(cpu_cache_gb=0.001)
     first = spawn_server(config, tmp_path / "a")
     client, kv = make_client(first)
     expected = [t.clone() for t in kv]
@@ -298,7 +298,7 @@ def test_server_killed_mid_transfer_releases_waiter_then_reconnect(tmp_path):
 
 
 def test_spawn_with_bad_token_file_fails_start_up(tmp_path):
-    handle = spawn_server(TransferConfig(cpu_cache_gb=0.001), tmp_path / "run")
+    handle = spawn_server(Config(cpu_cache_gb=0.001), tmp_path / "run")
     try:
         shm, kv = shared_cpu_pool(LAYOUT, 4)
         forged = tmp_path / "forged"
@@ -313,7 +313,7 @@ def test_spawn_with_bad_token_file_fails_start_up(tmp_path):
 
 
 def test_copy_failure_mid_transfer_poisons_remaining_layers(server, monkeypatch):
-    from layerflow.transfer.server import server as server_module
+    from layerflow.server import server as server_module
     from layerflow.transfer.thread_copy import ThreadCopyEngine
 
     engine = ThreadCopyEngine()
@@ -356,17 +356,17 @@ def test_cli_serves_on_the_config_socket_and_client_from_config(tmp_path):
 
     import yaml
 
-    from layerflow.transfer.server.launcher import READY
+    from layerflow.server.launcher import READY
 
     sock = tmp_path / "lf" / "kv.sock"
     cfg = tmp_path / "transfer.yaml"
     cfg.write_text(yaml.safe_dump({"cpu_cache_gb": 0.001, "server_socket": str(sock), "num_counters": 3}))
-    proc = subprocess.Popen([sys.executable, "-m", "layerflow.transfer.server", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "layerflow.server", "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout.readline().startswith(READY)
         assert stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o700
-        from layerflow.transfer.config import load_config
+        from layerflow.config import load_config
 
         shm, kv = shared_cpu_pool(LAYOUT, 4)
         client = TransferClient.from_config(load_config(cfg), LAYOUT, kv, shm=shm)
@@ -403,10 +403,10 @@ def test_one_onboard_request_carries_several_users_on_one_counter(server):
 
 
 def test_stopping_a_spawned_server_removes_the_directory_it_made():
-    from layerflow.transfer.config import TransferConfig
-    from layerflow.transfer.server.launcher import spawn_server
+    from layerflow.config import Config
+    from layerflow.server.launcher import spawn_server
 
-    handle = spawn_server(TransferConfig(cpu_cache_gb=0.01))
+    handle = spawn_server(Config(cpu_cache_gb=0.01))
     assert handle.socket_path.exists() and handle.owns_run_dir
     handle.stop()
     assert not handle.run_dir.exists()
@@ -428,7 +428,7 @@ class OffloadGate:
 
 @pytest.fixture
 def gated(server, monkeypatch):
-    from layerflow.transfer.server import server as server_module
+    from layerflow.server import server as server_module
     from layerflow.transfer.thread_copy import ThreadCopyEngine
 
     gate = OffloadGate()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerflow.transfer.config import TransferConfig
-from layerflow.transfer.layout import KVLayout, LayerGroup
+from layerflow.config import Config
+from layerflow.tier.layout import KVLayout, LayerGroup
 
 LAYOUT = KVLayout((LayerGroup(6, 2, 64, torch.bfloat16), LayerGroup(2, 1, 128, torch.float16)), 16)
 NUM_PAGES = 96
@@ -32,8 +32,8 @@ def user_pages(rank: int) -> list[int]:
 
 def client_main(rank: int, socket_path: str, token_path: str) -> None:
     """One inference process: offload its own user, then onboard both users into other pages and check them."""
-    from layerflow.transfer.gpu_pool import GpuKVPool
-    from layerflow.transfer.server import TransferClient
+    from layerflow.tier.gpu_pool import GpuKVPool
+    from layerflow.server import TransferClient
 
     pool = GpuKVPool(LAYOUT, NUM_PAGES, device="cuda")
     for dst, src in zip(pool.kv, pool_data(rank)):
@@ -71,9 +71,9 @@ def client_main(rank: int, socket_path: str, token_path: str) -> None:
 
 @pytest.mark.gpu
 def test_two_client_processes_onboard_byte_exact_in_layer_order(tmp_path):
-    from layerflow.transfer.server import spawn_server
+    from layerflow.server import spawn_server
 
-    server = spawn_server(TransferConfig(cpu_cache_gb=0.25), tmp_path / "run")
+    server = spawn_server(Config(cpu_cache_gb=0.25), tmp_path / "run")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     try:
         procs = [subprocess.Popen(

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from layerflow.transfer.config import SignalMode
+from layerflow.config import SignalMode
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.eventfd import EventfdSignals
+from layerflow.transfer.signals.eventfd import EventfdSignals
 from layerflow.transfer.signals import make_signals
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from layerflow.transfer.ssd import Miss, SsdStore, tensor_block_views
+from layerflow.tier.ssd import Miss, SsdStore, tensor_block_views
 
 BLOCKS = 12
 SHAPES = [(BLOCKS, 2, 2, 8, 2, 64), (BLOCKS, 1, 2, 8, 1, 48)]  # two layer groups, one unaligned
@@ -114,7 +114,7 @@ def test_evict_and_missing_user(tmp_path):
 def test_odirect_round_trip_into_page_aligned_memory(tmp_path):
     import mmap
 
-    from layerflow.transfer.ssd import odirect_supported
+    from layerflow.tier.ssd import odirect_supported
 
     if not odirect_supported(tmp_path):
         pytest.skip("filesystem without O_DIRECT")

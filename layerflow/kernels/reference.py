@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from layerflow.hstu.reference import attention_mask, hstu_attention
+from layerflow.model.reference import attention_mask, hstu_attention
 
 
 def gather_history(kv_cache: torch.Tensor, page_row: torch.Tensor,

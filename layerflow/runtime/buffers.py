@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from layerflow.hstu.batch import JaggedBatch
+from layerflow.model.batch import JaggedBatch
 
 
 @dataclass(frozen=True, order=True)

@@ -16,24 +16,24 @@ import logging
 
 import torch
 
-from layerflow.hstu.weights import HSTUWeights
-from layerflow.runtime import remote_tier
+from layerflow.model.weights import HSTUWeights
+from layerflow.server import remote_tier
 from layerflow.runtime.buffers import BatchBuffers, Bucket
 from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
-from layerflow.runtime.tiers import InProcessTier
+from layerflow.tier.in_process import InProcessTier
 from layerflow.runtime.waits import EventfdNodeWait, GpuSignalWait, HostWait, LayerWait, NoWait
-from layerflow.runtime.workload import Request
-from layerflow.transfer.config import SignalMode, TransferConfig
+from layerflow.runtime.request import Request
+from layerflow.config import SignalMode, Config
 from layerflow.transfer.copy_engine import CopyEngine
-from layerflow.transfer.gpu_pool import GpuKVPool
-from layerflow.transfer.host_pool import HostKVPool
-from layerflow.transfer.layout import KVLayout
-from layerflow.transfer.server.shm import SharedMemory, shared_cpu_pool
-from layerflow.transfer.signal_base import LayerSignals
+from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.tier.host_pool import HostKVPool
+from layerflow.tier.layout import KVLayout
+from layerflow.server.shm import SharedMemory, shared_cpu_pool
+from layerflow.transfer.signals.base import LayerSignals
 from layerflow.transfer.signals import make_signals
-from layerflow.transfer.ssd import SsdStore
+from layerflow.tier.ssd import SsdStore
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,11 @@ def _next_power_of_2(n: int, floor: int) -> int:
 class Engine:
     """Scores batches of returning-user requests; usable as a library and from the CLI."""
 
-    def __init__(self, weights: HSTUWeights, config: TransferConfig | None = None, *,
+    def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
                  copy_engine: CopyEngine | None = None):
-        self.config = config or TransferConfig()
+        self.config = config or Config()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         remote = self.config.spawn_server or self.config.server_socket is not None

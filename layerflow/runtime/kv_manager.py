@@ -13,17 +13,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from layerflow.hstu.batch import JaggedBatch
-from layerflow.hstu.config import HSTUConfig
-from layerflow.runtime.tiers import InProcessTier, KVTier, Load, Onboarding, Tier, settle
-from layerflow.runtime.workload import Request
+from layerflow.model.batch import JaggedBatch
+from layerflow.model.config import HSTUConfig
+from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
+from layerflow.tier.in_process import InProcessTier
+from layerflow.runtime.request import Request
 from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.gpu_pool import GpuKVPool
-from layerflow.transfer.host_pool import HostKVPool
-from layerflow.transfer.lru import PoolExhausted
-from layerflow.transfer.signal_base import SignalHandle
-from layerflow.transfer.ssd import SsdStore
+from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.tier.host_pool import HostKVPool
+from layerflow.tier.allocator import PoolExhausted
+from layerflow.transfer.signals.base import SignalHandle
+from layerflow.tier.ssd import SsdStore
 
 __all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
 

@@ -11,9 +11,9 @@ from typing import Protocol
 
 import torch
 
-from layerflow.hstu.embedding import candidate_scores, embed
-from layerflow.hstu.reference import input_projection
-from layerflow.hstu.weights import HSTUWeights, LayerWeights
+from layerflow.model.embedding import candidate_scores, embed
+from layerflow.model.reference import input_projection
+from layerflow.model.weights import HSTUWeights, LayerWeights
 from layerflow.kernels.attention import PagedAttention
 from layerflow.kernels.kv_append import kv_append
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference

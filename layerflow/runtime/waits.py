@@ -13,7 +13,7 @@ import torch
 from layerflow.runtime import hostfn
 from layerflow.transfer import cudart
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.signal_base import LayerSignals, SignalHandle
+from layerflow.transfer.signals.base import LayerSignals, SignalHandle
 
 
 def _stream_handle() -> int:

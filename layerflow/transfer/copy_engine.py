@@ -19,7 +19,7 @@ import torch
 
 from layerflow.transfer.copy_plan import CopyPlan, plan_runs
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.signal_base import SignalHandle
+from layerflow.transfer.signals.base import SignalHandle
 
 
 class Transfer(ABC):

@@ -31,17 +31,17 @@ import numpy as np
 import torch
 from cuda.bindings import runtime as rt
 
-from layerflow.transfer import cuda_events, cudart
+from layerflow.transfer import cuda_api, cudart
 from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
 from layerflow.transfer.copy_plan import ramp_bounds
-from layerflow.transfer.cuda_util import check, poll_until, require_cuda
+from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
 
 
 class CudaTransfer(Transfer):
     """Done when the event after the transfer's last copy completed; an issue-time error is reported then too."""
 
-    def __init__(self, job: CopyJob, pool: cuda_events.EventPool) -> None:
+    def __init__(self, job: CopyJob, pool: cuda_api.EventPool) -> None:
         self.error: BaseException | None = None
         self.timing_events: list[rt.cudaEvent_t] = []
         self._job: CopyJob | None = job
@@ -54,7 +54,7 @@ class CudaTransfer(Transfer):
             return True
         if self._event is not None:
             try:
-                if not cuda_events.query(self._event):
+                if not cuda_api.query(self._event):
                     return False
             except TransferError as exc:
                 self.error = self.error or exc
@@ -134,12 +134,12 @@ class CudaCopyEngine(CopyEngine):
         require_cuda("CudaCopyEngine")
         super().__init__(fail_at_layer)
         self.device = torch.cuda.current_device() if device is None else device
-        cuda_events.set_device(self.device)
+        cuda_api.set_device(self.device)
         self.path = path
         self.timing = timing
-        self.h2d_stream = cuda_events.create_stream()
-        self.d2h_stream = cuda_events.create_stream()
-        self._pool = cuda_events.EventPool()
+        self.h2d_stream = cuda_api.create_stream()
+        self.d2h_stream = cuda_api.create_stream()
+        self._pool = cuda_api.EventPool()
         self._batch_attrs = rt.cudaMemcpyAttributes()
         self._batch_attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         self._batch = cudart.BatchCopier(self._batch_attrs.getPtr())
@@ -147,7 +147,7 @@ class CudaCopyEngine(CopyEngine):
     def close(self) -> None:
         for stream in (self.h2d_stream, self.d2h_stream):
             check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-            cuda_events.destroy_stream(stream)
+            cuda_api.destroy_stream(stream)
         self._pool.close()
 
     def _onboard(self, job: CopyJob) -> Transfer:
@@ -176,20 +176,20 @@ class CudaCopyEngine(CopyEngine):
             if job.signal is not None:
                 job.signal.fail(error, stream)
         event = self._pool.take()
-        cuda_events.record(event, stream)
+        cuda_api.record(event, stream)
         transfer._event = event
         return transfer
 
     def _after_current_stream(self, stream: int) -> None:
         event = self._pool.take()
-        cuda_events.record(event, torch.cuda.current_stream(self.device).cuda_stream)
-        cuda_events.stream_wait(stream, event)
+        cuda_api.record(event, torch.cuda.current_stream(self.device).cuda_stream)
+        cuda_api.stream_wait(stream, event)
         self._pool.give(event)
 
     @staticmethod
     def _timing_event(stream: int) -> rt.cudaEvent_t:
-        event = cuda_events.create_event(timing=True)
-        cuda_events.record(event, stream)
+        event = cuda_api.create_event(timing=True)
+        cuda_api.record(event, stream)
         return event
 
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:

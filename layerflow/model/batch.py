@@ -1,0 +1,131 @@
+"""Jagged batches: B users of different lengths, described by offsets (no padding in the math).
+
+Per user b: `cached_lens[b]` history tokens whose K/V are cached, `appended` new history items, `candidates` items to
+score. The query tokens of the cached path are each user's appended tokens followed by its candidates.
+Positions: appended token j sits at cached_len + j; every candidate sits at the history length (the next slot), so a
+candidate's result never depends on the other candidates or their order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+
+import numpy as np
+import torch
+
+from layerflow.model.config import HSTUConfig
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64)
+
+
+def _item_ids(config: HSTUConfig, user: object, kind: str, ids: list[int]) -> np.ndarray:
+    """`ids` as int64, checked in bulk: the per-item loop that names the bad id runs only when a check fails."""
+    arr = None
+    if set(map(type, ids)) <= {int}:
+        try:
+            arr = np.array(ids, dtype=np.int64)
+        except OverflowError:
+            arr = None
+    if arr is None or (arr.size and (int(arr.min()) < 0 or int(arr.max()) >= config.item_vocab_size)):
+        bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+                   or not 0 <= i < config.item_vocab_size)
+        raise ValueError(f"user {user}: {kind} item id {bad!r} out of vocabulary [0, {config.item_vocab_size})")
+    return arr
+
+
+@dataclass(frozen=True)
+class JaggedBatch:
+    cached_lens: list[int]
+    appended_lens: list[int]
+    candidate_lens: list[int]
+    appended_ids: torch.Tensor   # int64 [sum appended]
+    candidate_ids: torch.Tensor  # int64 [sum candidates]
+
+    @classmethod
+    def from_lists(cls, config: HSTUConfig, cached_lens: list[int], appended: list[list[int]],
+                   candidates: list[list[int]], user_ids: list[int] | None = None) -> "JaggedBatch":
+        """Validate and pack per-user lists; every bad value raises ValueError naming the user and value.
+
+        Users are named by `user_ids` when given, else by their index in the batch.
+        """
+        if not (len(cached_lens) == len(appended) == len(candidates)):
+            raise ValueError(
+                f"batch sizes disagree: cached_lens={len(cached_lens)}, appended={len(appended)}, "
+                f"candidates={len(candidates)}"
+            )
+        names = list(range(len(cached_lens))) if user_ids is None else user_ids
+        for b, c, a, k in zip(names, cached_lens, appended, candidates):
+            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                raise ValueError(f"user {b}: cached_len={c!r} must be a non-negative integer")
+            total = c + len(a) + len(k)
+            if total > config.max_seq_len:
+                raise ValueError(
+                    f"user {b}: total length {total} (cached {c} + appended {len(a)} + candidates {len(k)}) "
+                    f"exceeds max_seq_len={config.max_seq_len}"
+                )
+        arrays = {kind: [_item_ids(config, b, kind, ids) for b, ids in zip(names, lists)]
+                  for kind, lists in (("appended", appended), ("candidate", candidates))}
+        return cls(
+            cached_lens=list(cached_lens),
+            appended_lens=[len(a) for a in appended],
+            candidate_lens=[len(k) for k in candidates],
+            appended_ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *arrays["appended"]])),
+            candidate_ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *arrays["candidate"]])),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.cached_lens)
+
+    @property
+    def history_lens(self) -> list[int]:
+        """History length after this request's append."""
+        return [c + a for c, a in zip(self.cached_lens, self.appended_lens)]
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [a + k for a, k in zip(self.appended_lens, self.candidate_lens)]
+
+    @cached_property
+    def query_offsets(self) -> torch.Tensor:
+        return _offsets(self.query_lens)
+
+    @cached_property
+    def cached_offsets(self) -> torch.Tensor:
+        return _offsets(self.cached_lens)
+
+    @cached_property
+    def appended_offsets(self) -> torch.Tensor:
+        return _offsets(self.appended_lens)
+
+    @cached_property
+    def candidate_offsets(self) -> torch.Tensor:
+        return _offsets(self.candidate_lens)
+
+    def query_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(item ids, positions, is-candidate flags) of the query tokens in jagged order, per user appended then
+        candidates: numpy, computed without a per-user loop (the runtime packs them into its buffers per request)."""
+        appended = np.asarray(self.appended_lens, dtype=np.int64)
+        query = appended + np.asarray(self.candidate_lens, dtype=np.int64)
+        user = np.repeat(np.arange(self.batch_size), query)
+        j = np.arange(int(query.sum()), dtype=np.int64) - (np.cumsum(query) - query)[user]
+        is_candidate = j >= appended[user]
+        ids = np.empty(j.size, dtype=np.int64)
+        ids[~is_candidate] = self.appended_ids.numpy()  # both lists are in jagged order already
+        ids[is_candidate] = self.candidate_ids.numpy()
+        positions = np.asarray(self.cached_lens, dtype=np.int64)[user] + np.minimum(j, appended[user])
+        return ids, positions, is_candidate
+
+    def query_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(item ids, positions) of the query tokens: appended token j of a user sits at cached_len + j, every
+        candidate at the history length."""
+        ids, positions, _ = self.query_arrays()
+        return torch.from_numpy(ids), torch.from_numpy(positions)
+
+    def candidate_mask(self) -> torch.Tensor:
+        """Bool [total query tokens]: True where the token is a candidate."""
+        return torch.from_numpy(self.query_arrays()[2])

@@ -1,0 +1,5 @@
+"""`python -m layerflow.server --config transfer.yaml [--run-dir DIR]`."""
+
+from layerflow.server.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The tier below the GPU served by a transfer server (`TransferClient`): host pool and SSD live in its process.
+
+The server copies into this process's KV pool (CUDA IPC, or shared memory on the CPU path) and posts the client's
+eventfds, so the engine's eventfd waits work unchanged on `client.signals`. This side remembers only how many tokens
+the last offload of each user carried; the server says whether it still holds them (it evicts on its own). If the
+server dies, the client's reader poisons every counter in flight at once (waiters raise TransferError, cause
+NotResident) and `alive()` is False until a reconnect succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+
+import torch
+
+from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
+from layerflow.config import Config
+from layerflow.transfer.copy_engine import Transfer
+from layerflow.transfer.errors import TransferError
+from layerflow.tier.layout import KVLayout
+from layerflow.server.client import TransferClient
+from layerflow.server.handoff import HandoffError
+from layerflow.server.launcher import ServerHandle, spawn_server
+from layerflow.server.shm import SharedMemory
+from layerflow.transfer.signals.base import SignalHandle
+
+log = logging.getLogger(__name__)
+
+_WHERE = {"host": Tier.HOST, "ssd": Tier.SSD}
+
+
+class _FutureTransfer(Transfer):
+    """A server request seen as a Transfer; waits are bounded by the client's timeout."""
+
+    def __init__(self, future: Future, timeout_s: float):
+        self.future, self.timeout_s = future, timeout_s
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        timeout = self.timeout_s if timeout is None else timeout
+        try:
+            self.future.result(timeout)
+        except FutureTimeout:
+            raise TransferError(f"transfer server did not answer within {timeout:.3f} s") from None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+
+class _RemoteOnboarding(Onboarding):
+    def __init__(self, handle: SignalHandle, done: Future, timeout_s: float):
+        self.handle, self._done = handle, _FutureTransfer(done, timeout_s)
+
+    def finish(self) -> None:
+        settle(self._done)  # the server writes into our pages until it answers
+        self.handle.release()
+
+
+class RemoteTier(KVTier):
+    """`client` talks to the server; `server` is the process this tier spawned (stopped at close), if any."""
+
+    def __init__(self, client: TransferClient, server: ServerHandle | None = None):
+        self.client, self.server = client, server
+        self.signals = client.signals
+        self.page_size = client.layout.page_size
+        self.tokens: dict[int, int] = {}  # tokens the last offload of each user carried
+        self._offloads: dict[int, Transfer] = {}
+
+    def locate(self, user: int, tokens: int) -> Tier:
+        if tokens <= 0 or self.tokens.get(user) != tokens:
+            return Tier.NONE
+        where, blocks = self.client.lookup(user)
+        if where is None or blocks < -(-tokens // self.page_size):
+            return Tier.NONE
+        return _WHERE[where]
+
+    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
+        handle, done = self.client.onboard_many([(load.user, load.gpu_pages) for load in loads], layerwise)
+        return _RemoteOnboarding(handle, done, self.client.timeout_s)
+
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
+        """Copies from the first page the server's copy does not hold yet (all of them if the server lost it)."""
+        if user in self._offloads:  # reap the previous one first: its failure must not erase this one's tokens
+            settle(self._offloads[user])
+            self.reap()
+        n = -(-tokens // self.page_size)
+        first = min(self.tokens.get(user, 0) // self.page_size, n)
+        transfer = _FutureTransfer(self.client.offload(user, gpu_pages[:n], first), self.client.timeout_s)
+        self._offloads[user] = transfer
+        self.tokens[user] = tokens
+        return transfer
+
+    def reap(self) -> None:
+        for user, transfer in list(self._offloads.items()):
+            if transfer.done():
+                del self._offloads[user]
+                if transfer.error is not None:
+                    log.warning("offload of user %s to the transfer server failed: %s", user, transfer.error)
+                    self.tokens.pop(user, None)
+
+    def truncate(self, user: int, tokens: int) -> None:
+        if user in self.tokens:
+            self.tokens[user] = min(self.tokens[user], tokens)
+
+    def drop(self, user: int) -> None:
+        settle(self._offloads.get(user))
+        self.reap()
+        self.tokens.pop(user, None)
+        if self.client.connected:
+            try:
+                self.client.drop(user)
+            except TransferError:
+                pass  # the server went away with the copy
+
+    def alive(self) -> bool:
+        """Connected, or reconnected now (e.g. to a restarted server: what it holds is then unknown to us)."""
+        if self.client.connected:
+            return True
+        try:
+            self.client.connect()
+        except (HandoffError, OSError, ValueError) as e:
+            log.info("transfer server at %s unreachable: %s", self.client.socket_path, e)
+            return False
+        log.warning("reconnected to the transfer server at %s", self.client.socket_path)
+        self.tokens.clear()
+        return True
+
+    def close(self) -> None:
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
+
+
+def connect(config: Config, layout: KVLayout, kv_layers: Sequence[torch.Tensor],
+            shm: SharedMemory | None = None) -> RemoteTier:
+    """The tier of the config's server: spawn one (`spawn_server`) or connect to `server_socket`.
+
+    `kv_layers` is the engine's KV pool (on CUDA, or on the CPU laid over `shm` by `shared_cpu_pool`)."""
+    if not (config.spawn_server or config.server_socket):
+        raise ValueError("spawn_server=False and server_socket=None: the config names no transfer server")
+    if not config.spawn_server:
+        return RemoteTier(TransferClient.from_config(config, layout, kv_layers, shm=shm))
+    server = spawn_server(config)
+    try:
+        client = TransferClient(server.socket_path, server.token_path, layout, kv_layers, shm=shm,
+                                num_counters=config.num_counters, timeout_s=config.transfer_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return RemoteTier(client, server)

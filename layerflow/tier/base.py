@@ -1,0 +1,95 @@
+"""The KV tier below the GPU: one interface, kept in this process or served by a transfer server.
+
+The KV manager owns what is the GPU's (histories, pages, pins, LRU, the batch plan) and asks the tier below for the
+rest: where a user's older KV is (`locate`), onboarding a batch's users into their GPU pages on ONE signal counter
+(the pipeline has one wait per layer), offloading a user's pages (asynchronous, observable as a `Transfer`), and
+forgetting a user. `InProcessTier` is a pinned host pool, SSD store and copy engine in this process;
+`RemoteTier` is a `TransferClient` whose server owns them in another process and posts this process's eventfds.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from layerflow.transfer.copy_engine import Transfer
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signals.base import LayerSignals, SignalHandle
+
+
+class Tier(enum.Enum):
+    GPU = "gpu"
+    HOST = "host"
+    SSD = "ssd"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Load:
+    """One user of an onboarding: where `locate` found it, its cached tokens, the GPU pages that receive them."""
+
+    user: int
+    tier: Tier
+    tokens: int
+    gpu_pages: tuple[int, ...]
+
+
+class Onboarding(ABC):
+    """A batch's onboarding: its layers wait on `handle`; `finish()` once the block is done with it (or failed)."""
+
+    handle: SignalHandle
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Wait until the producer is done with the GPU pages, unpin what the onboarding pinned, release the handle."""
+
+
+class KVTier(ABC):
+    """Host memory (and SSD) below the GPU pool. Called from the manager's thread only."""
+
+    signals: LayerSignals
+
+    @abstractmethod
+    def locate(self, user: int, tokens: int) -> Tier:
+        """HOST or SSD if the tier holds the K/V of `user`'s first `tokens` tokens, else NONE."""
+
+    @abstractmethod
+    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
+        """Copy every load's tokens into its GPU pages, all users on one signal counter."""
+
+    @abstractmethod
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
+        """Copy the GPU pages holding `user`'s `tokens` tokens down (asynchronously); `locate` counts on it from now on,
+        until `reap` sees it failed."""
+
+    @abstractmethod
+    def reap(self) -> None:
+        """Settle the bookkeeping of offloads that ended (a failed one leaves no copy)."""
+
+    @abstractmethod
+    def truncate(self, user: int, tokens: int) -> None:
+        """The user's history now ends at `tokens`: the copy's prefix stays valid (positions are absolute)."""
+
+    @abstractmethod
+    def drop(self, user: int) -> None:
+        """Forget the user's copies."""
+
+    def alive(self) -> bool:
+        """False when the tier can no longer serve (its server is gone and does not come back)."""
+        return True
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release threads, streams, eventfds, files and connections."""
+
+
+def settle(transfer: Transfer | None) -> None:
+    """Wait for a transfer to end; its failure was already reported (layer waits) or is the reaper's."""
+    if transfer is None:
+        return
+    try:
+        transfer.wait()
+    except TransferError:
+        pass

@@ -1,5 +1,0 @@
-"""`python -m layerflow.transfer.server --config transfer.yaml [--run-dir DIR]`."""
-
-from layerflow.transfer.server.main import main
-
-raise SystemExit(main())
