@@ -14,10 +14,6 @@ if not torch.cuda.is_available():
 from layerflow.model import HSTUConfig, HSTUWeights
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -16,7 +16,7 @@ from layerflow.tier.layout import KVLayout, LayerGroup
 
 LAYOUT = KVLayout((LayerGroup(6, 2, 64, torch.bfloat16), LayerGroup(2, 1, 128, torch.float16)), 16)
 NUM_PAGES = 96
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pool_data(seed: int) -> list[torch.Tensor]:
@@ -74,11 +74,11 @@ def test_two_client_processes_onboard_byte_exact_in_layer_order(tmp_path):
     from layerflow.server import spawn_server
 
     server = spawn_server(Config(cpu_cache_gb=0.25), tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         procs = [subprocess.Popen(
             [sys.executable, "-c",
-             f"from test_server_gpu import client_main; client_main({rank}, {str(server.socket_path)!r}, "
+             f"from tests.server.test_server_gpu import client_main; client_main({rank}, {str(server.socket_path)!r}, "
              f"{str(server.token_path)!r})"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         outs = [p.communicate(timeout=300) for p in procs]

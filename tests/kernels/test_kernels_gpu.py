@@ -6,7 +6,7 @@ import torch
 from dataclasses import replace
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
-from layerflow.kernels.synthetic import PagedBatch, make_paged_batch
+from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
 pytestmark = pytest.mark.gpu
 

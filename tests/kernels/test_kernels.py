@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from layerflow.kernels import (AttentionTiling, PagedAttention, kv_append, kv_append_reference,  # noqa: E402
                                paged_attention_reference)
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference  # noqa: E402
-from layerflow.kernels.synthetic import make_paged_batch  # noqa: E402
+from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALPHA, MAX_SEQ_LEN = 0.125, 300
