@@ -53,7 +53,7 @@ timed(copy_engine, "make_job", "make_job")
 
 history_len = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 signal = sys.argv[2] if len(sys.argv) > 2 else "eventfd"
-weights = HSTUWeights.init(PRESETS["seed"], seed=0)
+weights = HSTUWeights.init(PRESETS["hstu-bench"], seed=0)
 engine = Engine(weights, Config(cpu_cache_gb=2.5, gpu_cache_gb=2.5, signal=signal),
                 token_buckets=(320,), batch_buckets=(1,))
 engine.warmup()

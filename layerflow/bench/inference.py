@@ -121,7 +121,7 @@ class Settings:
 
 
 # Defaults per device: the seed's benchmark on a GPU, a small configuration that ends in seconds on the CPU path.
-GPU_DEFAULTS = dict(preset="seed", seq_lens=(2048, 4096, 8192, 16384), append_len=64, num_candidates=256,
+GPU_DEFAULTS = dict(preset="hstu-bench", seq_lens=(2048, 4096, 8192, 16384), append_len=64, num_candidates=256,
                     timed_iters=20, warmup_iters=5)
 CPU_DEFAULTS = dict(preset="tiny", seq_lens=(256, 512), append_len=8, num_candidates=16, timed_iters=5,
                     warmup_iters=2)

@@ -20,7 +20,7 @@ SEED_RESULTS: dict[int, dict[str, float]] = {
     8192: {"gpu_hit": 4.98, "cpu_hit": 10.28, "cpu_hit_layerwise": 7.55},
     16384: {"gpu_hit": 7.31, "cpu_hit": 18.48, "cpu_hit_layerwise": 13.42},
 }
-SEED_SHAPE = dict(preset="seed", append_len=64, num_candidates=256, batch_size=1)
+SEED_SHAPE = dict(preset="hstu-bench", append_len=64, num_candidates=256, batch_size=1)
 
 Column = tuple[str, Callable[[int], str]]
 

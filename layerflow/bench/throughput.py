@@ -65,7 +65,7 @@ class ThroughputSettings:
         return -(-batch * (self.append_len + self.num_candidates) // 64) * 64
 
 
-GPU_DEFAULTS = dict(preset="seed", history_len=4096, append_len=64, num_candidates=256, num_users=64, gpu_users=16,
+GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=64, num_candidates=256, num_users=64, gpu_users=16,
                     num_requests=1000, rate=150.0)
 CPU_DEFAULTS = dict(preset="tiny", history_len=128, append_len=8, num_candidates=16, num_users=16, gpu_users=4,
                     num_requests=60, rate=40.0)

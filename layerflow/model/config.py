@@ -72,7 +72,7 @@ class HSTUConfig:
 
 PRESETS: dict[str, HSTUConfig] = {
     # The benchmark model of design.md: 8 layers, 4 heads x 256, embedding 1024, bf16.
-    "seed": HSTUConfig(),
+    "hstu-bench": HSTUConfig(),
     # A model small enough for the CPU path and CI.
     "tiny": HSTUConfig(num_layers=2, num_heads=2, dqk=32, dv=32, embedding_dim=64, max_seq_len=2048,
                        dtype=torch.float32, item_vocab_size=10_000, position_table_size=2048),

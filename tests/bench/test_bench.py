@@ -191,7 +191,7 @@ def test_take_batch_keeps_one_request_per_user():
 
 @pytest.mark.gpu
 def test_gpu_run_with_timeline_splits_the_layerwise_request():
-    s = settings(preset="seed", seq_lens=(256,), append_len=8, num_candidates=16,
+    s = settings(preset="hstu-bench", seq_lens=(256,), append_len=8, num_candidates=16,
                  scenarios=("gpu_hit", "cpu_hit", "cpu_hit_layerwise", "torch_eager"), timeline=True)
     r = run(s, torch.device("cuda"))
     for name, tier in (("gpu_hit", "gpu"), ("cpu_hit", "host"), ("cpu_hit_layerwise", "host")):
