@@ -1,6 +1,6 @@
 """The engine: requests in, candidate scores out, with every user's KV placed by the KV manager.
 
-`Engine(weights, transfer_config)` picks its parts from the machine: on CUDA the Triton kernels, the copy-engine
+`Engine(weights, config)` picks its parts from the machine: on CUDA the Triton kernels, the copy-engine
 transfers and a captured graph per shape bucket whose layers wait on their KV (native eventfd host node, CUDA event or
 stream wait-value); without CUDA the same pipeline runs eagerly with a transfer thread and eventfd signals.
 
@@ -16,24 +16,18 @@ import logging
 
 import torch
 
+from layerflow.config import Config
 from layerflow.model.weights import HSTUWeights
-from layerflow.server import remote_tier
 from layerflow.runtime.buffers import BatchBuffers, Bucket
 from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
-from layerflow.tier.in_process import InProcessTier
-from layerflow.runtime.waits import EventfdNodeWait, GpuSignalWait, HostWait, LayerWait, NoWait
 from layerflow.runtime.request import Request
-from layerflow.config import SignalMode, Config
-from layerflow.transfer.copy_engine import CopyEngine
-from layerflow.tier.gpu_pool import GpuKVPool
-from layerflow.tier.host_pool import HostKVPool
+from layerflow.runtime.tiers import build_kv, check_config, in_process_tier
+from layerflow.runtime.waits import NoWait, make_layer_wait
 from layerflow.tier.layout import KVLayout
-from layerflow.server.shm import SharedMemory, shared_cpu_pool
+from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.signals.base import LayerSignals
-from layerflow.transfer.signals import make_signals
-from layerflow.tier.ssd import SsdStore
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +40,9 @@ def _next_power_of_2(n: int, floor: int) -> int:
 
 
 class Engine:
-    """Scores batches of returning-user requests; usable as a library and from the CLI."""
+    """Scores batches of returning-user requests; usable as a library and from the CLI.
+
+    `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies)."""
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
@@ -55,26 +51,13 @@ class Engine:
         self.config = config or Config()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
-        remote = self.config.spawn_server or self.config.server_socket is not None
-        if remote and self.config.signal is not SignalMode.EVENTFD:
-            raise ValueError(f"signal={self.config.signal.value!r} with a transfer server: the server posts eventfds, "
-                             f"use 'eventfd'")
-        if not cuda and self.config.signal is not SignalMode.EVENTFD:
-            raise ValueError(f"signal={self.config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
+        check_config(self.config, self.device)
         self.weights = weights.to(self.device)
         model = weights.config
         self.layout = KVLayout.for_hstu(model, self.config.page_size)
         self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
-        num_pages = self.layout.pages_for_gb(self.config.gpu_cache_gb)
-        self._shm: SharedMemory | None = None
-        layers = None
-        if remote and not cuda:  # the server must map the CPU "GPU" pool: lay it over shared memory
-            self._shm, layers = shared_cpu_pool(self.layout, num_pages)
-        gpu = GpuKVPool(self.layout, num_pages, self.device, layers=layers)
-        self._given_copy_engine = copy_engine
-        self.copy_engine: CopyEngine | None = None  # the in-process tier's, once there is one
-        below = remote_tier.connect(self.config, self.layout, gpu.kv, self._shm) if remote \
-            else self._in_process_tier(gpu)
+        self._copy_engine = copy_engine
+        gpu, below = build_kv(self.config, self.layout, self.device, copy_engine)
         self.layerwise = self.config.enable_layerwise
         if not self.layerwise:
             log.info("layerwise onboarding is off: each onboarding completes before the block starts")
@@ -86,24 +69,12 @@ class Engine:
         self._buffers: dict[Bucket, BatchBuffers] = {}
         self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
         self.no_wait = NoWait()
-        self.layer_wait = self._layer_wait(cuda)
+        self.layer_wait = make_layer_wait(below.signals, self.device, self.config.transfer_timeout_s)
 
     @property
     def signals(self) -> LayerSignals:
         """The signal ring of the tier below (the transfer client's when a server does the copies)."""
         return self.kv.below.signals
-
-    def _in_process_tier(self, gpu: GpuKVPool) -> InProcessTier:
-        cuda = self.device.type == "cuda"
-        host = HostKVPool(self.layout, cpu_cache_gb=self.config.cpu_cache_gb, pin_memory=cuda)
-        signals = make_signals(self.config.signal, self.layout.num_layers, self.config.num_counters,
-                               self.config.transfer_timeout_s)
-        self.copy_engine = self._given_copy_engine or self._default_copy_engine(cuda)
-        ssd = None
-        if self.config.ssd_cache_gb > 0:
-            ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), self.layout.page_bytes,
-                           io_threads=self.config.ssd_io_threads)
-        return InProcessTier(gpu.kv, self.layout, host, self.copy_engine, signals, ssd)
 
     def _ensure_tier(self) -> None:
         """A tier whose server is gone and does not come back is replaced by an in-process one (said once: that one
@@ -111,21 +82,7 @@ class Engine:
         if self.kv.below.alive():
             return
         log.warning("the transfer server is gone; falling back to an in-process host tier (the KV it held is lost)")
-        self.kv.replace_below(self._in_process_tier(self.kv.gpu))
-
-    def _default_copy_engine(self, cuda: bool) -> CopyEngine:
-        if cuda:
-            from layerflow.transfer.cuda_copy import CudaCopyEngine
-            return CudaCopyEngine(device=self.device.index or 0)
-        from layerflow.transfer.thread_copy import ThreadCopyEngine
-        return ThreadCopyEngine()
-
-    def _layer_wait(self, cuda: bool) -> LayerWait:
-        if not cuda:
-            return HostWait()
-        if self.config.signal is SignalMode.EVENTFD:
-            return EventfdNodeWait(self.layout.num_layers, self.config.transfer_timeout_s)
-        return GpuSignalWait(self.signals)
+        self.kv.replace_below(in_process_tier(self.config, self.layout, self.kv.gpu, self._copy_engine))
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -163,8 +120,6 @@ class Engine:
         """Finish pending offloads and release streams, threads, eventfds, files and a spawned server."""
         self.kv.wait_offloads()
         self.kv.below.close()
-        if self._shm is not None:
-            self._shm.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -16,15 +16,12 @@ from dataclasses import dataclass, field
 from layerflow.model.batch import JaggedBatch
 from layerflow.model.config import HSTUConfig
 from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
-from layerflow.tier.in_process import InProcessTier
 from layerflow.runtime.request import Request
 from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.tier.gpu_pool import GpuKVPool
-from layerflow.tier.host_pool import HostKVPool
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.transfer.signals.base import SignalHandle
-from layerflow.tier.ssd import SsdStore
 
 __all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
 
@@ -64,20 +61,6 @@ class KVManager:
         self.config, self.gpu, self.below, self.layerwise = config, gpu, below, layerwise
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
-
-    @property
-    def host(self) -> HostKVPool:
-        """The in-process tier's host pool (benchmarks and tests place users by hand)."""
-        return self._in_process().host
-
-    @property
-    def ssd(self) -> SsdStore | None:
-        return self._in_process().ssd
-
-    def _in_process(self) -> InProcessTier:
-        if not isinstance(self.below, InProcessTier):
-            raise TypeError(f"the tier below the GPU is {type(self.below).__name__}, not in this process")
-        return self.below
 
     def tier(self, user: int) -> Tier:
         entry = self.users.get(user)
@@ -213,10 +196,10 @@ class KVManager:
         self.gpu.free(user)
 
     def evict_from_host(self, user: int) -> None:
-        """Move a user's host copy down to SSD (or nowhere without one); in-process tier only."""
+        """Move a user's host copy down to SSD (or nowhere without one)."""
         settle(self.users[user].offload)
         self._reap_offloads()
-        self._in_process().evict(user)
+        self.below.evict(user)
 
     def drop(self, user: int) -> None:
         """Forget a user everywhere: history, GPU pages and the tier below's copies."""

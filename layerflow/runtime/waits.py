@@ -12,6 +12,7 @@ import torch
 
 from layerflow.runtime import hostfn
 from layerflow.transfer import cudart
+from layerflow.config import SignalMode
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import LayerSignals, SignalHandle
 
@@ -110,3 +111,13 @@ class GpuSignalWait(LayerWait):
         if self._handle is not None and self._handle.error is not None:
             raise TransferError(f"onboarding on signal counter {self._handle.counter_id} failed: "
                                 f"{self._handle.error}") from self._handle.error
+
+
+def make_layer_wait(signals: LayerSignals, device: torch.device, timeout_s: float) -> LayerWait:
+    """The wait a graph layer uses for `signals`' mode: a native eventfd host node, or a GPU-side wait on the ring;
+    eager CPU pipelines block the issuing thread instead."""
+    if device.type != "cuda":
+        return HostWait()
+    if signals.mode is SignalMode.EVENTFD:
+        return EventfdNodeWait(signals.num_layers, timeout_s)
+    return GpuSignalWait(signals)

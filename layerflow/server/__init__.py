@@ -4,7 +4,8 @@ Clients hand over per-layer eventfds (SCM_RIGHTS) after SO_PEERCRED and token ch
 server copies KV into their pools and posts those eventfds layer by layer.
 """
 
-from layerflow.server.client import NotResident, TransferClient
+from layerflow.server.client import TransferClient
+from layerflow.tier.base import NotResident
 from layerflow.server.handoff import HandoffError
 from layerflow.server.launcher import ServerHandle, spawn_server
 from layerflow.server.main import main

@@ -32,18 +32,10 @@ from layerflow.server.handoff import HANDSHAKE_TIMEOUT_S, HandoffError, client_h
 from layerflow.server.protocol import Op, ProtocolError
 from layerflow.server.registration import export_pool
 from layerflow.server.shm import SharedMemory
+from layerflow.tier.base import NotResident
 from layerflow.transfer.signals.base import SignalHandle
 
 log = logging.getLogger(__name__)
-
-
-class NotResident(TransferError):
-    """A request failed or was cut off: `users` no longer have (or never had) KV on the server."""
-
-    def __init__(self, users: Sequence, reason: str) -> None:
-        super().__init__(f"users {list(users)} are not resident on the transfer server: {reason}")
-        self.users = list(users)
-        self.reason = reason
 
 
 class RemoteSignals(EventfdSignals):
@@ -155,37 +147,45 @@ class TransferClient:
                      counter_id=handle.counter_id, layerwise=layerwise)
         return handle, pending.future
 
-    def offload(self, user, gpu_pages: Sequence[int], first: int = 0) -> Future:
-        """Copy `user`'s KV from `gpu_pages` to the server's host pool; the future completes when it is there.
-
-        Pages before `first` are taken as already in the server's copy (a returning user's unchanged prefix): the
-        server copies them too only if it no longer holds them. The server's copy stream cannot see this process's
-        streams, so pending CUDA work is synchronized first.
-        """
-        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(gpu_pages):
-            raise ValueError(f"first={first!r}: expected 0 <= first <= {len(gpu_pages)} (the number of pages)")
+    def offload(self, user, tokens: int, gpu_pages: Sequence[int]) -> Future:
+        """Copy `user`'s first `tokens` tokens from `gpu_pages` to the server's host pool; the future completes when
+        they are there. The server copies only the pages its copy does not hold yet. Its copy stream cannot see this
+        process's streams, so pending CUDA work is synchronized first."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= len(gpu_pages) * \
+                self.layout.page_size:
+            raise ValueError(f"tokens={tokens!r}: expected 1..{len(gpu_pages) * self.layout.page_size} "
+                             f"({len(gpu_pages)} pages)")
         if self._kv_layers[0].is_cuda:
             torch.cuda.current_stream(self._kv_layers[0].device).synchronize()
         pending = _Pending([user], None)
-        self._submit(Op.OFFLOAD, pending, user=user, gpu_pages=[int(p) for p in gpu_pages], first=first)
+        self._submit(Op.OFFLOAD, pending, user=user, tokens=tokens, gpu_pages=[int(p) for p in gpu_pages])
         return pending.future
 
-    def lookup(self, user) -> tuple[str | None, int]:
-        """("host" | "ssd" | None, number of blocks) for `user` on the server."""
-        result = self._call(Op.LOOKUP, user)
-        return result["tier"], result["blocks"]
+    def lookup(self, user) -> tuple[str, int]:
+        """("host" | "ssd" | "none", valid tokens) of `user` on the server."""
+        result = self._call(Op.LOOKUP, user=user)
+        return result["tier"], result["tokens"]
 
-    def drop(self, user) -> bool:
-        return self._call(Op.DROP, user)["dropped"]
+    def truncate(self, user, tokens: int) -> None:
+        self._call(Op.TRUNCATE, user=user, tokens=tokens)
 
-    def _call(self, op: Op, user) -> dict:
-        pending = _Pending([user], None)
-        self._submit(op, pending, user=user)
+    def evict(self, user) -> None:
+        self._call(Op.EVICT, user=user)
+
+    def drop(self, user) -> None:
+        self._call(Op.DROP, user=user)
+
+    def usage(self) -> dict:
+        return self._call(Op.USAGE)
+
+    def _call(self, op: Op, **fields) -> dict:
+        pending = _Pending([fields["user"]] if "user" in fields else [], None)
+        self._submit(op, pending, **fields)
         try:
             return pending.future.result(self.timeout_s)
         except FutureTimeout:
-            raise TransferError(f"transfer server did not answer {op.value} of user {user!r} "
-                                f"within {self.timeout_s:.3f} s") from None
+            raise TransferError(f"transfer server did not answer {op.value} {fields} within {self.timeout_s:.3f} s") \
+                from None
 
     def _submit(self, op: Op, pending: _Pending, **fields) -> None:
         req = next(self._ids)

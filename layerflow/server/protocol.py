@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
-VERSION = 3  # 2: ONBOARD carries several users (`loads`) on one counter; 3: OFFLOAD copies from page `first`
+VERSION = 4  # 4: the server tracks each user's valid tokens (OFFLOAD/LOOKUP carry tokens; TRUNCATE, EVICT, USAGE)
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit of fds per message
 _LEN = struct.Struct("<I")
@@ -28,9 +28,12 @@ class Op(str, Enum):
     COUNTER_SET = "counter_set"  # counter_id, layers, counters, rank + one eventfd per layer
     REGISTER_POOL = "register_pool"  # the client's per-layer KV tensors (memfd or CUDA IPC)
     ONBOARD = "onboard"  # req, loads=[[user, gpu_pages], ...], counter_id, layerwise: one counter for all users
-    OFFLOAD = "offload"  # req, user, gpu_pages, first: pages before `first` are already in the server's host copy
-    LOOKUP = "lookup"  # req, user
+    OFFLOAD = "offload"  # req, user, tokens, gpu_pages: the server copies the pages its host copy does not hold yet
+    LOOKUP = "lookup"  # req, user -> DONE tier ("host" | "ssd" | "none"), tokens
+    TRUNCATE = "truncate"  # req, user, tokens: only the first `tokens` tokens of the user's copies stay valid
+    EVICT = "evict"  # req, user: move the host copy down to SSD
     DROP = "drop"  # req, user
+    USAGE = "usage"  # req -> DONE with the host cache's occupancy
     ACK = "ack"  # server -> client
     NACK = "nack"  # server -> client: reason
     DONE = "done"  # server -> client: req finished

@@ -1,10 +1,10 @@
 """The tier below the GPU served by a transfer server (`TransferClient`): host pool and SSD live in its process.
 
 The server copies into this process's KV pool (CUDA IPC, or shared memory on the CPU path) and posts the client's
-eventfds, so the engine's eventfd waits work unchanged on `client.signals`. This side remembers only how many tokens
-the last offload of each user carried; the server says whether it still holds them (it evicts on its own). If the
-server dies, the client's reader poisons every counter in flight at once (waiters raise TransferError, cause
-NotResident) and `alive()` is False until a reconnect succeeds.
+eventfds, so the engine's eventfd waits work unchanged on `client.signals`. The server keeps the host cache and its
+bookkeeping (valid tokens per user, the same `HostCache` the in-process tier runs); this side asks it. If the server
+dies, the client's reader poisons every counter in flight at once (waiters raise TransferError, cause NotResident) and
+`alive()` is False until a reconnect succeeds.
 """
 
 from __future__ import annotations
@@ -15,20 +15,18 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import torch
 
-from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
 from layerflow.config import Config
-from layerflow.transfer.copy_engine import Transfer
-from layerflow.transfer.errors import TransferError
-from layerflow.tier.layout import KVLayout
 from layerflow.server.client import TransferClient
 from layerflow.server.handoff import HandoffError
 from layerflow.server.launcher import ServerHandle, spawn_server
 from layerflow.server.shm import SharedMemory
+from layerflow.tier.base import KVTier, Load, Onboarding, Tier, TierUsage, settle
+from layerflow.tier.layout import KVLayout
+from layerflow.transfer.copy_engine import Transfer
+from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import SignalHandle
 
 log = logging.getLogger(__name__)
-
-_WHERE = {"host": Tier.HOST, "ssd": Tier.SSD}
 
 
 class _FutureTransfer(Transfer):
@@ -62,37 +60,32 @@ class _RemoteOnboarding(Onboarding):
 
 
 class RemoteTier(KVTier):
-    """`client` talks to the server; `server` is the process this tier spawned (stopped at close), if any."""
+    """`client` talks to the server; `server` is the process this tier spawned (stopped at close), if any; `shm` is
+    the shared memory the CPU path's GPU pool lives in (closed at close)."""
 
-    def __init__(self, client: TransferClient, server: ServerHandle | None = None):
-        self.client, self.server = client, server
+    def __init__(self, client: TransferClient, server: ServerHandle | None = None,
+                 shm: SharedMemory | None = None) -> None:
+        self.client, self.server, self.shm = client, server, shm
         self.signals = client.signals
-        self.page_size = client.layout.page_size
-        self.tokens: dict[int, int] = {}  # tokens the last offload of each user carried
         self._offloads: dict[int, Transfer] = {}
 
     def locate(self, user: int, tokens: int) -> Tier:
-        if tokens <= 0 or self.tokens.get(user) != tokens:
+        if tokens <= 0:
             return Tier.NONE
-        where, blocks = self.client.lookup(user)
-        if where is None or blocks < -(-tokens // self.page_size):
-            return Tier.NONE
-        return _WHERE[where]
+        where, held = self.client.lookup(user)
+        return Tier(where) if held >= tokens else Tier.NONE
 
     def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
         handle, done = self.client.onboard_many([(load.user, load.gpu_pages) for load in loads], layerwise)
         return _RemoteOnboarding(handle, done, self.client.timeout_s)
 
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
-        """Copies from the first page the server's copy does not hold yet (all of them if the server lost it)."""
-        if user in self._offloads:  # reap the previous one first: its failure must not erase this one's tokens
+        """The server copies the pages from the first one its copy does not hold yet."""
+        if user in self._offloads:  # reap the previous one first: its failure must be seen before this one lands
             settle(self._offloads[user])
             self.reap()
-        n = -(-tokens // self.page_size)
-        first = min(self.tokens.get(user, 0) // self.page_size, n)
-        transfer = _FutureTransfer(self.client.offload(user, gpu_pages[:n], first), self.client.timeout_s)
+        transfer = _FutureTransfer(self.client.offload(user, tokens, gpu_pages), self.client.timeout_s)
         self._offloads[user] = transfer
-        self.tokens[user] = tokens
         return transfer
 
     def reap(self) -> None:
@@ -101,24 +94,36 @@ class RemoteTier(KVTier):
                 del self._offloads[user]
                 if transfer.error is not None:
                     log.warning("offload of user %s to the transfer server failed: %s", user, transfer.error)
-                    self.tokens.pop(user, None)
 
-    def truncate(self, user: int, tokens: int) -> None:
-        if user in self.tokens:
-            self.tokens[user] = min(self.tokens[user], tokens)
-
-    def drop(self, user: int) -> None:
+    def _settled(self, user: int) -> None:
         settle(self._offloads.get(user))
         self.reap()
-        self.tokens.pop(user, None)
+
+    def truncate(self, user: int, tokens: int) -> None:
+        self._settled(user)
+        self._quietly(self.client.truncate, user, tokens)
+
+    def evict(self, user: int) -> None:
+        self._settled(user)
+        self._quietly(self.client.evict, user)
+
+    def drop(self, user: int) -> None:
+        self._settled(user)
+        self._quietly(self.client.drop, user)
+
+    def _quietly(self, call, *args) -> None:
+        """A bookkeeping call the server may not hear: it went away with the copy (a reconnect starts afresh)."""
         if self.client.connected:
             try:
-                self.client.drop(user)
-            except TransferError:
-                pass  # the server went away with the copy
+                call(*args)
+            except TransferError as e:
+                log.info("transfer server did not take %s%r: %s", call.__name__, args, e)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(**self.client.usage())
 
     def alive(self) -> bool:
-        """Connected, or reconnected now (e.g. to a restarted server: what it holds is then unknown to us)."""
+        """Connected, or reconnected now (e.g. to a restarted server: it knows only what it holds)."""
         if self.client.connected:
             return True
         try:
@@ -127,24 +132,28 @@ class RemoteTier(KVTier):
             log.info("transfer server at %s unreachable: %s", self.client.socket_path, e)
             return False
         log.warning("reconnected to the transfer server at %s", self.client.socket_path)
-        self.tokens.clear()
         return True
 
     def close(self) -> None:
+        for transfer in self._offloads.values():
+            settle(transfer)
         self.client.close()
         if self.server is not None:
             self.server.stop()
+        if self.shm is not None:
+            self.shm.close()
 
 
 def connect(config: Config, layout: KVLayout, kv_layers: Sequence[torch.Tensor],
             shm: SharedMemory | None = None) -> RemoteTier:
     """The tier of the config's server: spawn one (`spawn_server`) or connect to `server_socket`.
 
-    `kv_layers` is the engine's KV pool (on CUDA, or on the CPU laid over `shm` by `shared_cpu_pool`)."""
+    `kv_layers` is the engine's KV pool (on CUDA, or on the CPU laid over `shm` by `shared_cpu_pool`); the tier owns
+    `shm` from now on."""
     if not (config.spawn_server or config.server_socket):
         raise ValueError("spawn_server=False and server_socket=None: the config names no transfer server")
     if not config.spawn_server:
-        return RemoteTier(TransferClient.from_config(config, layout, kv_layers, shm=shm))
+        return RemoteTier(TransferClient.from_config(config, layout, kv_layers, shm=shm), shm=shm)
     server = spawn_server(config)
     try:
         client = TransferClient(server.socket_path, server.token_path, layout, kv_layers, shm=shm,
@@ -152,4 +161,4 @@ def connect(config: Config, layout: KVLayout, kv_layers: Sequence[torch.Tensor],
     except BaseException:
         server.stop()
         raise
-    return RemoteTier(client, server)
+    return RemoteTier(client, server, shm)

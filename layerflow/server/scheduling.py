@@ -10,12 +10,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.fifo_worker import FifoWorker
 from layerflow.server import protocol
 from layerflow.server.handoff import Session
 from layerflow.server.protocol import Op
 from layerflow.server.registration import ClientPool
+from layerflow.tier.copies import GroupCopier
 
 
 class Lane(enum.Enum):
@@ -41,7 +41,7 @@ class Client:
         self.sock = sock
         self.session = session
         self.pool: ClientPool | None = None
-        self.engine: CopyEngine | None = None
+        self.copier: GroupCopier | None = None
         self.send_lock = threading.Lock()
         self.lanes = {lane: FifoWorker(f"layerflow-server-{lane.value}") for lane in Lane}
 

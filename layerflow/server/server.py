@@ -1,11 +1,10 @@
-"""The transfer server process: one host pool in shared memory, shared by every client on the host.
+"""The transfer server process: one host cache in shared memory, shared by every client on the host.
 
-Each client (an inference process, e.g. one GPU worker) hands over its per-layer eventfds and
-maps its KV pool into the server; the server then runs the copy engine for its onboard and
-offload requests and posts the client's eventfds layer by layer. Users live in the host pool
-(LRU); with an SSD tier, a user evicted from the host is first written to SSD, and an onboard
-of a user found only on SSD reads it back in groups, each group handed to the copy engine as it
-lands (SSD -> host -> GPU pipelined; the layer signals fire once the last group's copies are done).
+Each client (an inference process, e.g. one GPU worker) hands over its per-layer eventfds and maps its KV pool into
+the server; the server then runs the copy engine for its requests and posts the client's eventfds layer by layer. What
+the host and SSD hold, and every move between them, is the shared `HostCache` policy (the in-process tier runs the
+same code); the copies of an onboarding are the shared `OnboardCopies`. User ids are global on a server: clients that
+name the same user share its KV.
 
 A client's requests are read and issued in order on its connection thread; waiting for an onboard's or an offload's
 copies (and answering DONE) happens on one of that client's completion lanes, so a 16K-token offload in flight does
@@ -16,6 +15,7 @@ onboard never reads blocks an offload is still writing, a drop never frees them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -26,21 +26,22 @@ from pathlib import Path
 import torch
 
 from layerflow.config import Config
-from layerflow.transfer.copy_engine import CopyEngine, Transfer
-from layerflow.transfer.errors import TransferError
-from layerflow.transfer.signals.notifier import EventNotifier
-from layerflow.tier.host_pool import HostKVPool
-from layerflow.tier.layout import KVLayout
 from layerflow.server import protocol
-from layerflow.server.auth import (TOKEN_FILE, PeerCred, check_peer, make_private_dir, read_token,
-                                            write_token)
+from layerflow.server.auth import TOKEN_FILE, PeerCred, check_peer, make_private_dir, read_token, write_token
 from layerflow.server.handoff import HandoffError, server_handoff
 from layerflow.server.protocol import Op, ProtocolError
 from layerflow.server.registration import import_pool, layout_to_dict
 from layerflow.server.remote_signal import ClientSignal
 from layerflow.server.scheduling import Client, Finish, InFlight, Lane
 from layerflow.server.shm import SharedMemory
-from layerflow.tier.ssd import Miss, SsdStore, tensor_block_views
+from layerflow.tier.copies import GroupCopier, OnboardCopies, drain
+from layerflow.tier.host_cache import HostCache
+from layerflow.tier.host_pool import HostKVPool
+from layerflow.tier.layout import KVLayout
+from layerflow.tier.ssd import SsdStore
+from layerflow.transfer.copy_engine import CopyEngine
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signals.notifier import EventNotifier
 
 log = logging.getLogger(__name__)
 SOCKET_FILE = "transfer.sock"
@@ -71,14 +72,13 @@ class TransferServer:
         self._listener.bind(str(self.socket_path))
         os.chmod(self.socket_path, 0o600)
         self._listener.listen(16)
-        self._lock = threading.Lock()  # host pool + SSD bookkeeping
+        self._lock = threading.Lock()  # the host cache's creation and the copy engines
         self._cuda = torch.cuda.is_available()
         self._engines: dict[bool, CopyEngine] = {}  # keyed by "the client pool is on CUDA"
         self._notifier = EventNotifier("layerflow-server-notifier") if self._cuda else None
         self.layout: KVLayout | None = None
-        self.host: HostKVPool | None = None
+        self.cache: HostCache | None = None
         self._host_shm: SharedMemory | None = None
-        self.ssd: SsdStore | None = None
         self._clients: set[Client] = set()
         self._threads: list[threading.Thread] = []   # one per client connection, joined at close
         self._in_flight = InFlight()
@@ -88,7 +88,10 @@ class TransferServer:
             Op.ONBOARD: self._onboard,
             Op.OFFLOAD: self._offload,
             Op.LOOKUP: self._lookup,
+            Op.TRUNCATE: self._truncate,
+            Op.EVICT: self._evict,
             Op.DROP: self._drop,
+            Op.USAGE: self._usage,
         }
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -119,8 +122,8 @@ class TransferServer:
             engine.close()
         if self._notifier is not None:
             self._notifier.stop()
-        if self.ssd is not None:
-            self.ssd.close()
+        if self.cache is not None and self.cache.ssd is not None:
+            self.cache.ssd.close()
         if self._host_shm is not None:
             self._host_shm.close()
 
@@ -169,7 +172,8 @@ class TransferServer:
             if cuda not in self._engines:
                 self._engines[cuda] = make_engine(cuda)
         client.pool = pool
-        client.engine = self._engines[cuda]
+        client.copier = GroupCopier(self._engines[cuda], self.layout, pool.layers, self.cache.host.blocks,
+                                    self.config.transfer_timeout_s)
         client.send(Op.ACK)
 
     def _ensure_host(self, layout: KVLayout) -> None:
@@ -188,14 +192,15 @@ class TransferServer:
             from layerflow.transfer.cuda_api import check
             check(rt.cudaHostRegister(shm.tensor.data_ptr(), shm.size, rt.cudaHostRegisterDefault),
                   "cudaHostRegister")
-        self.host = HostKVPool(layout, buffer=shm.tensor)
+        ssd = None
+        if self.config.ssd_cache_gb > 0:
+            ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), layout.page_bytes,
+                           io_threads=self.config.ssd_io_threads)
+        self.cache = HostCache(HostKVPool(layout, buffer=shm.tensor), ssd)
         self._host_shm = shm
         self.layout = layout
-        if self.config.ssd_cache_gb > 0:
-            self.ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), layout.page_bytes,
-                                io_threads=self.config.ssd_io_threads)
         log.info("host pool: %d blocks of %d bytes in shared memory%s", num_blocks, layout.page_bytes,
-                 f", SSD tier {self.config.ssd_cache_gb} GiB" if self.ssd else "")
+                 f", SSD tier {self.config.ssd_cache_gb} GiB" if ssd else "")
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -246,197 +251,77 @@ class TransferServer:
         except OSError as e:
             log.info("cannot send %s, the client is gone: %s", op.value, e)
 
-    def _views(self):
-        return tensor_block_views(self.host.blocks)
-
-    def _spill(self, user) -> None:
-        """Host eviction hook, run only for users really evicted: write the victim to SSD first when there is one."""
-        if self.ssd is not None and not self.ssd.contains(user):
-            try:
-                self.ssd.store(user, self._views(), self.host.pages(user))
-            except (OSError, ValueError) as e:
-                log.warning("could not spill user %r to SSD: %s", user, e)
-
-    def _groups(self, client: Client, gpu_pages: list[int], blocks: list[int], signal: ClientSignal | None,
-                onboard: bool, issued: list[Transfer]) -> None:
-        """One copy-engine call per layer group, each transfer appended to `issued` as soon as it is in flight."""
-        for g, r in enumerate(self.layout.group_ranges):
-            layers = client.pool.layers[r.start:r.stop]
-            if onboard:
-                issued.append(client.engine.onboard(layers, self.host.blocks[g], gpu_pages, blocks, signal, r.start))
-            else:
-                issued.append(client.engine.offload(layers, self.host.blocks[g], gpu_pages, blocks))
-
-    def _wait(self, transfers: list[Transfer]) -> None:
-        for t in transfers:
-            t.wait(self.config.transfer_timeout_s)
-
-    def _drain(self, transfers: list[Transfer]) -> None:
-        """After a failed issue: let the copies already in flight end before their blocks are unpinned."""
-        for t in transfers:
-            try:
-                t.wait(self.config.transfer_timeout_s)
-            except TransferError:
-                pass
-
     def _onboard(self, client: Client, msg: protocol.Message) -> None:
-        """Several users onto one counter: SSD users are read back first (SSD -> host -> GPU pipelined, unsignalled),
-        then every host user's pages go in ONE copy-engine call per layer group, signalled layer by layer. Without SSD
-        users the copies are issued here and the onboard lane waits for them; with any, the whole onboarding runs on
-        the SSD lane."""
+        """Several users onto one counter (the shared `OnboardCopies`): without SSD users the copies are issued here
+        and the onboard lane waits for them; with any, the whole onboarding runs on the SSD lane."""
         def issue() -> Finish:
             loads = _parse_loads(msg["loads"])
             counter = msg["counter_id"]
             if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
                 raise ValueError(f"counter_id={counter!r} outside [0, {client.session.counters})")
             signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), self._notifier)
-            pinned = self._pin_for_onboard(loads)
-            transfers: list[Transfer] = []
-
-            def fail() -> None:
-                self._drain(transfers)
-                self._unpin_onboarded(loads, pinned, failed=True)
-
-            def copy() -> None:
-                try:
-                    gpu_pages, blocks = [], []
-                    for (user, pages), (held, from_ssd) in zip(loads, pinned):
-                        if from_ssd:
-                            self._onboard_from_ssd(client, user, pages, held)
-                        else:
-                            gpu_pages += pages
-                            blocks += held[:len(pages)]
-                    if gpu_pages:
-                        self._groups(client, gpu_pages, blocks, signal, True, transfers)
-                    else:
-                        for layer in range(signal.num_layers):
-                            signal.complete_layer(layer)
-                except BaseException as e:
-                    fail()
-                    if isinstance(e, Miss):
-                        raise LookupError(f"not resident: {e.args[0]}") from e
-                    raise
+            pinned = self.cache.pin_for_onboard([(user, len(pages)) for user, pages in loads])
+            copies = OnboardCopies(self.cache, client.copier, pinned, [pages for _, pages in loads], signal)
 
             def finish() -> dict:
                 try:
-                    self._wait(transfers)
+                    copies.wait()
                     signal.flush(self.config.transfer_timeout_s)
                     if signal.error is not None:
                         raise TransferError(str(signal.error))
                 except BaseException:
-                    fail()
+                    copies.settle()
+                    self.cache.release_onboarded(pinned, failed=True)
                     raise
-                self._unpin_onboarded(loads, pinned, failed=False)
-                return {"tiers": ["ssd" if from_ssd else "host" for _, from_ssd in pinned]}
+                self.cache.release_onboarded(pinned, failed=False)
+                return {"tiers": ["ssd" if p.from_ssd else "host" for p in pinned]}
 
-            def copy_then_finish() -> dict:
-                copy()
+            def run_then_finish() -> dict:
+                try:
+                    copies.run()
+                except BaseException:
+                    copies.settle()
+                    self.cache.release_onboarded(pinned, failed=True)
+                    raise
                 return finish()
 
-            if any(from_ssd for _, from_ssd in pinned):
-                return Finish(copy_then_finish, Lane.SSD_ONBOARD)
-            copy()
+            if copies.from_ssd:
+                return Finish(run_then_finish, Lane.SSD_ONBOARD)
+            try:
+                copies.run()
+            except BaseException:
+                copies.settle()
+                self.cache.release_onboarded(pinned, failed=True)
+                raise
             return Finish(finish, Lane.ONBOARD)
 
         self._request(client, msg, issue)
 
-    def _pin_for_onboard(self, loads: list[tuple[object, list[int]]]) -> list[tuple[list[int], bool]]:
-        """Pin every user's host blocks (allocating them for users found only on SSD): `(blocks, from_ssd)` each.
-
-        Host-resident users are pinned first, so reading an SSD user back never spills another user of the request.
-        A user may hold more blocks than `gpu_pages` (its history was truncated): the first ones are its prefix."""
-        out: dict[int, tuple[list[int], bool]] = {}
-        with self._lock:
-            order = sorted(range(len(loads)), key=lambda i: loads[i][0] not in self.host)
-            try:
-                for i in order:
-                    user, pages = loads[i]
-                    if user in self.host:
-                        blocks, from_ssd = list(self.host.pages(user)), False
-                        self._check_pages(user, len(pages), len(blocks))
-                    elif self.ssd is not None and self.ssd.contains(user):
-                        held = self.ssd.num_blocks(user)
-                        self._check_pages(user, len(pages), held)
-                        blocks = list(self.host.allocate(user, held * self.layout.page_size, on_evict=self._spill).pages)
-                        from_ssd = True
-                    else:
-                        raise LookupError(f"user {user!r} is not resident on this server (host or SSD)")
-                    self.host.touch(user)
-                    self.host.pin(user)
-                    out[i] = (blocks, from_ssd)
-            except BaseException:
-                for i, (_, from_ssd) in out.items():
-                    self.host.unpin(loads[i][0])
-                    if from_ssd:
-                        self.host.free(loads[i][0])
-                raise
-        return [out[i] for i in range(len(loads))]
-
-    def _unpin_onboarded(self, loads, pinned, failed: bool) -> None:
-        with self._lock:
-            for (user, _), (_, from_ssd) in zip(loads, pinned):
-                self.host.unpin(user)
-                if failed and from_ssd:  # half-read blocks must not pass for a host copy; the SSD entry decides
-                    self.host.free(user)
-
-    @staticmethod
-    def _check_pages(user, num_pages: int, num_blocks: int) -> None:
-        if not 0 < num_pages <= num_blocks:
-            raise ValueError(f"gpu_pages has {num_pages} pages, user {user!r} holds {num_blocks} blocks")
-
-    def _onboard_from_ssd(self, client: Client, user, gpu_pages: list[int], blocks: list[int]) -> None:
-        """SSD -> host in groups, each group's prefix blocks handed to the copy engine as it lands."""
-        page_of = dict(zip(blocks, gpu_pages))
-        transfers: list[Transfer] = []
-
-        def landed(group_blocks: list[int]) -> None:
-            wanted = [b for b in group_blocks if b in page_of]
-            if wanted:
-                self._groups(client, [page_of[b] for b in wanted], wanted, None, True, transfers)
-
-        try:
-            self.ssd.load(user, self._views(), blocks, on_group=landed)
-        finally:
-            self._wait(transfers)
-
     def _offload(self, client: Client, msg: protocol.Message) -> None:
+        """Copies the pages from the first one the host copy does not hold yet (the shared host cache decides)."""
         def issue() -> Finish:
-            user, gpu_pages, first = msg["user"], [int(p) for p in msg["gpu_pages"]], msg["first"]
-            if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= len(gpu_pages):
-                raise ValueError(f"offload of user {user!r}: first={first!r} not in [0, {len(gpu_pages)}]")
-            with self._lock:
-                if user not in self.host or len(self.host.pages(user)) < first:
-                    first = 0  # the prefix left the host (spilled, dropped): copy the whole history
-                if first == 0 and user in self.host:
-                    self.host.free(user)
-                blocks = list(self.host.allocate(user, len(gpu_pages) * self.layout.page_size,
-                                                 on_evict=self._spill).pages)
-                self.host.pin(user)
-                if self.ssd is not None:
-                    self.ssd.evict(user)
-            transfers: list[Transfer] = []
-
-            def fail() -> None:
-                self._drain(transfers)
-                with self._lock:
-                    self.host.unpin(user)
-                    self.host.free(user)
-
+            user, tokens, gpu_pages = msg["user"], msg["tokens"], _page_list(msg["gpu_pages"])
+            n = -(-tokens // self.layout.page_size) if _is_count(tokens) else -1
+            if not 0 < n <= len(gpu_pages):
+                raise ValueError(f"offload of user {user!r}: tokens={tokens!r} need more than the "
+                                 f"{len(gpu_pages)} pages sent")
+            slot = self.cache.begin_offload(user, tokens)
             try:
-                self._groups(client, gpu_pages[first:], blocks[first:len(gpu_pages)], None, False, transfers)
+                transfers = client.copier.copy(gpu_pages[slot.first:n], slot.blocks[slot.first:n], to_gpu=False)
             except BaseException:
-                fail()
+                self.cache.end_offload(user, ok=False)
                 raise
 
             def finish() -> dict:
                 try:
-                    self._wait(transfers)
+                    for t in transfers:
+                        t.wait(self.config.transfer_timeout_s)
                 except BaseException:
-                    fail()
+                    drain(transfers, self.config.transfer_timeout_s)
+                    self.cache.end_offload(user, ok=False)
                     raise
-                with self._lock:
-                    self.host.unpin(user)
-                return {"blocks": len(blocks), "copied": len(gpu_pages) - first}
+                self.cache.end_offload(user, ok=True)
+                return {"copied": n - slot.first}
 
             return Finish(finish, Lane.OFFLOAD)
 
@@ -444,29 +329,50 @@ class TransferServer:
 
     def _lookup(self, client: Client, msg: protocol.Message) -> None:
         def issue() -> Finish:
-            user = msg["user"]
-            with self._lock:
-                if user in self.host:
-                    found = {"tier": "host", "blocks": len(self.host.pages(user))}
-                elif self.ssd is not None and self.ssd.contains(user):
-                    found = {"tier": "ssd", "blocks": self.ssd.num_blocks(user)}
-                else:
-                    found = {"tier": None, "blocks": 0}
-            return Finish(lambda: found)
+            tier, tokens = self.cache.lookup(msg["user"])
+            return Finish(lambda: {"tier": tier.value, "tokens": tokens})
+
+        self._request(client, msg, issue)
+
+    def _truncate(self, client: Client, msg: protocol.Message) -> None:
+        def issue() -> Finish:
+            tokens = msg["tokens"]
+            if not _is_count(tokens):
+                raise ValueError(f"tokens={tokens!r}: must be a non-negative integer")
+            self.cache.truncate(msg["user"], tokens)
+            return Finish(dict)
+
+        self._request(client, msg, issue)
+
+    def _evict(self, client: Client, msg: protocol.Message) -> None:
+        def issue() -> Finish:
+            self.cache.evict(msg["user"])
+            return Finish(dict)
 
         self._request(client, msg, issue)
 
     def _drop(self, client: Client, msg: protocol.Message) -> None:
         def issue() -> Finish:
-            user = msg["user"]
-            with self._lock:
-                on_host = user in self.host
-                if on_host:
-                    self.host.free(user)
-                on_ssd = self.ssd.evict(user) if self.ssd is not None else False
-            return Finish(lambda: {"dropped": on_host or on_ssd})
+            self.cache.drop(msg["user"])
+            return Finish(dict)
 
         self._request(client, msg, issue)
+
+    def _usage(self, client: Client, msg: protocol.Message) -> None:
+        def issue() -> Finish:
+            return Finish(lambda: dataclasses.asdict(self.cache.usage()))
+
+        self._request(client, msg, issue)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _page_list(pages: object) -> list[int]:
+    if not isinstance(pages, list) or not all(_is_count(p) for p in pages):
+        raise ValueError(f"gpu_pages={pages!r}: expected a list of page indices")
+    return pages
 
 
 def _parse_loads(loads: object) -> list[tuple[object, list[int]]]:
@@ -490,7 +396,7 @@ def _users_of(msg: protocol.Message) -> list:
     loads = msg.get("loads")
     if isinstance(loads, list):
         return [load[0] for load in loads if isinstance(load, list) and load]
-    return [msg.get("user")]
+    return [msg.fields["user"]] if "user" in msg.fields else []
 
 
 def _clear_stale(socket_path: Path, token_path: Path) -> None:

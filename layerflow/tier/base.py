@@ -26,6 +26,27 @@ class Tier(enum.Enum):
     NONE = "none"
 
 
+class NotResident(TransferError):
+    """An onboarding failed because `users` no longer have (or never had) their KV below the GPU; the engine
+    recomputes them from their stored history."""
+
+    def __init__(self, users: Sequence, reason: str) -> None:
+        super().__init__(f"users {list(users)} are not resident below the GPU: {reason}")
+        self.users = list(users)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """Occupancy of the tier below the GPU (for metrics and for tests that check nothing leaked)."""
+
+    host_blocks: int
+    host_total: int
+    host_users: int
+    pinned_users: int
+    ssd_users: int
+
+
 @dataclass(frozen=True)
 class Load:
     """One user of an onboarding: where `locate` found it, its cached tokens, the GPU pages that receive them."""
@@ -73,8 +94,16 @@ class KVTier(ABC):
         """The user's history now ends at `tokens`: the copy's prefix stays valid (positions are absolute)."""
 
     @abstractmethod
+    def evict(self, user: int) -> None:
+        """Move the user's host copy down to SSD (or nowhere without an SSD tier), e.g. to serve it from SSD next."""
+
+    @abstractmethod
     def drop(self, user: int) -> None:
         """Forget the user's copies."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage:
+        """What the tier holds now."""
 
     def alive(self) -> bool:
         """False when the tier can no longer serve (its server is gone and does not come back)."""

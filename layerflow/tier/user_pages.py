@@ -92,6 +92,11 @@ class UserPages:
         if not self._pins[user]:
             del self._pins[user]
 
+    @property
+    def num_pinned(self) -> int:
+        """Users pinned at least once."""
+        return len(self._pins)
+
     def pin_count(self, user: User) -> int:
         return self._pins.get(user, 0)
 

@@ -180,7 +180,8 @@ def test_layer_runs_only_after_its_copy_landed(weights):
     from layerflow.kernels.reference import gather_history
 
     events = []
-    with make_engine(weights, copy_engine=ThreadCopyEngine(layer_hook=lambda l: time.sleep(0.03))) as engine:
+    copier = ThreadCopyEngine(layer_hook=lambda l: time.sleep(0.03))
+    with make_engine(weights, copy_engine=copier) as engine:
         engine.score([Request(9, list(range(80)), [])])
         kv_layers = engine.pipeline.kv_layers
         row = torch.tensor(engine.kv.gpu.pages(9))
@@ -188,7 +189,7 @@ def test_layer_runs_only_after_its_copy_landed(weights):
         engine.kv.evict_from_gpu(9)
         for kv in kv_layers:
             kv.fill_(float("nan"))
-        engine.copy_engine.layer_hook = lambda l: (time.sleep(0.03), events.append(("copy", l)))
+        copier.layer_hook = lambda l: (time.sleep(0.03), events.append(("copy", l)))
         kernels = engine.pipeline.kernels
         real_append = kernels.append
 

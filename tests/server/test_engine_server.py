@@ -214,7 +214,7 @@ def test_engine_reconnects_to_a_restarted_server(weights, tmp_path):
             engine.kv.evict_from_gpu(1)
             assert engine.kv.tier(1) is Tier.HOST  # and the next visit is a host hit on the new server
             engine.kv.drop(1)
-            assert engine.kv.tier(1) is Tier.NONE and engine.kv.below.client.lookup(1) == (None, 0)
+            assert engine.kv.tier(1) is Tier.NONE and engine.kv.below.client.lookup(1) == ("none", 0)
     finally:
         if first.alive():
             first.kill()
@@ -239,8 +239,9 @@ def test_drop_forgets_a_user_in_every_tier_in_process(weights, tmp_path):
         engine.score([Request(1, list(range(40)), [])])
         engine.kv.evict_from_gpu(1)
         engine.kv.evict_from_host(1)
-        assert engine.kv.ssd.contains(1)
+        assert engine.kv.tier(1) is Tier.SSD and engine.kv.below.usage().ssd_users == 1
         engine.kv.drop(1)
-        assert engine.kv.tier(1) is Tier.NONE and 1 not in engine.kv.host and not engine.kv.ssd.contains(1)
+        usage = engine.kv.below.usage()
+        assert engine.kv.tier(1) is Tier.NONE and usage.host_users == 0 and usage.ssd_users == 0
         scores = engine.score([Request(1, [5], [6])])[0]  # a new user now: only the appended item is its history
         assert torch.allclose(scores, full_forward(weights, [[5]], [[6]]).scores, atol=1e-5, rtol=1e-5)

@@ -178,32 +178,35 @@ def test_offload_onboard_byte_exact_two_clients_share_the_host_cache(server):
     c1, kv1 = make_client(server, seed=1)
     c2, kv2 = make_client(server, seed=2)
     expected = [t.clone() for t in kv1]
-    c1.offload("alice", [3, 4, 9]).result(10)
-    assert c2.lookup("alice") == ("host", 3)
+    c1.offload("alice", 12, [3, 4, 9]).result(10)
+    assert c2.lookup("alice") == ("host", 12)
     assert onboard_and_check(c2, kv2, "alice", [3, 4, 9], [0, 1, 2], expected) == [0, 1, 2]
     assert onboard_and_check(c1, kv1, "alice", [3, 4, 9], [10, 12, 14], expected) == [0, 1, 2]
     c1.close()
     c2.close()
 
 
-def test_offload_copies_from_first_while_the_server_holds_the_prefix(server):
+def test_offload_copies_only_the_pages_the_server_does_not_hold(server):
     client, kv = make_client(server, seed=3)
-    client.offload("bob", [0, 1, 2]).result(10)
+    client.offload("bob", 10, [0, 1, 2]).result(10)                  # 10 tokens: the third page is partly valid
     old = [t.clone() for t in kv]
     g = torch.Generator().manual_seed(9)
     for t in kv:
         t[:4] = torch.randn(t[:4].shape, generator=g).to(t.dtype)   # the client's pages all change
-    assert client.offload("bob", [0, 1, 2, 3], first=2).result(10)["copied"] == 2
+    assert client.offload("bob", 16, [0, 1, 2, 3]).result(10)["copied"] == 2
     expected = [t.clone() for t in kv]
     for e, o in zip(expected, old):
-        e[:2] = o[:2]                                                 # the server kept its own first two pages
+        e[:2] = o[:2]                                                 # the server kept its own two full pages
     onboard_and_check(client, kv, "bob", [0, 1, 2, 3], [8, 9, 10, 11], expected)
 
+    client.truncate("bob", 5)                                         # only the first page stays valid
+    assert client.lookup("bob") == ("host", 5)
+    assert client.offload("bob", 16, [0, 1, 2, 3]).result(10)["copied"] == 3
     client.drop("bob")                                                # the server lost the prefix: all pages go
-    assert client.offload("bob", [4, 5, 6], first=2).result(10)["copied"] == 3
-    assert client.lookup("bob") == ("host", 3)
-    with pytest.raises(ValueError, match="first=4"):
-        client.offload("bob", [4, 5, 6], first=4)
+    assert client.offload("bob", 12, [4, 5, 6]).result(10)["copied"] == 3
+    assert client.lookup("bob") == ("host", 12)
+    with pytest.raises(ValueError, match="tokens=13"):
+        client.offload("bob", 13, [4, 5, 6])
     client.close()
 
 
@@ -215,30 +218,31 @@ def test_unknown_user_poisons_every_layer_and_names_the_user(server):
             handle.wait_layer(layer, 10)
         assert isinstance(info.value.__cause__, NotResident) and info.value.__cause__.users == ["ghost"]
     handle.release()
-    assert client.lookup("ghost") == (None, 0)
+    assert client.lookup("ghost") == ("none", 0)
     client.close()
 
 
 def test_host_eviction_spills_to_ssd_and_onboards_back(server):
     client, kv = make_client(server)
     expected = [t.clone() for t in kv]
-    client.offload("u0", [0, 1, 2, 3]).result(10)
-    client.offload("u1", [4, 5, 6, 7]).result(10)  # the host holds 6 blocks: u0 goes to SSD
-    assert server.host.total == HOST_BLOCKS
-    assert client.lookup("u0") == ("ssd", 4) and client.lookup("u1") == ("host", 4)
+    client.offload("u0", 16, [0, 1, 2, 3]).result(10)
+    client.offload("u1", 16, [4, 5, 6, 7]).result(10)  # the host holds 6 blocks: u0 goes to SSD
+    assert server.cache.usage().host_total == HOST_BLOCKS
+    assert client.lookup("u0") == ("ssd", 16) and client.lookup("u1") == ("host", 16)
     assert onboard_and_check(client, kv, "u0", [0, 1, 2, 3], [8, 9, 10, 11], expected) == [0, 1, 2]
-    assert client.lookup("u0") == ("host", 4) and client.lookup("u1") == ("ssd", 4)
+    assert client.lookup("u0") == ("host", 16) and client.lookup("u1") == ("ssd", 16)
     assert onboard_and_check(client, kv, "u1", [4, 5, 6, 7], [12, 13, 14, 15], expected) == [0, 1, 2]
-    assert client.drop("u0") and client.lookup("u0") == (None, 0)
+    client.drop("u0")
+    assert client.lookup("u0") == ("none", 0)
     client.close()
 
 
 def test_corrupt_ssd_copy_is_reported_non_resident(server):
     client, kv = make_client(server)
-    client.offload("u0", [0, 1, 2, 3]).result(10)
-    client.offload("u1", [4, 5, 6, 7]).result(10)
-    entry = server.ssd._entries["u0"]
-    path = server.ssd.dirs[entry.dir_index] / entry.file
+    client.offload("u0", 16, [0, 1, 2, 3]).result(10)
+    client.offload("u1", 16, [4, 5, 6, 7]).result(10)
+    entry = server.cache.ssd._entries["u0"]
+    path = server.cache.ssd.dirs[entry.dir_index] / entry.file
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -247,8 +251,8 @@ def test_corrupt_ssd_copy_is_reported_non_resident(server):
         handle.wait(10)
     assert info.value.__cause__.users == ["u0"] and "checksum" in str(info.value)
     handle.release()
-    assert client.lookup("u0") == (None, 0)  # dropped, never served
-    assert client.lookup("u1") == ("ssd", 4)  # spilled to make room for u0's read-back
+    assert client.lookup("u0") == ("none", 0)  # dropped, never served
+    assert client.lookup("u1") == ("ssd", 16)  # spilled to make room for u0's read-back
     client.close()
 
 
@@ -260,7 +264,7 @@ def test_server_killed_mid_transfer_releases_waiter_then_reconnect(tmp_path):
     client, kv = make_client(first)
     expected = [t.clone() for t in kv]
     try:
-        client.offload("alice", [1, 2]).result(10)
+        client.offload("alice", 8, [1, 2]).result(10)
         os.kill(first.pid, signal.SIGSTOP)  # the request below is in flight, never answered
         handle = client.onboard("alice", [5, 6])
         caught = {}
@@ -281,13 +285,13 @@ def test_server_killed_mid_transfer_releases_waiter_then_reconnect(tmp_path):
         handle.release()
         assert not client.connected
         with pytest.raises(NotResident, match="not connected"):
-            client.offload("bob", [0]).result(1)
+            client.offload("bob", 4, [0]).result(1)
 
         second = spawn_server(config, tmp_path / "b")
         try:
             client.connect(second.socket_path, second.token_path)
-            assert client.lookup("alice") == (None, 0)  # the host cache died with the server
-            client.offload("alice", [1, 2]).result(10)
+            assert client.lookup("alice") == ("none", 0)  # the host cache died with the server
+            client.offload("alice", 8, [1, 2]).result(10)
             assert onboard_and_check(client, kv, "alice", [1, 2], [5, 6], expected) == [0, 1, 2]
         finally:
             client.close()
@@ -319,14 +323,14 @@ def test_copy_failure_mid_transfer_poisons_remaining_layers(server, monkeypatch)
     engine = ThreadCopyEngine()
     monkeypatch.setattr(server_module, "make_engine", lambda cuda: engine)
     client, kv = make_client(server)
-    client.offload("alice", [0, 1]).result(10)
+    client.offload("alice", 8, [0, 1]).result(10)
     engine.fail_at_layer = 1
     handle = client.onboard("alice", [4, 5])
     with pytest.raises(TransferError, match="injected failure at layer 1") as info:
         handle.wait(10)
     assert info.value.__cause__.users == ["alice"]
     handle.release()
-    assert client.lookup("alice") == ("host", 2)  # a failed copy to the GPU leaves the host copy intact
+    assert client.lookup("alice") == ("host", 8)  # a failed copy to the GPU leaves the host copy intact
     client.close()
 
 
@@ -371,8 +375,8 @@ def test_cli_serves_on_the_config_socket_and_client_from_config(tmp_path):
         shm, kv = shared_cpu_pool(LAYOUT, 4)
         client = TransferClient.from_config(load_config(cfg), LAYOUT, kv, shm=shm)
         assert client.signals.num_counters == 3
-        client.offload("u", [0, 1]).result(10)
-        assert client.lookup("u") == ("host", 2)
+        client.offload("u", 8, [0, 1]).result(10)
+        assert client.lookup("u") == ("host", 8)
         client.close()
     finally:
         proc.terminate()
@@ -382,8 +386,8 @@ def test_cli_serves_on_the_config_socket_and_client_from_config(tmp_path):
 def test_one_onboard_request_carries_several_users_on_one_counter(server):
     client, kv = make_client(server)
     expected = [t.clone() for t in kv]
-    client.offload("a", [0, 1]).result(10)
-    client.offload("b", [2, 3, 4]).result(10)
+    client.offload("a", 8, [0, 1]).result(10)
+    client.offload("b", 12, [2, 3, 4]).result(10)
     for t in kv:
         t[8:13] = 0
     handle, done = client.onboard_many([("a", [8, 9]), ("b", [10, 11])])  # b's history was truncated: a prefix
@@ -398,7 +402,7 @@ def test_one_onboard_request_carries_several_users_on_one_counter(server):
         handle.wait(10)
     assert done.exception(10).users == ["a", "ghost"]
     handle.release()
-    assert client.lookup("a") == ("host", 2)  # a failed request leaves the others' host copies in place
+    assert client.lookup("a") == ("host", 8)  # a failed request leaves the others' host copies in place
     client.close()
 
 
@@ -443,9 +447,9 @@ def gated(server, monkeypatch):
 def test_an_offload_in_flight_does_not_hold_up_an_onboard_of_another_user(gated):
     gate, client, kv = gated
     expected = [t.clone() for t in kv]
-    client.offload("alice", [0, 1]).result(10)
+    client.offload("alice", 8, [0, 1]).result(10)
     gate.open.clear()
-    bob = client.offload("bob", [2, 3])
+    bob = client.offload("bob", 8, [2, 3])
     assert gate.held.wait(10)
     handle, done = client.onboard_many([("alice", [8, 9])])
     handle.wait(5)                       # issued and signalled while bob's copy is still held
@@ -453,19 +457,19 @@ def test_an_offload_in_flight_does_not_hold_up_an_onboard_of_another_user(gated)
     for layer in range(LAYOUT.num_layers):
         assert torch.equal(kv[layer][[8, 9]], expected[layer][[0, 1]])
     handle.release()
-    assert client.lookup("alice") == ("host", 2)
+    assert client.lookup("alice") == ("host", 8)
     assert not bob.done()
     gate.open.set()
-    assert bob.result(10) == {"blocks": 2, "copied": 2}
-    assert client.lookup("bob") == ("host", 2)
+    assert bob.result(10) == {"copied": 2}
+    assert client.lookup("bob") == ("host", 8)
 
 
 def test_a_request_about_a_user_in_flight_waits_for_it(gated):
     gate, client, kv = gated
     expected = [t.clone() for t in kv]
-    client.offload("alice", [0, 1]).result(10)
+    client.offload("alice", 8, [0, 1]).result(10)
     gate.open.clear()
-    carol = client.offload("carol", [2, 3, 4])
+    carol = client.offload("carol", 12, [2, 3, 4])
     assert gate.held.wait(10)
     dropped = []
     dropper = threading.Thread(target=lambda: dropped.append(client.drop("carol")))
@@ -474,29 +478,29 @@ def test_a_request_about_a_user_in_flight_waits_for_it(gated):
     assert dropper.is_alive() and not carol.done()   # the drop must not free blocks the offload is writing
     gate.open.set()
     dropper.join(10)
-    assert dropped == [True] and carol.result(10)["copied"] == 3
-    assert client.lookup("carol") == (None, 0)
+    assert dropped == [None] and carol.result(10)["copied"] == 3
+    assert client.lookup("carol") == ("none", 0)
     onboard_and_check(client, kv, "alice", [0, 1], [8, 9], expected)
 
 
 def test_an_ssd_read_back_does_not_hold_up_a_host_hit(server, monkeypatch):
     client, kv = make_client(server, seed=6)
     expected = [t.clone() for t in kv]
-    client.offload("s", [0]).result(10)
-    client.offload("h", [1, 2]).result(10)
-    client.offload("f", [3, 4, 5, 6]).result(10)   # 7 blocks > 6: "s", the least recent, goes to SSD
-    assert client.lookup("s") == ("ssd", 1)
+    client.offload("s", 4, [0]).result(10)
+    client.offload("h", 8, [1, 2]).result(10)
+    client.offload("f", 16, [3, 4, 5, 6]).result(10)   # 7 blocks > 6: "s", the least recent, goes to SSD
+    assert client.lookup("s") == ("ssd", 4)
     onboard_and_check(client, kv, "h", [1, 2], [8, 9], expected)   # "h" is now more recent than "f"
 
     gate, reading = threading.Event(), threading.Event()
-    real_load = server.ssd.load
+    real_load = server.cache.ssd.load
 
     def slow_load(*args, **kwargs):
         reading.set()
         assert gate.wait(30), "gate never opened"
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(server.ssd, "load", slow_load)
+    monkeypatch.setattr(server.cache.ssd, "load", slow_load)
     for t in kv:
         t[10:14] = 0
     from_ssd, ssd_done = client.onboard_many([("s", [10])])

@@ -1,0 +1,78 @@
+"""The engine's KV memory: the GPU page pool and the tier below it, built from the config in one place.
+
+The tier below is a transfer server's when the config names one (`server_socket`) or asks for a private one
+(`spawn_server`), else this process's own (`InProcessTier`). A server copies straight into the engine's pool, so on
+the CPU path that pool is laid over shared memory the server maps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layerflow.config import Config, SignalMode
+from layerflow.server import remote_tier
+from layerflow.server.shm import shared_cpu_pool
+from layerflow.tier.base import KVTier
+from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.tier.host_cache import HostCache
+from layerflow.tier.host_pool import HostKVPool
+from layerflow.tier.in_process import InProcessTier
+from layerflow.tier.layout import KVLayout
+from layerflow.tier.ssd import SsdStore
+from layerflow.transfer.copy_engine import CopyEngine
+from layerflow.transfer.signals import make_signals
+
+
+def uses_server(config: Config) -> bool:
+    return config.spawn_server or config.server_socket is not None
+
+
+def check_config(config: Config, device: torch.device) -> None:
+    """Refuse settings the KV tiers cannot serve on `device`, before anything is allocated."""
+    if uses_server(config) and config.signal is not SignalMode.EVENTFD:
+        raise ValueError(f"signal={config.signal.value!r} with a transfer server: the server posts eventfds, "
+                         f"use 'eventfd'")
+    if device.type != "cuda" and config.signal is not SignalMode.EVENTFD:
+        raise ValueError(f"signal={config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
+
+
+def build_kv(config: Config, layout: KVLayout, device: torch.device,
+             copy_engine: CopyEngine | None = None) -> tuple[GpuKVPool, KVTier]:
+    """The GPU pool sized by `gpu_cache_gb` and the tier below it. `copy_engine` replaces the in-process tier's default
+    (the CUDA copy engine, or the CPU thread engine)."""
+    check_config(config, device)
+    cuda = device.type == "cuda"
+    num_pages = layout.pages_for_gb(config.gpu_cache_gb)
+    if not uses_server(config):
+        gpu = GpuKVPool(layout, num_pages, device)
+        return gpu, in_process_tier(config, layout, gpu, copy_engine)
+    shm, layers = shared_cpu_pool(layout, num_pages) if not cuda else (None, None)
+    gpu = GpuKVPool(layout, num_pages, device, layers=layers)
+    try:
+        return gpu, remote_tier.connect(config, layout, gpu.kv, shm)
+    except BaseException:
+        if shm is not None:
+            shm.close()
+        raise
+
+
+def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool,
+                    copy_engine: CopyEngine | None = None) -> InProcessTier:
+    """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, the signal ring and a copy engine."""
+    cuda = gpu.device.type == "cuda"
+    host = HostKVPool(layout, cpu_cache_gb=config.cpu_cache_gb, pin_memory=cuda)
+    ssd = None
+    if config.ssd_cache_gb > 0:
+        ssd = SsdStore(config.ssd_cache_dirs, int(config.ssd_cache_gb * 2**30), layout.page_bytes,
+                       io_threads=config.ssd_io_threads)
+    signals = make_signals(config.signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
+    engine = copy_engine or _default_copy_engine(gpu.device)
+    return InProcessTier(HostCache(host, ssd), layout, gpu.kv, engine, signals, config.transfer_timeout_s)
+
+
+def _default_copy_engine(device: torch.device) -> CopyEngine:
+    if device.type == "cuda":
+        from layerflow.transfer.cuda_copy import CudaCopyEngine
+        return CudaCopyEngine(device=device.index or 0)
+    from layerflow.transfer.thread_copy import ThreadCopyEngine
+    return ThreadCopyEngine()
