@@ -13,6 +13,8 @@ TransferError at once; the next batch reconnects, or else the engine falls back 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import torch
 
@@ -23,10 +25,12 @@ from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
 from layerflow.runtime.request import Request
-from layerflow.runtime.tiers import build_kv, check_config, in_process_tier
+from layerflow.runtime.tiers import build_kv, check_config, in_process_tier, uses_server
 from layerflow.runtime.waits import NoWait, make_layer_wait
+from layerflow.tier.base import NotResident
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.copy_engine import CopyEngine
+from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import LayerSignals
 
 log = logging.getLogger(__name__)
@@ -39,10 +43,27 @@ def _next_power_of_2(n: int, floor: int) -> int:
     return max(floor, 1 << (n - 1).bit_length())
 
 
+def _lost_users(error: BaseException | None) -> set:
+    """The users a NotResident somewhere in `error`'s cause chain names."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, NotResident):
+            return set(error.users)
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return set()
+
+
+RECONNECT_BACKOFF_S = (1.0, 30.0)   # first and longest wait between attempts to reach a transfer server again
+
+
 class Engine:
     """Scores batches of returning-user requests; usable as a library and from the CLI.
 
-    `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies)."""
+    Safe to call from several threads: batches run one at a time (a lock), in the order they take it.
+    `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies); the engine
+    closes it at `close()`.
+    """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
@@ -58,6 +79,10 @@ class Engine:
         self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
         self._copy_engine = copy_engine
         gpu, below = build_kv(self.config, self.layout, self.device, copy_engine)
+        self._remote = below if uses_server(self.config) else None   # kept to reconnect after a fallback
+        self._reconnect_at, self._backoff = 0.0, RECONNECT_BACKOFF_S[0]
+        self._lock = threading.Lock()
+        self._closed = False
         self.layerwise = self.config.enable_layerwise
         if not self.layerwise:
             log.info("layerwise onboarding is off: each onboarding completes before the block starts")
@@ -77,17 +102,36 @@ class Engine:
         return self.kv.below.signals
 
     def _ensure_tier(self) -> None:
-        """A tier whose server is gone and does not come back is replaced by an in-process one (said once: that one
-        never goes away). Users still on the GPU stay hits; the others' next visit recomputes them."""
-        if self.kv.below.alive():
+        """A transfer server that is gone and does not come back at once is replaced by an in-process tier; from then
+        on the engine tries to reach it again with growing pauses and switches back when it answers (both logged).
+        Users still on the GPU stay hits across a switch; the others' next visit recomputes them."""
+        if self._remote is None:
             return
-        log.warning("the transfer server is gone; falling back to an in-process host tier (the KV it held is lost)")
-        self.kv.replace_below(in_process_tier(self.config, self.layout, self.kv.gpu, self._copy_engine))
+        if self.kv.below is self._remote:
+            if not self._remote.alive():
+                log.warning("the transfer server is gone; serving from an in-process host tier (the KV it held is "
+                            "lost) and trying to reach it again")
+                self.kv.replace_below(in_process_tier(self.config, self.layout, self.kv.gpu, self._copy_engine))
+                self._backoff = RECONNECT_BACKOFF_S[0]
+                self._reconnect_at = time.monotonic() + self._backoff
+            return
+        if time.monotonic() < self._reconnect_at:
+            return
+        if not self._remote.alive():
+            self._backoff = min(2 * self._backoff, RECONNECT_BACKOFF_S[1])
+            self._reconnect_at = time.monotonic() + self._backoff
+            return
+        log.warning("the transfer server is back; its host tier serves again (the in-process one is dropped)")
+        fallback = self.kv.below
+        self.kv.replace_below(self._remote)
+        fallback.close()
 
     # ---- public API ---------------------------------------------------------------------------
 
     def warmup(self) -> None:
         """Capture every bucket's graphs (with and without wait nodes) so no request pays a capture."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         if self.graphs is None:
             return
         for bucket in self.buckets:
@@ -100,11 +144,28 @@ class Engine:
     def score(self, requests: list[Request]) -> list[torch.Tensor]:
         """Candidate scores per request (fp32, on the host, in the order of each request's candidates).
 
-        A bad request raises ValueError and a failed transfer TransferError; either way the engine's state is
-        consistent and the next batch is served.
+        A bad request raises ValueError, a failed transfer TransferError, a batch that cannot get GPU pages now
+        PoolExhausted; in every case the engine's state is consistent and the next batch is served. A user whose KV
+        turns out to be gone below the GPU (a damaged SSD copy, a server that lost it) is recomputed from its stored
+        history within the same call, with a warning.
         """
-        if not requests:
-            return []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if not requests:
+                return []
+            try:
+                return self._score(requests)
+            except TransferError as e:
+                lost = _lost_users(e) & {r.user_id for r in requests}
+                if not lost:
+                    raise
+                log.warning("users %s had no usable KV below the GPU (%s): recomputing them", sorted(lost), e)
+                for user in lost:
+                    self.kv.below.drop(user)
+                return self._score(requests)
+
+    def _score(self, requests: list[Request]) -> list[torch.Tensor]:
         self._ensure_tier()
         plan = self.kv.prepare(requests)
         try:
@@ -117,9 +178,17 @@ class Engine:
         return [scores[offsets[b]:offsets[b + 1]] for b in range(len(requests))]
 
     def close(self) -> None:
-        """Finish pending offloads and release streams, threads, eventfds, files and a spawned server."""
-        self.kv.wait_offloads()
-        self.kv.below.close()
+        """Finish pending offloads and release streams, threads, eventfds, files and a spawned server (once)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.kv.wait_offloads()
+            self.kv.below.close()
+            if self._remote is not None and self._remote is not self.kv.below:
+                self._remote.close()
+            if self._copy_engine is not None:
+                self._copy_engine.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -61,6 +61,8 @@ class KVManager:
         self.config, self.gpu, self.below, self.layerwise = config, gpu, below, layerwise
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
+        self._quarantine: list[tuple[Onboarding, list[tuple]]] = []   # pages a failed onboarding may still write
+        self._quarantined = 0
 
     def tier(self, user: int) -> Tier:
         entry = self.users.get(user)
@@ -71,14 +73,14 @@ class KVManager:
         return self.below.locate(user, len(entry.history))
 
     def replace_below(self, below: KVTier) -> None:
-        """Swap the tier below the GPU (e.g. the transfer server died): the old one's copies are forgotten; GPU-resident
-        users stay hits and are offloaded to the new tier at their next batch; the rest become misses."""
+        """Swap the tier below the GPU (e.g. the transfer server died, or came back): the old one's copies are
+        forgotten (closing it is the caller's choice); GPU-resident users stay hits and are offloaded to the new tier at
+        their next batch; the rest become misses."""
         for user in self._offloading:
             settle(self.users[user].offload)
             self.users[user].offload = None
         self._offloading.clear()
-        old, self.below = self.below, below
-        old.close()
+        self.below = below
 
     # ---- a batch ------------------------------------------------------------------------------
 
@@ -89,6 +91,7 @@ class KVManager:
             dup = next(u for u in users if users.count(u) > 1)
             raise ValueError(f"user {dup} appears twice in one batch")
         self._reap_offloads()
+        self._reap_quarantine()
         tiers = [self.tier(u) for u in users]
         cached, appended = [], []
         for r, tier in zip(requests, tiers):
@@ -107,7 +110,7 @@ class KVManager:
             for u, tier, total in zip(users, tiers, batch.history_lens):
                 if tier is not Tier.GPU:
                     self._forget_gpu(u)
-                pages = self.gpu.allocate(u, total, can_drop=self._gpu_can_drop).pages
+                pages = self._allocate(u, total)
                 if tier is not Tier.GPU:
                     self.gpu.pin(u)
                     pinned.append(u)
@@ -133,18 +136,32 @@ class KVManager:
             self._record(plan, b)
 
     def commit(self, plan: BatchPlan) -> None:
-        """The block succeeded (its users were recorded by `offload_early`): release the onboarding and the pins."""
-        self._finish_onboarding(plan)
+        """The block succeeded (its users were recorded by `offload_early`): release the onboarding and the pins. Every
+        layer was signalled, so the producer has nothing left to write."""
+        if plan.onboarding is not None:
+            plan.onboarding.finish(wait=True)
+            plan.onboarding = None
         for r in plan.requests:
             self.gpu.unpin(r.user_id)
 
     def abort(self, plan: BatchPlan) -> None:
         """The block failed: users whose pages were being filled lose them (they are no longer resident), users
         recorded early get their history back as it was before the batch, and an onboarded user recorded early loses
-        its copy below (its offload may have written pages the failed onboarding left unfilled): it is recomputed."""
-        self._finish_onboarding(plan)
-        for b, (r, tier) in enumerate(zip(plan.requests, plan.tiers)):
+        its copy below (its offload may have written pages the failed onboarding left unfilled): it is recomputed.
+
+        A producer that has not answered (a hung transfer server) may still write the onboarded users' pages: those
+        pages are quarantined, never reused until the producer is done, so they can never corrupt another user's KV."""
+        fenced = True
+        if plan.onboarding is not None:
+            onboarding, plan.onboarding = plan.onboarding, None
+            fenced = onboarding.finish(wait=False)
+        onboarded = [r.user_id for r, tier in zip(plan.requests, plan.tiers) if tier in (Tier.HOST, Tier.SSD)]
+        for r in plan.requests:
             self.gpu.unpin(r.user_id)
+        if not fenced:
+            self._quarantine.append((onboarding, [self._quarantine_pages(u) for u in onboarded if u in self.gpu]))
+            log.warning("onboarding of users %s did not end; their GPU pages stay out of use until it does", onboarded)
+        for b, (r, tier) in enumerate(zip(plan.requests, plan.tiers)):
             if tier is not Tier.GPU:
                 self._forget_gpu(r.user_id)
             if b in plan.recorded:
@@ -231,10 +248,39 @@ class KVManager:
         if loads:
             plan.onboarding = self.below.onboard(loads, self.layerwise)
 
-    def _finish_onboarding(self, plan: BatchPlan) -> None:
-        if plan.onboarding is not None:
-            plan.onboarding.finish()
-            plan.onboarding = None
+    def _allocate(self, user: int, tokens: int) -> tuple[int, ...]:
+        """GPU pages for `tokens` tokens of `user`, evicting LRU users whose offload landed. When the pool is short
+        while offloads are in flight (their users cannot be evicted yet), wait for them and try once more; then a
+        PoolExhausted names the sizes (the caller can retry later, or shed load)."""
+        try:
+            return self.gpu.allocate(user, tokens, can_drop=self._gpu_can_drop).pages
+        except PoolExhausted:
+            if not self._offloading:
+                raise
+        self.wait_offloads()
+        return self.gpu.allocate(user, tokens, can_drop=self._gpu_can_drop).pages
+
+    def _quarantine_pages(self, user: int) -> tuple:
+        """Move `user`'s GPU pages to a pinned owner of their own; the user no longer holds any."""
+        self._quarantined += 1
+        key = ("quarantine", self._quarantined)
+        self.gpu.rename(user, key)
+        self.gpu.pin(key)
+        return key
+
+    def _reap_quarantine(self) -> None:
+        """Give quarantined pages back once their producer is done with them."""
+        for entry in [e for e in self._quarantine if e[0].fenced()]:
+            self._quarantine.remove(entry)
+            for key in entry[1]:
+                self.gpu.unpin(key)
+                self.gpu.free(key)
+            log.info("a stalled onboarding ended; %d users' GPU pages are free again", len(entry[1]))
+
+    @property
+    def quarantined_pages(self) -> int:
+        """GPU pages held back from failed onboardings whose producer has not ended yet."""
+        return sum(len(self.gpu.pages(key)) for _, keys in self._quarantine for key in keys)
 
     def _offload(self, user: int, entry: UserEntry, pages: tuple[int, ...]) -> None:
         """Copy the pages this batch wrote down to the tier below (asynchronously)."""

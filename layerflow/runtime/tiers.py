@@ -58,7 +58,8 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
 
 def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool,
                     copy_engine: CopyEngine | None = None) -> InProcessTier:
-    """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, the signal ring and a copy engine."""
+    """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, the signal ring and a copy engine
+    (`copy_engine`, which stays its owner's to close, else a default one the tier owns)."""
     cuda = gpu.device.type == "cuda"
     host = HostKVPool(layout, cpu_cache_gb=config.cpu_cache_gb, pin_memory=cuda)
     ssd = None
@@ -67,7 +68,8 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool,
                        io_threads=config.ssd_io_threads)
     signals = make_signals(config.signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
     engine = copy_engine or _default_copy_engine(gpu.device)
-    return InProcessTier(HostCache(host, ssd), layout, gpu.kv, engine, signals, config.transfer_timeout_s)
+    return InProcessTier(HostCache(host, ssd), layout, gpu.kv, engine, signals, config.transfer_timeout_s,
+                         owns_engine=copy_engine is None)
 
 
 def _default_copy_engine(device: torch.device) -> CopyEngine:

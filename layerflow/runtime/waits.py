@@ -6,6 +6,7 @@ waits at one onboarding before every run, and `check` raises the onboarding's er
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -43,17 +44,21 @@ class NoWait(LayerWait):
 
 
 class HostWait(LayerWait):
-    """Eager pipelines (the CPU path): block the issuing thread on the layer's signal."""
+    """Eager pipelines (the CPU path): block the issuing thread on the layer's signal. One deadline covers the whole
+    onboarding (a hung producer costs one timeout per batch, not one per layer)."""
 
     def __init__(self) -> None:
         self._handle: SignalHandle | None = None
+        self._deadline = 0.0
 
     def bind(self, handle: SignalHandle | None) -> None:
         self._handle = handle
+        if handle is not None:
+            self._deadline = time.monotonic() + handle.ring.timeout_s
 
     def layer(self, layer: int) -> None:
         if self._handle is not None:
-            self._handle.wait_layer(layer)
+            self._handle.wait_layer(layer, max(0.0, self._deadline - time.monotonic()))
 
 
 class EventfdNodeWait(LayerWait):
@@ -86,7 +91,7 @@ class EventfdNodeWait(LayerWait):
             if status != hostfn.WaitStatus.OK:
                 error = self._handle.error
                 raise TransferError(f"layer {layer} wait of signal counter {self._handle.counter_id} ended "
-                                    f"{status.name}" + (f": {error}" if error else ""))
+                                    f"{status.name}" + (f": {error}" if error else "")) from error
 
 
 class GpuSignalWait(LayerWait):

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class _Pending:
     users: list
     handle: SignalHandle | None
     future: Future = field(default_factory=Future)
+    sent: float = field(default_factory=time.monotonic)
 
 
 class TransferClient:
@@ -187,14 +189,31 @@ class TransferClient:
             raise TransferError(f"transfer server did not answer {op.value} {fields} within {self.timeout_s:.3f} s") \
                 from None
 
+    def in_flight(self) -> int:
+        """Requests sent and not answered yet."""
+        with self._lock:
+            return len(self._pending)
+
+    def responsive(self) -> bool:
+        """False while a request has gone unanswered for longer than the timeout (a hung server): new requests then
+        fail at once instead of each waiting a timeout. It recovers by itself when the answers come."""
+        with self._lock:
+            return self._responsive()
+
+    def _responsive(self) -> bool:
+        oldest = min((p.sent for p in self._pending.values()), default=None)
+        return oldest is None or time.monotonic() - oldest <= self.timeout_s
+
     def _submit(self, op: Op, pending: _Pending, **fields) -> None:
         req = next(self._ids)
         with self._lock:
-            sock = self._sock
-            if sock is not None:
+            sock, responsive = self._sock, self._responsive()
+            if sock is not None and responsive:
                 self._pending[req] = pending
-        if sock is None:
-            self._finish(pending, NotResident(pending.users, "not connected to a transfer server"))
+        if sock is None or not responsive:
+            why = "not connected to a transfer server" if sock is None else \
+                f"the transfer server has left a request unanswered for more than {self.timeout_s:.3f} s"
+            self._finish(pending, NotResident(pending.users, why))
             return
         try:
             protocol.send(sock, op, req=req, **fields)

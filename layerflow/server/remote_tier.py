@@ -51,12 +51,20 @@ class _FutureTransfer(Transfer):
 
 
 class _RemoteOnboarding(Onboarding):
+    """The server writes into our pages until it answers (or its connection drops: it died, or it finished its
+    lanes before closing)."""
+
     def __init__(self, handle: SignalHandle, done: Future, timeout_s: float):
         self.handle, self._done = handle, _FutureTransfer(done, timeout_s)
 
-    def finish(self) -> None:
-        settle(self._done)  # the server writes into our pages until it answers
+    def finish(self, wait: bool) -> bool:
+        if wait:
+            settle(self._done)
         self.handle.release()
+        return self.fenced()
+
+    def fenced(self) -> bool:
+        return self._done.done()
 
 
 class RemoteTier(KVTier):
@@ -68,11 +76,22 @@ class RemoteTier(KVTier):
         self.client, self.server, self.shm = client, server, shm
         self.signals = client.signals
         self._offloads: dict[int, Transfer] = {}
+        self._unreachable = False   # a lookup failed: said once, until one succeeds again
 
     def locate(self, user: int, tokens: int) -> Tier:
+        """A server that does not answer (hung, or gone) holds nothing: the user is a miss, recomputed."""
         if tokens <= 0:
             return Tier.NONE
-        where, held = self.client.lookup(user)
+        try:
+            where, held = self.client.lookup(user)
+        except TransferError as e:
+            if not self._unreachable:
+                log.warning("transfer server lookups fail, serving its users as misses: %s", e)
+            self._unreachable = True
+            return Tier.NONE
+        if self._unreachable:
+            log.warning("transfer server lookups answer again")
+            self._unreachable = False
         return Tier(where) if held >= tokens else Tier.NONE
 
     def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:

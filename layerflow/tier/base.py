@@ -58,13 +58,19 @@ class Load:
 
 
 class Onboarding(ABC):
-    """A batch's onboarding: its layers wait on `handle`; `finish()` once the block is done with it (or failed)."""
+    """A batch's onboarding: its layers wait on `handle`; `finish` once the block is done with it (or failed)."""
 
     handle: SignalHandle
 
     @abstractmethod
-    def finish(self) -> None:
-        """Wait until the producer is done with the GPU pages, unpin what the onboarding pinned, release the handle."""
+    def finish(self, wait: bool) -> bool:
+        """Release the handle; with `wait`, first wait (bounded by the tier's timeout) for the producer to end. True
+        when nothing can write into the onboarding's GPU pages any more (and the tier cleaned up); else the caller must
+        keep those pages out of use until `fenced()` says so (a hung producer may still write them)."""
+
+    @abstractmethod
+    def fenced(self) -> bool:
+        """After a `finish` that returned False: True once the producer is done with the GPU pages."""
 
 
 class KVTier(ABC):

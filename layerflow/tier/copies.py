@@ -141,7 +141,14 @@ class OnboardCopies:
             raise TransferError(str(self.error)) from self.error
 
     def settle(self) -> bool:
-        """Wait for every copy, ignoring failures; True if the onboarding succeeded."""
+        """Wait (bounded by the timeout) for every copy, ignoring failures; True if the onboarding succeeded."""
         drain(self.transfers, self.copier.timeout_s)
-        return self.error is None and all(t.error is None for t in self.transfers)
+        return self.succeeded()
+
+    def done(self) -> bool:
+        """No copy of this onboarding is in flight any more."""
+        return all(t.done() for t in self.transfers)
+
+    def succeeded(self) -> bool:
+        return self.done() and self.error is None and all(t.error is None for t in self.transfers)
 

@@ -24,19 +24,31 @@ log = logging.getLogger(__name__)
 class _LocalOnboarding(Onboarding):
     def __init__(self, handle: SignalHandle, copies: OnboardCopies, cache: HostCache, pinned: list[Pinned]):
         self.handle, self.copies, self.cache, self.pinned = handle, copies, cache, pinned
+        self._released = False
 
-    def finish(self) -> None:
-        ok = self.copies.settle()
-        self.cache.release_onboarded(self.pinned, failed=not ok)
+    def finish(self, wait: bool) -> bool:
+        """Copies in this process always end (or fail) on their own, so they are waited for even when `wait` is
+        False: the host blocks they read stay pinned until then."""
+        self.copies.settle()
         self.handle.release()
+        return self.fenced()
+
+    def fenced(self) -> bool:
+        if not self._released:
+            if not self.copies.done():
+                return False
+            self.cache.release_onboarded(self.pinned, failed=not self.copies.succeeded())
+            self._released = True
+        return True
 
 
 class InProcessTier(KVTier):
-    """`cache` holds the KV, `engine` copies between `gpu_kv` (the GPU pool's layers) and the cache's host blocks."""
+    """`cache` holds the KV, `engine` copies between `gpu_kv` (the GPU pool's layers) and the cache's host blocks;
+    `close()` closes the engine only if the tier `owns_engine`."""
 
     def __init__(self, cache: HostCache, layout: KVLayout, gpu_kv: Sequence[torch.Tensor], engine: CopyEngine,
-                 signals: LayerSignals, timeout_s: float) -> None:
-        self.cache, self.engine, self.signals = cache, engine, signals
+                 signals: LayerSignals, timeout_s: float, owns_engine: bool = True) -> None:
+        self.cache, self.engine, self.signals, self.owns_engine = cache, engine, signals, owns_engine
         self.copier = GroupCopier(engine, layout, gpu_kv, cache.host.blocks, timeout_s)
         self._offloads: dict[int, Transfer] = {}
 
@@ -59,7 +71,7 @@ class InProcessTier(KVTier):
         try:
             copies.run()
         except BaseException:
-            onboarding.finish()
+            onboarding.finish(wait=True)
             raise
         return onboarding
 
@@ -107,7 +119,8 @@ class InProcessTier(KVTier):
         for transfer in self._offloads.values():
             settle(transfer)
         self.reap()
-        self.engine.close()
+        if self.owns_engine:
+            self.engine.close()
         self.signals.close()
         if self.cache.ssd is not None:
             self.cache.ssd.close()

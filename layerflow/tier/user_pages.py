@@ -100,6 +100,16 @@ class UserPages:
     def pin_count(self, user: User) -> int:
         return self._pins.get(user, 0)
 
+    def rename(self, user: User, new: User) -> None:
+        """Hand `user`'s indices to `new` (a user not in the pool), keeping their order; `user` must not be pinned."""
+        pages = self._owned_by(user)
+        if user in self._pins:
+            raise ValueError(f"user {user!r} is pinned {self._pins[user]} time(s): cannot rename it")
+        if new in self._owned:
+            raise ValueError(f"user {new!r} already holds {self.unit}s in this pool")
+        del self._owned[user]
+        self._owned[new] = pages
+
     def free(self, user: User) -> None:
         """Release all of a user's indices. A pinned user cannot be freed: its batch or transfer is in flight."""
         pages = self._owned_by(user)

@@ -73,7 +73,7 @@ def onboard(tier, gpu, loads: list[tuple[int, int, list[int]]]) -> None:
         for layer in range(LAYOUT.num_layers):
             onboarding.handle.wait_layer(layer, 10)
     finally:
-        onboarding.finish()
+        onboarding.finish(wait=True)
 
 
 def failure_of(tier, gpu, loads) -> BaseException:

@@ -32,7 +32,7 @@ typedef struct {
     int32_t status;            /* written last, with release ordering */
     int32_t pad;
     int64_t released_ns;       /* CLOCK_MONOTONIC at release (same clock as time.monotonic_ns) */
-    volatile int32_t *poison;  /* optional: nonzero means the transfer failed */
+    volatile int32_t *poison;  /* optional: nonzero means the transfer failed; a timeout sets it */
 } layerflow_wait_slot;
 
 static int64_t now_ns(void)
@@ -91,6 +91,10 @@ void layerflow_eventfd_wait(void *arg)
         }
         if (ready == 0) {
             if (poll_ms == 0) {
+                /* Poison the counter: the later layers of this onboarding then end at once instead of each
+                 * waiting its own timeout (a hung producer costs one timeout per batch, not one per layer). */
+                if (slot->poison != NULL)
+                    __atomic_store_n(slot->poison, 1, __ATOMIC_RELEASE);
                 finish(slot, LAYERFLOW_WAIT_TIMEOUT);
                 return;
             }
