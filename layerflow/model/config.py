@@ -71,7 +71,7 @@ class HSTUConfig:
 
 
 PRESETS: dict[str, HSTUConfig] = {
-    # The benchmark model of design.md: 8 layers, 4 heads x 256, embedding 1024, bf16.
+    # The benchmark model of docs/design.md: 8 layers, 4 heads x 256, embedding 1024, bf16.
     "hstu-bench": HSTUConfig(),
     # A model small enough for the CPU path and CI.
     "tiny": HSTUConfig(num_layers=2, num_heads=2, dqk=32, dv=32, embedding_dim=64, max_seq_len=2048,

@@ -3,7 +3,7 @@
 It has the producer half of `SignalHandle` (`num_layers`, `complete_layer`, `fail`) and writes
 the client's eventfds. CPU copies (stream None) write at once; CUDA copies are turned into
 writes by a notifier thread that synchronizes a per-layer event (never a CUDA host function,
-see design.md). The server answers DONE only after `flush()`, so no write of this request can
+see docs/design.md). The server answers DONE only after `flush()`, so no write of this request can
 land after the client reuses the counter. Poison is the client's job: the server reports a
 failure as an ERROR message and the client poisons its own status word and wakes its waiters
 (which also covers a server that died and can write nothing).

@@ -1,9 +1,5 @@
 """Split a transfer's (gpu page, host block) pairs into runs contiguous on both sides, once per transfer, and a
-batch of per-page copies into chunks that keep the copy engine fed.
-
-Each run becomes one strided 2D copy per layer, so the per-call work of the copy engines is a loop over runs, never
-over pages.
-"""
+batch of per-page copies into chunks that keep the copy engine fed (the copy engines never loop over pages)."""
 
 from __future__ import annotations
 
@@ -63,11 +59,10 @@ def ramp_bounds(n: int, first: int = 8) -> list[int]:
     """Chunk bounds 0, first, 3 first, 7 first, ..., n: chunk sizes doubling from `first`, the last chunk taking
     whatever is left (up to three times the chunk before it) so no short call trails at the end.
 
-    The driver queues a batch only when the call returns, after 7-8 us + 0.4-0.6 us per entry on the H200, while each
-    128 KiB entry copies in ~2.4 us and each call costs the copy engine a few microseconds more: the first layer in
-    one call left the copy engine idle for the whole call. Doubling chunks start the copy after a short call, and every
-    later chunk is queued before the ones ahead of it have finished copying. From 8 entries (3 calls for 64 pages)
-    the first layer ended 2-8 us sooner than from 4 or 2 (H200, alternated in one run, 30 transfers each).
+    Why: the driver queues a batch only when its call returns, and the call's time grows with its entries, so the
+    first layer in one call would leave the copy engine idle for the whole call. A short first chunk starts the copy
+    early, and every later chunk is queued before the ones ahead of it finish copying (docs/performance.md,
+    Transfers, has the figures).
     """
     bounds, size = [0], first
     while bounds[-1] < n:

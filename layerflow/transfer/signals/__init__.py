@@ -4,7 +4,7 @@
 |---|---|---|---|---|
 | eventfd | CPU copy thread, or a notifier thread after the layer's CUDA event | poll the fd | - | native host node reads `handle.eventfd(l)` |
 | event | cudaEventRecord on the copy stream | cudaEventQuery | cudaStreamWaitEvent | external event wait node |
-| waitvalue | cuStreamWriteValue32 (epoch) on the copy stream | poll the pinned word | cuStreamWaitValue32 GEQ | wait kernel, target set by `prepare_replay` |
+| waitvalue | a stream write (epoch) on the ring's posting stream, after an event on the copy stream | poll the pinned word | cuStreamWaitValue32 GEQ | wait kernel, target set by `prepare_replay` |
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Posting: the CPU copy thread writes the eventfd right after the layer's copy; with CUDA copies a NOTIFIER THREAD
 synchronizes the layer's CUDA event and then writes it. Never a CUDA host function: CUDA runs host functions on one
 callback thread, so a host node blocked reading an eventfd whose write is queued behind it as another host function
-deadlocks (design.md).
+deadlocks (docs/design.md).
 
 Readers: the runtime's native host node (captured in the CUDA graph) reads `handle.eventfd(layer)` (a blocking read
 consuming the count) and checks the counter's int32 status word at `handle.status_address`. Python's `wait_layer`

@@ -1,7 +1,7 @@
 """One thread turning completed CUDA events into callbacks, in submission order.
 
 This is how eventfd signals follow copies on CUDA streams without a CUDA host function: a host function that writes
-an eventfd a host node of the compute graph is blocked on can deadlock the callback thread (design.md). The ring of
+an eventfd a host node of the compute graph is blocked on can deadlock the callback thread (docs/design.md). The ring of
 eventfds (`eventfd.EventfdSignals`) and the transfer server's client signals both post through it.
 """
 

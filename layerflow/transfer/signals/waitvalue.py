@@ -1,10 +1,10 @@
 """`waitvalue` signals: 32-bit words written after a layer's copies, waited with GEQ.
 
 The words are written on a stream of the ring's own that waits for an event recorded after the layer's copies, not on
-the copy stream: a stream write between two copies costs the copy engine about 3 us (H200), an event nothing
-measurable. The posting stream takes the writes in the order they were issued, like the copy stream.
+the copy stream: a stream write between two copies costs the copy engine time, an event does not (docs/performance.md).
+The posting stream takes the writes in the order they were issued, like the copy stream.
 
-Words never go back to 0 (a reset-to-zero protocol races across back-to-back replays, design.md): each acquisition of
+Words never go back to 0 (a reset-to-zero protocol races across back-to-back replays, docs/design.md): each acquisition of
 a counter takes that counter's next epoch, the posting stream writes it into the (counter, layer) word, and waiters
 wait for `word - epoch >= 0` as int32 (the cyclic GEQ cuStreamWaitValue32 implements, so wrap-around is harmless).
 The counter words live in pinned host memory (device-visible via UVA) so host waiters poll them directly.
@@ -50,7 +50,8 @@ def _reached(value: int, epoch: int) -> bool:
 
 
 def _write_op(address: int) -> driver.CUstreamBatchMemOpParams:
-    """A 32-bit stream write to `address`, built once at set-up (building costs 2-4 us); the value is set per use."""
+    """A 32-bit stream write to `address`, built once at set-up (building one costs microseconds of Python); the
+    value is set per use."""
     op = driver.CUstreamBatchMemOpParams()
     op.writeValue.operation = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
     op.writeValue.address = address
