@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,8 @@ from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
 from layerflow.runtime.request import Request
 from layerflow.runtime.tiers import build_kv, check_config, in_process_tier, uses_server
-from layerflow.runtime.waits import NoWait, make_layer_wait
+from layerflow.runtime.failover import ServerFailover
+from layerflow.runtime.waits import LayerWait, NoWait, make_layer_wait
 from layerflow.tier.base import NotResident
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.copy_engine import CopyEngine
@@ -54,15 +55,24 @@ def _lost_users(error: BaseException | None) -> set:
     return set()
 
 
-RECONNECT_BACKOFF_S = (1.0, 30.0)   # first and longest wait between attempts to reach a transfer server again
+@dataclass
+class Flight:
+    """A batch launched on the device: its plan, the bucket buffers it runs in and the wait bound to it."""
+
+    plan: BatchPlan
+    bufs: BatchBuffers
+    wait: LayerWait
 
 
 class Engine:
     """Scores batches of returning-user requests; usable as a library and from the CLI.
 
-    Safe to call from several threads: batches run one at a time (a lock), in the order they take it.
-    `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies); the engine
-    closes it at `close()`.
+    `score` runs one batch start to end. A scheduler that overlaps batches uses the three steps it is made of:
+    `prepare` (place the KV, start the onboarding: allowed while another batch is in flight, so the next batch's KV
+    moves while this one computes), `launch` (one batch on the device at a time) and `collect` (its scores). Every step
+    holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
+    their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
+    the engine closes it at `close()`.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
@@ -79,9 +89,10 @@ class Engine:
         self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
         self._copy_engine = copy_engine
         gpu, below = build_kv(self.config, self.layout, self.device, copy_engine)
-        self._remote = below if uses_server(self.config) else None   # kept to reconnect after a fallback
-        self._reconnect_at, self._backoff = 0.0, RECONNECT_BACKOFF_S[0]
-        self._lock = threading.Lock()
+        self._failover = ServerFailover(below, lambda: in_process_tier(self.config, self.layout, gpu, copy_engine)) \
+            if uses_server(self.config) else None
+        self._cond = threading.Condition(threading.RLock())
+        self._flight: Flight | None = None
         self._closed = False
         self.layerwise = self.config.enable_layerwise
         if not self.layerwise:
@@ -101,45 +112,24 @@ class Engine:
         """The signal ring of the tier below (the transfer client's when a server does the copies)."""
         return self.kv.below.signals
 
-    def _ensure_tier(self) -> None:
-        """A transfer server that is gone and does not come back at once is replaced by an in-process tier; from then
-        on the engine tries to reach it again with growing pauses and switches back when it answers (both logged).
-        Users still on the GPU stay hits across a switch; the others' next visit recomputes them."""
-        if self._remote is None:
-            return
-        if self.kv.below is self._remote:
-            if not self._remote.alive():
-                log.warning("the transfer server is gone; serving from an in-process host tier (the KV it held is "
-                            "lost) and trying to reach it again")
-                self.kv.replace_below(in_process_tier(self.config, self.layout, self.kv.gpu, self._copy_engine))
-                self._backoff = RECONNECT_BACKOFF_S[0]
-                self._reconnect_at = time.monotonic() + self._backoff
-            return
-        if time.monotonic() < self._reconnect_at:
-            return
-        if not self._remote.alive():
-            self._backoff = min(2 * self._backoff, RECONNECT_BACKOFF_S[1])
-            self._reconnect_at = time.monotonic() + self._backoff
-            return
-        log.warning("the transfer server is back; its host tier serves again (the in-process one is dropped)")
-        fallback = self.kv.below
-        self.kv.replace_below(self._remote)
-        fallback.close()
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
 
     # ---- public API ---------------------------------------------------------------------------
 
     def warmup(self) -> None:
         """Capture every bucket's graphs (with and without wait nodes) so no request pays a capture."""
-        if self._closed:
-            raise RuntimeError("the engine is closed")
-        if self.graphs is None:
-            return
-        for bucket in self.buckets:
-            bufs = self._bufs(bucket)
-            for wait in (self.no_wait, self.layer_wait):
-                if not self.graphs.captured(bufs, wait):
-                    self.graphs.capture(bufs, wait)
-        torch.cuda.synchronize(self.device)
+        with self._cond:
+            self._check_open()
+            if self.graphs is None:
+                return
+            for bucket in self.buckets:
+                bufs = self._bufs(bucket)
+                for wait in (self.no_wait, self.layer_wait):
+                    if not self.graphs.captured(bufs, wait):
+                        self.graphs.capture(bufs, wait)
+            torch.cuda.synchronize(self.device)
 
     def score(self, requests: list[Request]) -> list[torch.Tensor]:
         """Candidate scores per request (fp32, on the host, in the order of each request's candidates).
@@ -149,9 +139,8 @@ class Engine:
         turns out to be gone below the GPU (a damaged SSD copy, a server that lost it) is recomputed from its stored
         history within the same call, with a warning.
         """
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
+        with self._cond:
+            self._check_open()
             if not requests:
                 return []
             try:
@@ -166,27 +155,67 @@ class Engine:
                 return self._score(requests)
 
     def _score(self, requests: list[Request]) -> list[torch.Tensor]:
-        self._ensure_tier()
-        plan = self.kv.prepare(requests)
-        try:
-            scores = self._run(plan)
-        except BaseException:
+        return self.collect(self.launch(self.prepare(requests)))
+
+    def prepare(self, requests: list[Request]) -> BatchPlan:
+        """Place the batch's KV on the GPU and start its onboarding (ValueError for a bad request, PoolExhausted for a
+        batch the GPU cannot hold now; nothing changes then). Its users must not be in a batch in flight."""
+        with self._cond:
+            self._check_open()
+            if self._flight is None and self._failover is not None:
+                self._failover.check(self.kv)
+            if self._flight is not None:
+                busy = {r.user_id for r in self._flight.plan.requests} & {r.user_id for r in requests}
+                if busy:
+                    raise ValueError(f"users {sorted(busy)} are in the batch in flight; prepare them after it")
+            return self.kv.prepare(requests)
+
+    def launch(self, plan: BatchPlan) -> Flight:
+        """Run a prepared batch on the device (waiting for the batch in flight to be collected first)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._flight is None)
+            try:
+                self._check_open()
+                flight = self._launch(plan)
+            except BaseException:
+                self.kv.abort(plan)
+                raise
+            self._flight = flight
+            return flight
+
+    def collect(self, flight: Flight) -> list[torch.Tensor]:
+        """The launched batch's scores per request; a failed batch raises (its KV state is rolled back)."""
+        with self._cond:
+            if self._flight is not flight:
+                raise ValueError("collect: this batch is not the one in flight")
+            try:
+                scores = flight.bufs.fetch_scores()
+                flight.wait.check()
+            except BaseException:
+                self.kv.abort(flight.plan)
+                raise
+            finally:
+                self._flight = None
+                self._cond.notify_all()
+            self.kv.commit(flight.plan)
+            offsets = flight.plan.batch.candidate_offsets.tolist()
+            return [scores[offsets[b]:offsets[b + 1]] for b in range(len(flight.plan.requests))]
+
+    def cancel(self, plan: BatchPlan) -> None:
+        """Give back a prepared batch that will not be launched (e.g. its deadline passed): pins and pages go back."""
+        with self._cond:
             self.kv.abort(plan)
-            raise
-        self.kv.commit(plan)
-        offsets = plan.batch.candidate_offsets.tolist()
-        return [scores[offsets[b]:offsets[b + 1]] for b in range(len(requests))]
 
     def close(self) -> None:
         """Finish pending offloads and release streams, threads, eventfds, files and a spawned server (once)."""
-        with self._lock:
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
             self.kv.wait_offloads()
             self.kv.below.close()
-            if self._remote is not None and self._remote is not self.kv.below:
-                self._remote.close()
+            if self._failover is not None:
+                self._failover.close(self.kv)
             if self._copy_engine is not None:
                 self._copy_engine.close()
 
@@ -211,7 +240,7 @@ class Engine:
             return min(fitting, key=lambda b: (b.max_tokens, b.max_batch))
         return Bucket(_next_power_of_2(batch_size, 1), _next_power_of_2(num_tokens, 64))
 
-    def _run(self, plan: BatchPlan) -> torch.Tensor:
+    def _launch(self, plan: BatchPlan) -> Flight:
         batch = plan.batch
         bufs = self._bufs(self._bucket(batch.batch_size, sum(batch.query_lens)))
         bufs.fill(batch, plan.page_rows)
@@ -227,6 +256,4 @@ class Engine:
         else:
             self.pipeline.forward(bufs, wait)
         self.kv.offload_early(plan)
-        scores = bufs.fetch_scores()
-        wait.check()
-        return scores
+        return Flight(plan, bufs, wait)
