@@ -28,8 +28,10 @@ from tqdm import tqdm
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS, HSTUConfig
 from layerflow.bench.eager import EagerBlock
-from layerflow.bench.probes import (BenchCopyEngine, Clock, Timeline, TimelineMarks, TransferTimer,
-                                           TransferTiming, device_tools, layer_compute_ms)
+from layerflow.bench.copy_timing import Marks, TimedCudaCopyEngine
+from layerflow.bench.probes import (Clock, Timeline, TimelineMarks, TransferTimer, TransferTiming, device_tools,
+                                    layer_compute_ms)
+from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.stats import Bound, Summary
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
@@ -37,6 +39,9 @@ from layerflow.runtime.kv_manager import KVManager, Tier
 from layerflow.runtime.request import Request
 from layerflow.config import SignalMode, Config, load_config
 from layerflow.tier.layout import KVLayout
+from layerflow.transfer.copy_engine import CopyEngine
+from layerflow.transfer.cuda_copy import CudaCopyEngine
+from layerflow.transfer.thread_copy import ThreadCopyEngine
 
 FRESH_USERS = 1 << 40  # ids of the no_cache scenario's one-visit users, far from the workload's
 
@@ -333,9 +338,9 @@ class CpuHitLayerwise(CpuHit):
         the same bytes."""
         if ctx.settings.timeline:
             probes.timelines.append(self.marks.read(ctx.copy.transfers[-1]))
-        jobs = list(ctx.copy.onboardings)
+        onboardings = list(ctx.copy.onboardings)
         ctx.engine.kv.wait_offloads()
-        timing = ctx.timer.onboarding(jobs)
+        timing = ctx.timer.onboarding(onboardings)
         probes.transfers.append(timing)
         probes.bulk_ms.append(ctx.timer.bulk_ms(timing.nbytes))
 
@@ -488,13 +493,13 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
             workload.drop(engine)
 
 
-def _copy_engine(device: torch.device, timeline: bool):
+def _copy_engine(device: torch.device, timeline: bool) -> CopyEngine:
     """Timelines read each onboarding's per-layer timing events."""
-    if device.type == "cuda":
-        from layerflow.transfer.cuda_copy import CudaCopyEngine, Timing
-        return CudaCopyEngine(device=device.index or 0, timing=Timing.LAYERS if timeline else Timing.OFF)
-    from layerflow.transfer.thread_copy import ThreadCopyEngine
-    return ThreadCopyEngine()
+    if device.type != "cuda":
+        return ThreadCopyEngine()
+    if timeline:
+        return TimedCudaCopyEngine(Marks.LAYERS, device=device.index or 0)
+    return CudaCopyEngine(device=device.index or 0)
 
 
 # ---- command line -----------------------------------------------------------------------------------
