@@ -1,9 +1,8 @@
-"""What the benchmark measures beside the requests, built from the engine's public pieces only.
+"""What the inference benchmark measures beside the timed requests, built from the engine's public pieces only.
 
-- `Clock` stamps time on the device the engine runs on: CUDA events on the GPU, perf_counter on the CPU path.
-- `LayerClock` is a layer wait that waits for nothing and stamps each layer's start: the per-layer compute times.
-- `TimelineMarks` reads where a layerwise request's time went against its onboarding's per-layer timing events.
-- `TransferTimer` onboards a request's recorded onboardings again alone (per-layer times) and times a bulk memcpy of
+- `layer_compute_ms`: the per-layer compute of a GPU-hit batch (`LayerClock` stamps each layer's wait point).
+- `TimelineMarks`: where a layerwise request's time went, read against its onboarding's per-layer timing events.
+- `TransferTimer`: the recorded onboardings of a request issued again, alone (per-layer times), and a bulk memcpy of
   the same bytes.
 """
 
@@ -16,80 +15,17 @@ from typing import Callable, TypeVar
 
 import torch
 
-from layerflow.runtime.buffers import BatchBuffers, Bucket
-from layerflow.runtime.engine import Engine
-from layerflow.runtime.waits import LayerWait
-from layerflow.runtime.request import Request
+from layerflow.bench.clocks import Clock
 from layerflow.bench.copy_timing import Marks, StampedThreadCopyEngine, TimedCudaCopyEngine, TimedTransfer
 from layerflow.bench.recording import Onboarding
 from layerflow.bench.stats import layer_times
+from layerflow.runtime.buffers import BatchBuffers, Bucket
+from layerflow.runtime.engine import Engine
+from layerflow.runtime.request import Request
+from layerflow.runtime.waits import LayerWait
 from layerflow.transfer import cuda_api
 
 T = TypeVar("T")
-HOLD_CYCLES = 50_000_000  # ~25 ms of GPU sleep: long enough to queue a whole eager block behind it
-
-
-class Clock(ABC):
-    """Time stamps in the order work reaches the device; `ms(a, b)` once `sync()` returned."""
-
-    @abstractmethod
-    def stamp(self) -> object: ...
-
-    @abstractmethod
-    def ms(self, start: object, end: object) -> float: ...
-
-    @abstractmethod
-    def sync(self) -> None: ...
-
-    def hold(self) -> None:
-        """Keep the device busy for a while so the host queues what follows before the device reaches it."""
-
-    def time(self, fn: Callable[[], T]) -> tuple[float, float | None, T]:
-        """(wall ms, device ms or None, result) of `fn()`; the device figure spans the stream around the call."""
-        start = self.stamp()
-        t0 = time.perf_counter()
-        result = fn()
-        wall = (time.perf_counter() - t0) * 1e3
-        end = self.stamp()
-        self.sync()
-        return wall, self.device_ms(start, end), result
-
-    def device_ms(self, start: object, end: object) -> float | None:
-        return None
-
-
-class HostClock(Clock):
-    """The CPU path: eager and synchronous, so the host's clock is the device's."""
-
-    def stamp(self) -> float:
-        return time.perf_counter()
-
-    def ms(self, start: float, end: float) -> float:
-        return (end - start) * 1e3
-
-    def sync(self) -> None:
-        pass
-
-
-class CudaClock(Clock):
-    """CUDA timing events on the current stream."""
-
-    def stamp(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end)
-
-    def sync(self) -> None:
-        torch.cuda.current_stream().synchronize()
-
-    def hold(self) -> None:
-        torch.cuda._sleep(HOLD_CYCLES)
-
-    def device_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return self.ms(start, end)
 
 
 class LayerClock(LayerWait):
@@ -239,10 +175,3 @@ class HostTransferTimer(TransferTimer):
 
     def close(self) -> None:
         self.engine.close()
-
-
-def device_tools(device: torch.device) -> tuple[Clock, TransferTimer]:
-    """The clock and transfer timer of the engine's device."""
-    if device.type == "cuda":
-        return CudaClock(), CudaTransferTimer(device)
-    return HostClock(), HostTransferTimer()

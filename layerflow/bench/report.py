@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from layerflow.bench.inference import SCENARIOS, Results
+from layerflow.bench.measure import Results
+from layerflow.bench.scenarios import SCENARIOS
 
 SEED_GPU = "RTX Pro 6000 Blackwell"
 # The seed's published medians (ms) on its GPU: BS=1, 64 appended, 256 candidates, the seed model.
