@@ -25,17 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-import cuda.bindings
 import numpy as np
 import torch
 from cuda.bindings import driver
 
 from layerflow.bench.copy_timing import Marks, TimedCudaCopyEngine, TimedTransfer
+from layerflow.bench.environment import results_header
 from layerflow.transfer import cuda_api, cudart
 from layerflow.config import SignalMode, Config
 from layerflow.transfer.copy_engine import Transfer
@@ -323,7 +322,7 @@ def signal_latency(args, gpu, host) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"GPU: {results['gpu']}", "",
+    lines = [f"GPU: {results['environment']['device']}", "",
              "| tokens | placement | runs | path | onboard GB/s | bulk H2D GB/s | onboard eff. (wall / GPU) "
              "| offload GB/s | bulk D2H GB/s | offload eff. (wall / GPU) | issue ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -369,10 +368,7 @@ def main() -> None:
 
     engine, timed = CudaCopyEngine(), TimedCudaCopyEngine(Marks.TOTAL)
     results = {
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_bindings": cuda.bindings.__version__,
-                     "driver": driver.cuDriverGetVersion()[1], "python": sys.version.split()[0]},
-        "command": " ".join(["python3", *sys.argv]),
+        **results_header(torch.device("cuda")),
         "model": {"layers": args.layers, "heads": args.heads, "head_dim": args.dim, "dtype": "bf16", "page": args.page},
         "bandwidth": bandwidth(args, engine, timed, gpu, host, bulk),
         "signal_cost": signal_cost(args, timed, gpu, host, bulk),

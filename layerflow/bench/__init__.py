@@ -2,6 +2,7 @@
 
 Modules, each importing only those above it:
 - `stats`: percentiles, the median/p90 summary, the layerwise pipeline's lower bound.
+- `environment`: the command line and environment every results JSON starts with.
 - `copy_timing`: copy engines that time their own transfers (CUDA timing events; host stamps on the CPU path).
 - `recording`: `BenchCopyEngine`, which records the engine's onboardings and can skip its offloads.
 - `clocks`: time stamps on the engine's device.

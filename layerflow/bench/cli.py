@@ -8,16 +8,14 @@ defaults: the seed benchmark on a GPU, a small run that ends in seconds on the C
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from layerflow.bench import report, throughput
+from layerflow.bench.environment import device_name
 from layerflow.bench.measure import run
-from layerflow.bench.report import device_name
 from layerflow.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS
 from layerflow.bench.settings import CPU_DEFAULTS, GPU_DEFAULTS, Settings, parse_length, parse_lengths
 from layerflow.bench.throughput import ThroughputSettings
@@ -97,7 +95,6 @@ def throughput_settings_from_args(args: argparse.Namespace, device: torch.device
 def main(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu_path = device.type != "cuda"
-    command = " ".join(shlex.quote(a) for a in sys.argv)
     if args.throughput:
         settings = throughput_settings_from_args(args, device)
         if cpu_path:
@@ -105,7 +102,7 @@ def main(args: argparse.Namespace) -> None:
         runs = throughput.run_throughput(settings, device)
         print(throughput.markdown(settings, runs, device_name(device)))
         if args.out:
-            throughput.write_json(settings, runs, device, Path(args.out), command)
+            throughput.write_json(settings, runs, device, Path(args.out))
         return
     settings = settings_from_args(args, device)
     if settings.timeline and cpu_path:
@@ -117,6 +114,6 @@ def main(args: argparse.Namespace) -> None:
     if cpu_path:
         print(CPU_NOTE)
     if args.out:
-        report.write_json(results, Path(args.out), command)
+        report.write_json(results, Path(args.out))
     if args.plot:
         report.plot(results, Path(args.plot))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from layerflow.bench.report import device_name, environment_of
+from layerflow.bench.environment import device_name, results_header
 from layerflow.bench.settings import check_settings
 from layerflow.bench.stats import percentile
 from layerflow.model import HSTUWeights
@@ -176,14 +176,13 @@ def run_throughput(settings: ThroughputSettings, device: torch.device) -> list[d
     return [serve(settings, weights, layerwise, device) for layerwise in (False, True)]
 
 
-def to_dict(settings: ThroughputSettings, runs: list[dict], device: torch.device, command: str) -> dict:
+def to_dict(settings: ThroughputSettings, runs: list[dict], device: torch.device) -> dict:
     """The results JSON of one throughput run: command line, environment, settings, both runs and the table."""
-    return {"command": command, "environment": environment_of(device),
+    return {**results_header(device),
             "settings": asdict(settings) | {"signal": None if settings.signal is None else settings.signal.value},
             "runs": runs, "table": markdown(settings, runs, device_name(device))}
 
 
-def write_json(settings: ThroughputSettings, runs: list[dict], device: torch.device, path: Path,
-               command: str) -> None:
+def write_json(settings: ThroughputSettings, runs: list[dict], device: torch.device, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_dict(settings, runs, device, command), indent=1) + "\n")
+    path.write_text(json.dumps(to_dict(settings, runs, device), indent=1) + "\n")

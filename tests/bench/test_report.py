@@ -1,6 +1,8 @@
 """The inference benchmark's outputs of a CPU run: the markdown tables, the JSON and the PNG plot."""
 
 import json
+import shlex
+import sys
 
 import torch
 
@@ -17,9 +19,9 @@ def test_report_table_json_and_plot(results, tmp_path):
     assert "| seq_len | GPU hit ms | CPU hit ms | CPU hit + layerwise ms | LB ms | pipeline eff | transfer eff |" \
         in table
     path = tmp_path / "out" / "r.json"
-    report.write_json(results, path, "layerflow bench")
+    report.write_json(results, path)
     data = json.loads(path.read_text())
-    assert data["command"] == "layerflow bench"
+    assert data["command"] == shlex.join(sys.orig_argv)
     assert data["environment"]["cpu_path"] is True and data["environment"]["torch"] == torch.__version__
     assert data["model"]["num_layers"] == 2 and data["transfer_config"]["page_size"] == 32
     assert {(r["scenario"], r["seq_len"]) for r in data["results"]} == \
