@@ -189,7 +189,8 @@ def main() -> None:
     started = time.perf_counter()
     copy_bw = copy_bandwidth(1 << 30, args.iters)
     result["copy_tb_s"] = copy_bw / 1e12
-    print(f"# {result['environment']['device']}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    gpu = result["environment"]["device"]
+    print(f"# {gpu}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     chosen: dict[tuple[int, int], AttentionTiling | None] = {}
     if not args.no_sweep:
         for (d, cand), tilings in SWEEP.items():
