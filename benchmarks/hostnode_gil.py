@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import select
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from layerflow.bench.environment import results_header
 from layerflow.runtime import hostfn
 from layerflow.transfer import cudart
 from layerflow.runtime.hostfn import WaitSlots, WaitStatus, post_eventfds_at
@@ -234,24 +234,19 @@ def node_cost(nodes: int, replays: int) -> dict:
     }
 
 
-def environment() -> dict:
-    runtime, driver = ctypes.c_int(), ctypes.c_int()
+def toolchain() -> dict:
+    """What this test depends on beyond the common environment: the CUDA runtime the native node is built against,
+    the compiler that built it, the CPUs and the interpreter's thread switch interval."""
+    runtime = ctypes.c_int()
     lib = cudart.lib()
     lib.cudaRuntimeGetVersion(ctypes.byref(runtime))
-    lib.cudaDriverGetVersion(ctypes.byref(driver))
     compiler = subprocess.run([hostfn.find_compiler(), "--version"], capture_output=True, text=True)
     return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
         "cudart_version": runtime.value,
-        "driver_version": driver.value,
         "libcudart": lib._name,
-        "python": platform.python_version(),
         "compiler": compiler.stdout.splitlines()[0] if compiler.stdout else "",
         "cpu_count": os.cpu_count(),
         "switch_interval_s": sys.getswitchinterval(),
-        "command": " ".join(["python3", *sys.argv]),
     }
 
 
@@ -270,8 +265,9 @@ def main() -> None:
     common = (args.layers, args.replays, lead, spacing)
     native = idle_vs_spin(NativeWaits, native_notifier, *common, key="release_latency")
     results = {
+        **results_header(torch.device("cuda")),
         "benchmark": "hostnode_gil",
-        **environment(),
+        **toolchain(),
         "layers": args.layers,
         "replays": args.replays,
         "lead_us": args.lead_us,

@@ -5,7 +5,7 @@
 
 import argparse
 
-from layerflow.bench.inference import add_arguments, main
+from layerflow.bench.cli import add_arguments, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

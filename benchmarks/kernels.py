@@ -13,14 +13,13 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import triton
 
+from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 
@@ -179,9 +178,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
 
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  command=" ".join([sys.executable.rsplit("/", 1)[-1]] + sys.argv), dtype=str(DTYPE),
-                  page_size=args.page_size, rows=[], sweep=[], gate=[])
+    result = dict(**results_header(torch.device(DEVICE)), dtype=str(DTYPE), page_size=args.page_size, rows=[],
+                  sweep=[], gate=[])
 
     def save() -> None:
         if args.out:
@@ -191,7 +189,8 @@ def main() -> None:
     started = time.perf_counter()
     copy_bw = copy_bandwidth(1 << 30, args.iters)
     result["copy_tb_s"] = copy_bw / 1e12
-    print(f"# {result['gpu']}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    gpu = result["environment"]["device"]
+    print(f"# {gpu}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     chosen: dict[tuple[int, int], AttentionTiling | None] = {}
     if not args.no_sweep:
         for (d, cand), tilings in SWEEP.items():

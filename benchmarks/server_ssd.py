@@ -15,14 +15,13 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
+from layerflow.bench.environment import results_header
 from layerflow.config import SignalMode, Config
 from layerflow.tier.gpu_pool import GpuKVPool
 from layerflow.tier.host_pool import HostKVPool
@@ -175,11 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return nbytes / statistics.median(times) / 1e9
 
     result = {
+        **results_header(torch.device("cuda" if cuda else "cpu")),
         "benchmark": "server_ssd",
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "layout": {"layers": 8, "heads": 4, "head_dim": 256, "dtype": "bfloat16", "page_size": 32},
         "user_tokens": args.tokens,
         "user_bytes": nbytes,

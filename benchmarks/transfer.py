@@ -25,20 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-import cuda.bindings
 import numpy as np
 import torch
 from cuda.bindings import driver
 
+from layerflow.bench.copy_timing import Marks, TimedCudaCopyEngine, TimedTransfer
+from layerflow.bench.environment import results_header
 from layerflow.transfer import cuda_api, cudart
 from layerflow.config import SignalMode, Config
 from layerflow.transfer.copy_engine import Transfer
-from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing, resolved_path
+from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, resolved_path
 from layerflow.transfer.signals.base import LayerSignals
 from layerflow.transfer.signals import make_signals
 
@@ -134,12 +134,10 @@ def alternate(engine_fn: Callable[[], float], bulk_fn: Callable[[], float], iter
 PATH_NAMES = {CopyPath.RUNS: "2d", CopyPath.PAGES: "batch"}
 
 
-def transfer_seconds(transfer: Transfer) -> float:
-    """GPU time from a timed transfer's start event to its end event."""
-    transfer.wait()
-    seconds = cuda_api.elapsed_ms(transfer.timing_events[0], transfer.timing_events[-1]) / 1e3
-    for event in transfer.timing_events:
-        cuda_api.destroy_event(event)
+def transfer_seconds(transfer: TimedTransfer) -> float:
+    """GPU time from a timed transfer's start event to its end event (`Marks.TOTAL`)."""
+    seconds = transfer.marks_ms()[-1] / 1e3
+    transfer.release()
     return seconds
 
 
@@ -260,7 +258,7 @@ class Gate:
 
 
 def signal_latency(args, gpu, host) -> list[dict]:
-    engine = CudaCopyEngine(timing=Timing.LAYERS)
+    engine = TimedCudaCopyEngine(Marks.LAYERS)
     pages = args.latency_tokens // args.page
     gate = Gate()
     rows = []
@@ -302,14 +300,14 @@ def signal_latency(args, gpu, host) -> list[dict]:
                 released.append(time.perf_counter())
             transfer.wait()
             compute.synchronize()
-            start, *layer_done = transfer.timing_events
-            for layer in range(args.layers):
-                gpu_done = cuda_api.elapsed_ms(start, layer_done[layer]) / 1e3
-                host_us.append((released[layer] - opened - gpu_done) * 1e6)
+            layer_done = transfer.events[1:]
+            for layer, gpu_done_ms in enumerate(transfer.marks_ms()):
+                host_us.append((released[layer] - opened - gpu_done_ms / 1e3) * 1e6)
                 if use_graph:
                     graph_us.append(cuda_api.elapsed_ms(layer_done[layer], graph_events[layer]) * 1e3)
                 elif graph is not None:
                     gpu_us.append(cuda_api.elapsed_ms(layer_done[layer], after[layer]) * 1e3)
+            transfer.release()
             handle.release()
         row = {"mode": mode.value}
         for name, values in (("host_wait_us", host_us), ("gpu_wait_us", gpu_us), ("graph_wait_us", graph_us)):
@@ -324,7 +322,7 @@ def signal_latency(args, gpu, host) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"GPU: {results['gpu']}", "",
+    lines = [f"GPU: {results['environment']['device']}", "",
              "| tokens | placement | runs | path | onboard GB/s | bulk H2D GB/s | onboard eff. (wall / GPU) "
              "| offload GB/s | bulk D2H GB/s | offload eff. (wall / GPU) | issue ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -368,12 +366,9 @@ def main() -> None:
     host = torch.randn((args.pool_pages, args.layers, *shape)).to(torch.bfloat16).pin_memory()
     bulk = BulkCopy(max(args.tokens) // args.page * args.layers * gpu[0][0].numel() * 2)
 
-    engine, timed = CudaCopyEngine(), CudaCopyEngine(timing=Timing.TOTAL)
+    engine, timed = CudaCopyEngine(), TimedCudaCopyEngine(Marks.TOTAL)
     results = {
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_bindings": cuda.bindings.__version__,
-                     "driver": driver.cuDriverGetVersion()[1], "python": sys.version.split()[0]},
-        "command": " ".join(["python3", *sys.argv]),
+        **results_header(torch.device("cuda")),
         "model": {"layers": args.layers, "heads": args.heads, "head_dim": args.dim, "dtype": "bf16", "page": args.page},
         "bandwidth": bandwidth(args, engine, timed, gpu, host, bulk),
         "signal_cost": signal_cost(args, timed, gpu, host, bulk),

@@ -7,8 +7,8 @@ import time
 
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
-from layerflow.bench.inference import add_arguments as add_bench_arguments
-from layerflow.bench.inference import main as bench_main
+from layerflow.bench.cli import add_arguments as add_bench_arguments
+from layerflow.bench.cli import main as bench_main
 from layerflow.runtime.engine import Engine
 from layerflow.bench.workload import returning_users
 from layerflow.config import load_config

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import platform
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from layerflow.bench.inference import SCENARIOS, Results
+from layerflow.bench.environment import device_name, results_header
+from layerflow.bench.measure import Results
+from layerflow.bench.scenarios import SCENARIOS
 
 SEED_GPU = "RTX Pro 6000 Blackwell"
 # The seed's published medians (ms) on its GPU: BS=1, 64 appended, 256 candidates, the seed model.
@@ -23,12 +21,6 @@ SEED_RESULTS: dict[int, dict[str, float]] = {
 SEED_SHAPE = dict(preset="hstu-bench", append_len=64, num_candidates=256, batch_size=1)
 
 Column = tuple[str, Callable[[int], str]]
-
-
-def device_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return f"CPU ({platform.processor() or platform.machine()}), CPU path"
-    return torch.cuda.get_device_name(device)
 
 
 def _seed_comparable(results: Results) -> bool:
@@ -122,36 +114,15 @@ def _seed(scenario: str) -> Callable[[int], str]:
     return cell
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def environment_of(device: torch.device) -> dict:
-    """The GPU (or the CPU path) and the versions the figures were measured with."""
-    return {
-        "device": device_name(device),
-        "cpu_path": device.type != "cuda",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _version("triton"),
-        "cuda_bindings": _version("cuda-bindings") or _version("cuda-python"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def to_dict(results: Results, command: str) -> dict:
+def to_dict(results: Results) -> dict:
+    """Every figure of the run, after the command line and the environment (`results_header`)."""
     s = results.settings
     settings = {k: getattr(s, k) for k in ("preset", "append_len", "num_candidates", "batch_size", "timed_iters",
                                            "warmup_iters", "use_cuda_graph", "only_onboard", "seed")}
     settings |= {"seq_lens": list(s.seq_lens), "scenarios": [sc.name for sc in s.scenario_list()],
                  "query_bucket_tokens": s.query_tokens}
     return {
-        "command": command,
-        "environment": environment_of(results.device),
+        **results_header(results.device),
         "settings": settings,
         "model": s.model.to_dict(),
         "transfer_config": results.transfer_config.to_dict(),
@@ -163,9 +134,9 @@ def to_dict(results: Results, command: str) -> dict:
     }
 
 
-def write_json(results: Results, path: Path, command: str) -> None:
+def write_json(results: Results, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_dict(results, command), indent=1) + "\n")
+    path.write_text(json.dumps(to_dict(results), indent=1) + "\n")
 
 
 def plot(results: Results, path: Path) -> None:

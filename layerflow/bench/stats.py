@@ -7,21 +7,19 @@ itself, which starts only once the first layer's KV landed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 def percentile(samples: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between the closest ranks (numpy's default), of a non-empty sample."""
-    if not samples:
+    """The q-th percentile (0..100) of a non-empty sample, linear between the closest ranks (numpy's default)."""
+    if len(samples) == 0:
         raise ValueError("samples=[]: a percentile needs at least one sample")
     if not 0 <= q <= 100:
         raise ValueError(f"q={q!r}: must be within [0, 100]")
-    ordered = sorted(samples)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return float(np.percentile(samples, q))
 
 
 @dataclass(frozen=True)

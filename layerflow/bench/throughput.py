@@ -9,7 +9,6 @@ The same stream is served with layerwise onboarding off and on.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -21,10 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from layerflow.bench.environment import device_name, results_header
+from layerflow.bench.settings import check_settings
+from layerflow.bench.stats import percentile
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
-from layerflow.bench.inference import CPU_NOTE, check_settings
-from layerflow.bench.stats import percentile
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
 from layerflow.config import SignalMode, Config, load_config
@@ -176,42 +176,13 @@ def run_throughput(settings: ThroughputSettings, device: torch.device) -> list[d
     return [serve(settings, weights, layerwise, device) for layerwise in (False, True)]
 
 
-def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rate", type=float, help="throughput mode: offered requests/s (GPU: 150)")
-    parser.add_argument("--num-requests", type=int, help="throughput mode: requests in the stream (GPU: 1000)")
-    parser.add_argument("--num-users", type=int, help="throughput mode: distinct returning users (GPU: 64)")
-    parser.add_argument("--gpu-users", type=int, help="throughput mode: users the GPU pool holds (GPU: 16)")
-    parser.add_argument("--zipf", type=float, default=1.0, help="throughput mode: Zipf exponent of popularity")
+def to_dict(settings: ThroughputSettings, runs: list[dict], device: torch.device) -> dict:
+    """The results JSON of one throughput run: command line, environment, settings, both runs and the table."""
+    return {**results_header(device),
+            "settings": asdict(settings) | {"signal": None if settings.signal is None else settings.signal.value},
+            "runs": runs, "table": markdown(settings, runs, device_name(device))}
 
 
-def settings_from_args(args: argparse.Namespace, device: torch.device) -> ThroughputSettings:
-    defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-
-    def pick(name: str, arg: str | None = None):
-        value = getattr(args, arg or name)
-        return defaults[name] if value is None else value
-
-    history = args.history_len or (args.seq_lens[0] if args.seq_lens else defaults["history_len"])
-    return ThroughputSettings(preset=pick("preset"), history_len=history, append_len=pick("append_len"),
-                              num_candidates=pick("num_candidates"), num_users=pick("num_users"),
-                              gpu_users=pick("gpu_users"), num_requests=pick("num_requests"), rate=pick("rate"),
-                              zipf=args.zipf, batch_size=args.batch_size, use_cuda_graph=not args.disable_cudagraph,
-                              signal=None if args.signal is None else SignalMode(args.signal),
-                              config_path=args.config, seed=args.seed)
-
-
-def run_throughput_from_args(args: argparse.Namespace, device: torch.device, command: str) -> None:
-    from layerflow.bench.report import environment_of
-
-    settings = settings_from_args(args, device)
-    if device.type != "cuda":
-        print(CPU_NOTE, flush=True)
-    runs = run_throughput(settings, device)
-    env = environment_of(device)
-    print(markdown(settings, runs, env["device"]))
-    if args.out:
-        out = {"command": command, "environment": env,
-               "settings": asdict(settings) | {"signal": None if settings.signal is None else settings.signal.value},
-               "runs": runs, "table": markdown(settings, runs, env["device"])}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+def write_json(settings: ThroughputSettings, runs: list[dict], device: torch.device, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_dict(settings, runs, device), indent=1) + "\n")

@@ -1,9 +1,16 @@
-"""Synthetic returning-user workloads: the requests that the CLI and the benchmarks send."""
+"""Synthetic returning-user workloads: the requests that the CLI and the benchmarks send.
+
+- `returning_users`: first visits that build each user's history, then rounds of return visits (`layerflow score`).
+- `Workload`: the inference benchmark's users of one history length and the one batch it replays every iteration.
+"""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
+from layerflow.runtime.engine import Engine
+from layerflow.runtime.kv_manager import KVManager
 from layerflow.runtime.request import Request
 
 
@@ -18,3 +25,40 @@ def returning_users(num_users: int, history_len: int, append_len: int, num_candi
     first = [Request(u, items(history_len), []) for u in range(num_users)]
     later = [[Request(u, items(append_len), items(num_candidates)) for u in range(num_users)] for _ in range(rounds)]
     return first, later
+
+
+@dataclass
+class Workload:
+    """`users` with `seq_len` cached tokens each, and the one batch (a request per user) replayed every iteration."""
+
+    seq_len: int
+    histories: dict[int, list[int]]
+    requests: list[Request]
+    fresh: list[int] = field(default_factory=list)  # no_cache users of the previous iteration
+
+    @classmethod
+    def build(cls, users: list[int], seq_len: int, append_len: int, num_candidates: int, vocab: int,
+              seed: int) -> "Workload":
+        """Random item ids, the same for the same seed and length."""
+        rng = random.Random(seed * 7919 + seq_len)
+        histories = {u: [rng.randrange(vocab) for _ in range(seq_len)] for u in users}
+        requests = [Request(u, [rng.randrange(vocab) for _ in range(append_len)],
+                            [rng.randrange(vocab) for _ in range(num_candidates)]) for u in users]
+        return cls(seq_len, histories, requests)
+
+    def load(self, engine: Engine) -> None:
+        """First visit: the histories are computed once and offloaded to host."""
+        engine.score([Request(u, h, []) for u, h in self.histories.items()])
+        engine.kv.wait_offloads()
+
+    def drop(self, engine: Engine) -> None:
+        """Free this length's users from GPU and host so the next length has the pools to itself."""
+        for u in list(self.histories) + self.fresh:
+            forget(engine.kv, u)
+        self.fresh = []
+
+
+def forget(kv: KVManager, user: int) -> None:
+    """Drop `user` from every tier once the offloads in flight have landed."""
+    kv.wait_offloads()
+    kv.drop(user)

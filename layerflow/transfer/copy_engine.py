@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from layerflow.transfer.copy_plan import CopyPlan, plan_runs
-from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import SignalHandle
 
 
@@ -104,14 +103,9 @@ def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:
 
 
 class CopyEngine(ABC):
-    """Moves KV pages between the GPU pool tensors and the host block tensor.
+    """Moves KV pages between the GPU pool tensors and the host block tensor."""
 
-    `fail_at_layer` injects a TransferError when the engine reaches that layer (tests and the runtime's
-    failure-path tests use it: the layers before it land and are signalled, the rest are poisoned).
-    """
-
-    def __init__(self, fail_at_layer: int | None = None) -> None:
-        self.fail_at_layer = fail_at_layer
+    def __init__(self) -> None:
         self._checked: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
 
     def _layout(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -144,10 +138,6 @@ class CopyEngine(ABC):
         """GPU -> host, all layers, asynchronously; the host blocks are valid once the Transfer is done."""
         job = make_job(self._layout(gpu_layers, host), host, gpu_pages, host_blocks, None, 0, unique_gpu=False)
         return self._offload(job)
-
-    def _check_injected(self, layer: int) -> None:
-        if self.fail_at_layer is not None and layer == self.fail_at_layer:
-            raise TransferError(f"injected failure at layer {layer}")
 
     @abstractmethod
     def _onboard(self, job: CopyJob) -> Transfer: ...

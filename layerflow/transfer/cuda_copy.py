@@ -43,7 +43,6 @@ class CudaTransfer(Transfer):
 
     def __init__(self, job: CopyJob, pool: cuda_api.EventPool) -> None:
         self.error: BaseException | None = None
-        self.timing_events: list[rt.cudaEvent_t] = []
         self._job: CopyJob | None = job
         self._pool = pool
         self._event: rt.cudaEvent_t | None = None
@@ -98,18 +97,6 @@ class _BatchedLayers:
             self._copier.copy(self._dst + row, self._src + row, self._size, self._pages, self._stream)
 
 
-class Timing(enum.Enum):
-    """Which timing events a benchmark's engine records in `Transfer.timing_events`.
-
-    TOTAL (start, end) costs the copy engine nothing measurable; LAYERS (start, then after each layer) costs it about
-    1-2 us per layer on the H200 (a timestamp between copies), so bandwidth is timed with TOTAL.
-    """
-
-    OFF = enum.auto()
-    TOTAL = enum.auto()
-    LAYERS = enum.auto()
-
-
 class CopyPath(enum.Enum):
     """How a transfer's copies are issued per layer: AUTO takes RUNS for a placement that is one run on both sides and
     PAGES otherwise (see the module docstring); the others force one path (tests, benchmarks)."""
@@ -127,16 +114,14 @@ def resolved_path(path: CopyPath, num_runs: int) -> CopyPath:
 
 
 class CudaCopyEngine(CopyEngine):
-    """`timing` other than OFF records CUDA timing events per transfer (see `Timing`): benchmarks."""
+    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device)."""
 
-    def __init__(self, fail_at_layer: int | None = None, path: CopyPath = CopyPath.AUTO,
-                 timing: Timing = Timing.OFF, device: int | None = None) -> None:
+    def __init__(self, path: CopyPath = CopyPath.AUTO, device: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
-        super().__init__(fail_at_layer)
+        super().__init__()
         self.device = torch.cuda.current_device() if device is None else device
         cuda_api.set_device(self.device)
         self.path = path
-        self.timing = timing
         self.h2d_stream = cuda_api.create_stream()
         self.d2h_stream = cuda_api.create_stream()
         self._pool = cuda_api.EventPool()
@@ -162,12 +147,8 @@ class CudaCopyEngine(CopyEngine):
         try:
             self._after_current_stream(stream)
             copy_layer = self._layer_copier(job, stream, to_gpu)
-            transfer.timing_events = [] if self.timing is Timing.OFF else [self._timing_event(stream)]
             for layer in range(job.num_layers):
-                self._check_injected(layer)
                 copy_layer(layer)
-                if self.timing is Timing.LAYERS or (self.timing is Timing.TOTAL and layer == job.num_layers - 1):
-                    transfer.timing_events.append(self._timing_event(stream))
                 if job.signal is not None:
                     job.signal.complete_layer(job.first_layer + layer, stream)
         except Exception as exc:  # noqa: BLE001 - any failure must reach the waiters, whatever raised it
@@ -186,15 +167,13 @@ class CudaCopyEngine(CopyEngine):
         cuda_api.stream_wait(stream, event)
         self._pool.give(event)
 
-    @staticmethod
-    def _timing_event(stream: int) -> rt.cudaEvent_t:
-        event = cuda_api.create_event(timing=True)
-        cuda_api.record(event, stream)
-        return event
-
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:
-        """Per-layer issue function with every per-run/per-page address computed once here (plain ints for runs,
-        numpy for a batch of pages)."""
+        """Per-layer issue function (called with l, it issues layer l's copies on `stream`), every per-run/per-page
+        address computed once here (plain ints for runs, numpy for a batch of pages).
+
+        `_issue` calls this once per transfer, after the copy stream's wait for the current stream and before the
+        first copy, and posts layer l's signal right after layer l's call: the seam a subclass wraps to time or
+        fail copies; what the function raises fails the transfer from that layer on."""
         plan, page = job.plan, job.layer_page_bytes
         pitch = job.num_layers * page
         host_base = job.host.data_ptr()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable
 
 import torch
 
@@ -47,11 +46,10 @@ def _stop_workers(*workers: FifoWorker) -> None:
 
 
 class ThreadCopyEngine(CopyEngine):
-    """`layer_hook(layer)` runs on the worker before each layer's copy (tests slow or break copies with it)."""
+    """Torch copies on two FIFO worker threads ("layerflow-h2d", "layerflow-d2h"), one layer at a time."""
 
-    def __init__(self, fail_at_layer: int | None = None, layer_hook: Callable[[int], None] | None = None) -> None:
-        super().__init__(fail_at_layer)
-        self.layer_hook = layer_hook
+    def __init__(self) -> None:
+        super().__init__()
         self._h2d = FifoWorker("layerflow-h2d")
         self._d2h = FifoWorker("layerflow-d2h")
         # Stop the workers at close, at garbage collection or at interpreter exit, whichever comes first: a worker
@@ -63,23 +61,19 @@ class ThreadCopyEngine(CopyEngine):
 
     def _onboard(self, job: CopyJob) -> Transfer:
         transfer = ThreadTransfer(job)
-        self._h2d.submit(lambda: self._run(job, transfer, self._onboard_layer))
+        self._h2d.submit(lambda: self._run(job, transfer, to_gpu=True))
         return transfer
 
     def _offload(self, job: CopyJob) -> Transfer:
         transfer = ThreadTransfer(job)
-        self._d2h.submit(lambda: self._run(job, transfer, self._offload_layer))
+        self._d2h.submit(lambda: self._run(job, transfer, to_gpu=False))
         return transfer
 
-    def _run(self, job: CopyJob, transfer: ThreadTransfer, copy_layer: Callable[[CopyJob, int], None]) -> None:
+    def _run(self, job: CopyJob, transfer: ThreadTransfer, to_gpu: bool) -> None:
         layer = 0
         try:
             for layer in range(job.num_layers):
-                if self.layer_hook is not None:
-                    self.layer_hook(layer)
-                self._check_injected(layer)
-                if job.plan.num_pages:
-                    copy_layer(job, layer)
+                self._copy_layer(job, layer, to_gpu)
                 if job.signal is not None:
                     job.signal.complete_layer(job.first_layer + layer)
         except Exception as exc:  # noqa: BLE001 - any failure must reach the waiters, whatever raised it
@@ -90,15 +84,16 @@ class ThreadCopyEngine(CopyEngine):
             return
         transfer._finish()
 
-    @staticmethod
-    def _onboard_layer(job: CopyJob, layer: int) -> None:
-        dst = job.gpu_layers[layer]
-        pages = torch.from_numpy(job.plan.host_blocks)
-        dst.index_copy_(0, torch.from_numpy(job.plan.gpu_pages).to(dst.device),
-                        job.host[pages, layer].to(dst.device))
-
-    @staticmethod
-    def _offload_layer(job: CopyJob, layer: int) -> None:
-        src = job.gpu_layers[layer]
-        pages = src.index_select(0, torch.from_numpy(job.plan.gpu_pages).to(src.device)).to(job.host.device)
-        job.host[:, layer].index_copy_(0, torch.from_numpy(job.plan.host_blocks), pages)
+    def _copy_layer(self, job: CopyJob, layer: int, to_gpu: bool) -> None:
+        """Copy one layer's pages, on the direction's worker, before that layer is signalled; what it raises fails
+        the transfer from this layer on. The one per-layer step, so a subclass can wrap it (timing, faults)."""
+        if not job.plan.num_pages:
+            return
+        gpu_pages = torch.from_numpy(job.plan.gpu_pages)
+        host_blocks = torch.from_numpy(job.plan.host_blocks)
+        gpu = job.gpu_layers[layer]
+        if to_gpu:
+            gpu.index_copy_(0, gpu_pages.to(gpu.device), job.host[host_blocks, layer].to(gpu.device))
+        else:
+            pages = gpu.index_select(0, gpu_pages.to(gpu.device)).to(job.host.device)
+            job.host[:, layer].index_copy_(0, host_blocks, pages)

@@ -12,7 +12,7 @@ from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
 from layerflow.config import Config
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.thread_copy import ThreadCopyEngine
+from tests.faults import FaultyThreadCopyEngine
 
 CONFIG = HSTUConfig(num_layers=3, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
                     dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
@@ -120,7 +120,7 @@ def test_lru_eviction_under_gpu_pressure_stays_exact(weights):
 
 
 def test_injected_transfer_failure_fails_fast_then_the_engine_serves(weights):
-    copier = ThreadCopyEngine()
+    copier = FaultyThreadCopyEngine()
     with make_engine(weights, copy_engine=copier, transfer_timeout_s=30.0) as engine:
         engine.score([Request(5, list(range(60)), [])])
         engine.kv.evict_from_gpu(5)
@@ -180,7 +180,7 @@ def test_layer_runs_only_after_its_copy_landed(weights):
     from layerflow.kernels.reference import gather_history
 
     events = []
-    copier = ThreadCopyEngine(layer_hook=lambda l: time.sleep(0.03))
+    copier = FaultyThreadCopyEngine(before_layer=lambda l: time.sleep(0.03))
     with make_engine(weights, copy_engine=copier) as engine:
         engine.score([Request(9, list(range(80)), [])])
         kv_layers = engine.pipeline.kv_layers
@@ -189,7 +189,7 @@ def test_layer_runs_only_after_its_copy_landed(weights):
         engine.kv.evict_from_gpu(9)
         for kv in kv_layers:
             kv.fill_(float("nan"))
-        copier.layer_hook = lambda l: (time.sleep(0.03), events.append(("copy", l)))
+        copier.before_layer = lambda l: (time.sleep(0.03), events.append(("copy", l)))
         kernels = engine.pipeline.kernels
         real_append = kernels.append
 
@@ -209,7 +209,7 @@ def test_layer_runs_only_after_its_copy_landed(weights):
 
 
 def test_ssd_copy_serves_a_truncated_prefix_and_never_a_stale_tail(weights, tmp_path):
-    copier = ThreadCopyEngine()
+    copier = FaultyThreadCopyEngine()
     with make_engine(weights, tmp_path, copy_engine=copier) as engine:
         history = list(range(100))
         engine.score([Request(1, history, [])])

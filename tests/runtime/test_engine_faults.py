@@ -16,7 +16,7 @@ from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.layout import KVLayout
-from layerflow.transfer.thread_copy import ThreadCopyEngine
+from tests.faults import FaultyThreadCopyEngine
 
 CONFIG = HSTUConfig(num_layers=2, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
                     dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
@@ -103,18 +103,16 @@ def test_a_damaged_ssd_copy_is_recomputed_in_the_same_call(weights, tmp_path, ca
             engine.kv.drop(user)
 
 
-class SlowOffloads(ThreadCopyEngine):
+def slow_offloads() -> FaultyThreadCopyEngine:
     """Offload copies that take a while, so offloads are still in flight when the next batch needs pages."""
-
-    def _offload_layer(self, job, layer):
-        time.sleep(0.05)
-        super()._offload_layer(job, layer)
+    return FaultyThreadCopyEngine(
+        before_layer=lambda layer: time.sleep(0.05) if threading.current_thread().name == "layerflow-d2h" else None)
 
 
 def test_a_pool_short_only_while_offloads_land_waits_for_them(weights):
     """Issue 16.9: a batch that fits once in-flight offloads land is served (it waits for them); one that can never
     fit raises PoolExhausted naming the sizes, and the engine keeps serving."""
-    with engine_with(weights, gpu_pages=10, copy_engine=SlowOffloads()) as engine:
+    with engine_with(weights, gpu_pages=10, copy_engine=slow_offloads()) as engine:
         engine.score([Request(1, list(range(60)), [])])        # 4 pages, offload in flight
         engine.score([Request(2, list(range(60, 120)), [])])   # 4 pages, offload in flight
         scores = engine.score([Request(3, list(range(100)), [1])])[0]   # 7 pages: needs user 1's

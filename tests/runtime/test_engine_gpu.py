@@ -95,9 +95,9 @@ def test_graph_replays_across_lengths_like_eager(bf16_weights):
 
 @pytest.mark.parametrize("signal", list(SignalMode))
 def test_failing_transfer_fails_within_a_second_and_next_batch_succeeds(bf16_weights, signal):
-    from layerflow.transfer.cuda_copy import CudaCopyEngine
+    from tests.faults import FaultyCudaCopyEngine
 
-    copier = CudaCopyEngine()
+    copier = FaultyCudaCopyEngine()
     with _engine(bf16_weights, signal=signal, copy_engine=copier) as engine:
         engine.score([Request(1, list(range(1500)), [])])
         engine.kv.evict_from_gpu(1)

@@ -318,9 +318,9 @@ def test_spawn_with_bad_token_file_fails_start_up(tmp_path):
 
 def test_copy_failure_mid_transfer_poisons_remaining_layers(server, monkeypatch):
     from layerflow.server import server as server_module
-    from layerflow.transfer.thread_copy import ThreadCopyEngine
+    from tests.faults import FaultyThreadCopyEngine
 
-    engine = ThreadCopyEngine()
+    engine = FaultyThreadCopyEngine()
     monkeypatch.setattr(server_module, "make_engine", lambda cuda: engine)
     client, kv = make_client(server)
     client.offload("alice", 8, [0, 1]).result(10)
@@ -417,7 +417,7 @@ def test_stopping_a_spawned_server_removes_the_directory_it_made():
 
 
 class OffloadGate:
-    """A ThreadCopyEngine layer hook that holds offload copies (the D2H worker) while closed."""
+    """A FaultyThreadCopyEngine `before_layer` callback that holds offload copies (the D2H worker) while closed."""
 
     def __init__(self) -> None:
         self.open = threading.Event()
@@ -433,10 +433,10 @@ class OffloadGate:
 @pytest.fixture
 def gated(server, monkeypatch):
     from layerflow.server import server as server_module
-    from layerflow.transfer.thread_copy import ThreadCopyEngine
+    from tests.faults import FaultyThreadCopyEngine
 
     gate = OffloadGate()
-    engine = ThreadCopyEngine(layer_hook=gate)
+    engine = FaultyThreadCopyEngine(before_layer=gate)
     monkeypatch.setattr(server_module, "make_engine", lambda cuda: engine)
     client, kv = make_client(server, seed=5)
     yield gate, client, kv

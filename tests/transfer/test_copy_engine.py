@@ -1,5 +1,7 @@
 """Copy engines: byte-exact onboarding/offload for contiguous and fragmented placements, run planning, failures."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -7,43 +9,9 @@ import torch
 from layerflow.transfer.copy_plan import plan_runs, ramp_bounds
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.thread_copy import ThreadCopyEngine
-
-LAYERS, PAGES, BLOCKS, PAGE, HEADS, DIM = 3, 24, 20, 4, 2, 8
-POISON = -7.0
-
-
-def make_tensors(device="cpu", pages=PAGES, blocks=BLOCKS, layers=LAYERS, page=PAGE, heads=HEADS, dim=DIM,
-                 dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    host = torch.randn((blocks, layers, 2, page, heads, dim), generator=gen).to(dtype)
-    if device != "cpu":
-        host = host.pin_memory()
-    gpu = [torch.full((pages, 2, page, heads, dim), POISON, dtype=dtype, device=device) for _ in range(layers)]
-    return gpu, host
-
-
-PLACEMENTS = {
-    "contiguous": (list(range(3, 13)), list(range(5, 15))),
-    "fragmented": ([7, 8, 2, 3, 4, 19, 0, 11, 12, 13, 23], [1, 2, 9, 10, 11, 3, 17, 4, 5, 6, 0]),
-}
-
-
-def check_onboarded(gpu, host, pages, blocks):
-    for layer, tensor in enumerate(gpu):
-        got = tensor.cpu()
-        for page, block in zip(pages, blocks):
-            assert torch.equal(got[page], host[block, layer]), (layer, page, block)
-        untouched = sorted(set(range(tensor.shape[0])) - set(pages))
-        assert bool((got[untouched] == POISON).all()), f"layer {layer}: a page outside the transfer was written"
-
-
-def check_offloaded(gpu, host, before, pages, blocks):
-    for layer, tensor in enumerate(gpu):
-        src = tensor.cpu()
-        for page, block in zip(pages, blocks):
-            assert torch.equal(host[block, layer], src[page]), (layer, page, block)
-    untouched = sorted(set(range(host.shape[0])) - set(blocks))
-    assert torch.equal(host[untouched], before[untouched]), "a block outside the transfer was written"
+from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
+from tests.transfer.pages import (BLOCKS, LAYERS, PAGES, PLACEMENTS, POISON, check_offloaded, check_onboarded,
+                                  make_tensors)
 
 
 @pytest.fixture
@@ -101,11 +69,11 @@ def test_bad_inputs_raise_value_error(engine):
 
 
 def test_injected_failure_keeps_earlier_layers_and_reports():
-    engine = ThreadCopyEngine(fail_at_layer=1)
+    engine = FaultyThreadCopyEngine(fail_at_layer=1)
     try:
         gpu, host = make_tensors()
         transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
-        with pytest.raises(TransferError, match="layer 1"):
+        with pytest.raises(TransferError, match="injected failure at layer 1"):
             transfer.wait(5)
         assert transfer.done() and isinstance(transfer.error, TransferError)
         assert torch.equal(gpu[0][0], host[2, 0])
@@ -114,12 +82,52 @@ def test_injected_failure_keeps_earlier_layers_and_reports():
         engine.close()
 
 
+def test_injected_offload_failure_keeps_earlier_layers_and_reports():
+    engine = FaultyThreadCopyEngine()
+    try:
+        gpu, host = make_tensors(seed=2)
+        for layer in gpu:
+            layer.copy_(torch.randn(layer.shape))
+        before = host.clone()
+        engine.fail_at_layer = 1  # set between transfers, as the runtime tests do
+        transfer = engine.offload(gpu, host, [4, 5], [0, 1])
+        with pytest.raises(TransferError, match="injected failure at layer 1"):
+            transfer.wait(5)
+        assert torch.equal(host[[0, 1], 0], gpu[0][[4, 5]])
+        assert torch.equal(host[:, 1:], before[:, 1:])
+        engine.fail_at_layer = None
+        engine.offload(gpu, host, [4, 5], [0, 1]).wait(5)
+        check_offloaded(gpu, host, before, [4, 5], [0, 1])
+    finally:
+        engine.close()
+
+
+def test_before_layer_runs_on_the_worker_before_each_layer_copy():
+    gpu, host = make_tensors()
+    seen = []
+
+    def before(layer):
+        copied = [bool(torch.equal(gpu[l][3], host[7, l])) for l in range(LAYERS)]
+        seen.append((threading.current_thread().name, layer, copied))
+
+    engine = FaultyThreadCopyEngine()
+    try:
+        engine.before_layer = before
+        engine.onboard(gpu, host, [3], [7]).wait(5)
+        engine.offload(gpu, host, [3], [7]).wait(5)
+    finally:
+        engine.close()
+    onboard = [("layerflow-h2d", l, [i < l for i in range(LAYERS)]) for l in range(LAYERS)]
+    offload = [("layerflow-d2h", l, [True] * LAYERS) for l in range(LAYERS)]
+    assert seen == onboard + offload
+
+
 def test_copy_error_becomes_transfer_error():
     def broken(layer):
         if layer == 2:
             raise OSError("disk on fire")
 
-    engine = ThreadCopyEngine(layer_hook=broken)
+    engine = FaultyThreadCopyEngine(before_layer=broken)
     try:
         gpu, host = make_tensors()
         transfer = engine.offload(gpu, host, [0], [0])
@@ -164,41 +172,23 @@ def test_cuda_onboard_offload_byte_exact(placement, path):
 
 
 @pytest.mark.gpu
-def test_cuda_timing_events_bracket_the_copies():
-    """TOTAL: a start and an end event; LAYERS: a start and one after each layer, in order; OFF: none."""
-    from layerflow.transfer import cuda_api
-    from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine, Timing
-
-    gpu, host = make_tensors("cuda", pages=64, blocks=64, layers=4, page=32, heads=4, dim=64, dtype=torch.bfloat16)
-    pages, blocks = list(range(64)), list(range(63, -1, -1))
-    expected = {Timing.OFF: 0, Timing.TOTAL: 2, Timing.LAYERS: 1 + len(gpu)}
-    for timing, count in expected.items():
-        engine = CudaCopyEngine(timing=timing, path=CopyPath.PAGES)
-        try:
-            transfer = engine.onboard(gpu, host, pages, blocks)
-            transfer.wait(10)
-            events = transfer.timing_events
-            assert len(events) == count, timing
-            marks = [cuda_api.elapsed_ms(events[0], e) for e in events[1:]]
-            assert all(b >= a for a, b in zip(marks, marks[1:])) and (not marks or marks[-1] > 0), (timing, marks)
-            for event in events:
-                cuda_api.destroy_event(event)
-            check_onboarded(gpu, host, pages, blocks)
-        finally:
-            engine.close()
-
-
-@pytest.mark.gpu
 def test_cuda_injected_failure_reports():
-    from layerflow.transfer.cuda_copy import CudaCopyEngine
-
-    engine = CudaCopyEngine(fail_at_layer=2)
+    engine = FaultyCudaCopyEngine(fail_at_layer=2)
     try:
         gpu, host = make_tensors("cuda")
         transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
-        with pytest.raises(TransferError, match="layer 2"):
+        with pytest.raises(TransferError, match="injected failure at layer 2"):
             transfer.wait(5)
         assert torch.equal(gpu[1][1].cpu(), host[3, 1])
+        assert bool((gpu[2] == POISON).all())
+
+        before = host.clone()
+        engine.fail_at_layer = 1
+        transfer = engine.offload(gpu, host, [0, 1], [5, 6])
+        with pytest.raises(TransferError, match="injected failure at layer 1"):
+            transfer.wait(5)
+        assert torch.equal(host[[5, 6], 0], gpu[0][[0, 1]].cpu())
+        assert torch.equal(host[:, 1:], before[:, 1:])
     finally:
         engine.close()
 

@@ -15,6 +15,7 @@ from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.eventfd import EventfdSignals
 from layerflow.transfer.signals import make_signals
 from layerflow.transfer.thread_copy import ThreadCopyEngine
+from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 4, 16, 4, 2, 8
 
@@ -45,7 +46,7 @@ def ring():
 
 
 def test_layer_never_observed_before_its_copy(ring):
-    engine = ThreadCopyEngine(layer_hook=slow(0.02))
+    engine = FaultyThreadCopyEngine(before_layer=slow(0.02))
     try:
         gpu, host = tensors(0)
         handle = ring.acquire()
@@ -67,7 +68,7 @@ def test_layer_never_observed_before_its_copy(ring):
 
 
 def test_back_to_back_onboardings_never_mix(ring):
-    engine = ThreadCopyEngine(layer_hook=slow(0.01))
+    engine = FaultyThreadCopyEngine(before_layer=slow(0.01))
     try:
         (gpu_a, host_a), (gpu_b, host_b) = tensors(1), tensors(2)
         first, second = ring.acquire(), ring.acquire()
@@ -127,7 +128,7 @@ def test_timeout_raises_naming_layer_and_counter(ring):
 
 
 def test_injected_failure_releases_every_waiter_with_the_error(ring):
-    engine = ThreadCopyEngine(fail_at_layer=1, layer_hook=slow(0.02))
+    engine = FaultyThreadCopyEngine(fail_at_layer=1, before_layer=slow(0.02))
     try:
         gpu, host = tensors(3)
         handle = ring.acquire()
@@ -173,7 +174,7 @@ def test_raw_eventfd_counts_one_post_per_layer(ring):
 
 
 def test_non_layerwise_releases_all_layers_at_the_end(ring):
-    engine = ThreadCopyEngine(layer_hook=slow(0.01))
+    engine = FaultyThreadCopyEngine(before_layer=slow(0.01))
     try:
         gpu, host = tensors(5)
         handle = ring.acquire(layerwise=False)
@@ -203,10 +204,8 @@ BIG = dict(layers=LAYERS, pages=512, device="cuda", page=32, heads=4, dim=128, d
 
 @contextlib.contextmanager
 def gpu_ring(mode: SignalMode, fail_at_layer: int | None = None):
-    """A two-counter signal ring and a CUDA copy engine, both closed afterwards."""
-    from layerflow.transfer.cuda_copy import CudaCopyEngine
-
-    ring, engine = make_signals(mode, LAYERS, num_counters=2), CudaCopyEngine(fail_at_layer=fail_at_layer)
+    """A two-counter signal ring and a CUDA copy engine (failing at `fail_at_layer`), both closed afterwards."""
+    ring, engine = make_signals(mode, LAYERS, num_counters=2), FaultyCudaCopyEngine(fail_at_layer=fail_at_layer)
     try:
         yield ring, engine
     finally:

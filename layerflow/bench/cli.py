@@ -1,0 +1,119 @@
+"""`layerflow bench` (and benchmarks/inference_benchmark.py): the flags, their per-device defaults, and the two modes.
+
+The default mode times one returning user's request per scenario and history length (`measure.run`, `report`);
+`--throughput` serves a Zipf stream of returning users open-loop (`throughput`). Unset flags take the device's
+defaults: the seed benchmark on a GPU, a small run that ends in seconds on the CPU path.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from layerflow.bench import report, throughput
+from layerflow.bench.environment import device_name
+from layerflow.bench.measure import run
+from layerflow.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS
+from layerflow.bench.settings import CPU_DEFAULTS, GPU_DEFAULTS, Settings, parse_length, parse_lengths
+from layerflow.bench.throughput import ThroughputSettings
+from layerflow.config import SignalMode
+from layerflow.model.config import PRESETS
+
+CPU_NOTE = ("NOTE: no CUDA GPU: this ran the CPU path (tiny model, short histories, eager torch kernels, a copy "
+            "thread instead of the GPU's copy engines). Its figures check the benchmark, not the runtime's speed.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by `layerflow bench` and benchmarks/inference_benchmark.py)."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model shape (GPU: hstu-bench, CPU: tiny)")
+    parser.add_argument("--seq-lens", type=parse_lengths, help="cached history lengths, e.g. 2K,4K,8K,16K")
+    parser.add_argument("--history-len", type=parse_length, help="one cached history length (same as --seq-lens N)")
+    parser.add_argument("--append-len", "--append-history-len", dest="append_len", type=int,
+                        help="items appended to the history per request (GPU: 64)")
+    parser.add_argument("--num-candidates", type=int, help="candidates scored per request (GPU: 256)")
+    parser.add_argument("--batch-size", type=int, default=1, help="users per batch")
+    parser.add_argument("--timed-iters", type=int, help="timed iterations per scenario and length (GPU: 20)")
+    parser.add_argument("--warmup-iters", type=int, help="untimed iterations before them (GPU: 5)")
+    parser.add_argument("--scenarios", type=lambda t: tuple(s.strip() for s in t.split(",") if s.strip()),
+                        default=DEFAULT_SCENARIOS, help=f"comma-separated, of {','.join(SCENARIOS)}")
+    parser.add_argument("--disable-cudagraph", action="store_true", help="run the per-layer pipeline eagerly")
+    parser.add_argument("--config", help="transfer YAML config (default: pools sized for the run)")
+    parser.add_argument("--only-onboard", action="store_true",
+                        help="skip the offload after each timed request: onboarding + block only")
+    parser.add_argument("--timeline", action="store_true",
+                        help="GPU only: split each layerwise request into issue / transfer / tail on the device clock")
+    parser.add_argument("--signal", choices=[m.value for m in SignalMode], help="per-layer signal (default: config)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
+    parser.add_argument("--out", help="write every figure as JSON here")
+    parser.add_argument("--plot", help="write latency vs seq_len (PNG) here")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--throughput", action="store_true",
+                        help="throughput mode: Zipf returning users beyond the GPU pool, open-loop arrivals")
+    parser.add_argument("--rate", type=float, help="throughput mode: offered requests/s (GPU: 150)")
+    parser.add_argument("--num-requests", type=int, help="throughput mode: requests in the stream (GPU: 1000)")
+    parser.add_argument("--num-users", type=int, help="throughput mode: distinct returning users (GPU: 64)")
+    parser.add_argument("--gpu-users", type=int, help="throughput mode: users the GPU pool holds (GPU: 16)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="throughput mode: Zipf exponent of popularity")
+
+
+def _picker(args: argparse.Namespace, defaults: dict[str, object]) -> Callable[[str], object]:
+    """`pick(name)`: the flag's value, or the device default when the flag was not given."""
+    def pick(name: str):
+        value = getattr(args, name)
+        return defaults[name] if value is None else value
+    return pick
+
+
+def _signal(args: argparse.Namespace) -> SignalMode | None:
+    return None if args.signal is None else SignalMode(args.signal)
+
+
+def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settings:
+    pick = _picker(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
+    seq_lens = args.seq_lens or ((args.history_len,) if args.history_len else pick("seq_lens"))
+    return Settings(preset=pick("preset"), seq_lens=tuple(seq_lens), append_len=pick("append_len"),
+                    num_candidates=pick("num_candidates"), batch_size=args.batch_size,
+                    timed_iters=pick("timed_iters"), warmup_iters=pick("warmup_iters"), scenarios=args.scenarios,
+                    use_cuda_graph=not args.disable_cudagraph, only_onboard=args.only_onboard,
+                    timeline=args.timeline, signal=_signal(args), config_path=args.config, seed=args.seed)
+
+
+def throughput_settings_from_args(args: argparse.Namespace, device: torch.device) -> ThroughputSettings:
+    defaults = throughput.GPU_DEFAULTS if device.type == "cuda" else throughput.CPU_DEFAULTS
+    pick = _picker(args, defaults)
+    history = args.history_len or (args.seq_lens[0] if args.seq_lens else defaults["history_len"])
+    return ThroughputSettings(preset=pick("preset"), history_len=history, append_len=pick("append_len"),
+                              num_candidates=pick("num_candidates"), num_users=pick("num_users"),
+                              gpu_users=pick("gpu_users"), num_requests=pick("num_requests"), rate=pick("rate"),
+                              zipf=args.zipf, batch_size=args.batch_size, use_cuda_graph=not args.disable_cudagraph,
+                              signal=_signal(args), config_path=args.config, seed=args.seed)
+
+
+def main(args: argparse.Namespace) -> None:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu_path = device.type != "cuda"
+    if args.throughput:
+        settings = throughput_settings_from_args(args, device)
+        if cpu_path:
+            print(CPU_NOTE, flush=True)
+        runs = throughput.run_throughput(settings, device)
+        print(throughput.markdown(settings, runs, device_name(device)))
+        if args.out:
+            throughput.write_json(settings, runs, device, Path(args.out))
+        return
+    settings = settings_from_args(args, device)
+    if settings.timeline and cpu_path:
+        raise ValueError("--timeline reads CUDA events: it needs a GPU")
+    if cpu_path:
+        print(CPU_NOTE, flush=True)
+    results = run(settings, device)
+    print(report.markdown(results))
+    if cpu_path:
+        print(CPU_NOTE)
+    if args.out:
+        report.write_json(results, Path(args.out))
+    if args.plot:
+        report.plot(results, Path(args.plot))

@@ -1,0 +1,93 @@
+"""What one inference benchmark run is asked to do: the model preset, the request shape, the history lengths, the
+scenarios and the transfer config, validated up front; the per-device defaults the command line starts from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layerflow.bench.scenarios import SCENARIOS, Scenario
+from layerflow.config import SignalMode
+from layerflow.model.config import PRESETS, HSTUConfig
+
+
+def parse_length(text: str) -> int:
+    """'2K' -> 2048, '512' -> 512."""
+    word = text.strip().upper()
+    scale = 1024 if word.endswith("K") else 1
+    digits = word[:-1] if word.endswith("K") else word
+    if not digits.isdigit() or int(digits) <= 0:
+        raise ValueError(f"sequence length {text!r}: expected a positive integer, optionally with a K suffix")
+    return int(digits) * scale
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    return tuple(parse_length(t) for t in text.split(",") if t.strip())
+
+
+def check_settings(settings: object, positive: tuple[str, ...]) -> None:
+    """What every benchmark mode's settings need: a known model preset and the named fields > 0."""
+    if settings.preset not in PRESETS:
+        raise ValueError(f"preset={settings.preset!r}: expected one of {sorted(PRESETS)}")
+    for name in positive:
+        if getattr(settings, name) <= 0:
+            raise ValueError(f"{name}={getattr(settings, name)!r}: must be positive")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One benchmark run: the model, the request shape, the lengths, the scenarios and the transfer config."""
+
+    preset: str
+    seq_lens: tuple[int, ...]
+    append_len: int
+    num_candidates: int
+    batch_size: int
+    timed_iters: int
+    warmup_iters: int
+    scenarios: tuple[str, ...]
+    use_cuda_graph: bool = True
+    only_onboard: bool = False
+    timeline: bool = False
+    signal: SignalMode | None = None
+    config_path: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_settings(self, ("append_len", "num_candidates", "batch_size", "timed_iters"))
+        unknown = [s for s in self.scenarios if s not in SCENARIOS]
+        if unknown or not self.scenarios:
+            raise ValueError(f"scenarios={list(self.scenarios)!r}: expected some of {list(SCENARIOS)}")
+        if self.warmup_iters < 0:
+            raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
+        if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):
+            raise ValueError(f"timeline=True: needs batch_size=1 (got {self.batch_size}) and cpu_hit_layerwise")
+        if not self.seq_lens or min(self.seq_lens) <= 0:
+            raise ValueError(f"seq_lens={self.seq_lens!r}: must be positive lengths")
+        longest = max(self.seq_lens) + self.append_len + self.num_candidates
+        if longest > self.model.max_seq_len:
+            raise ValueError(f"seq_len {max(self.seq_lens)} + append {self.append_len} + candidates "
+                             f"{self.num_candidates} = {longest} exceeds the {self.preset} model's max_seq_len "
+                             f"{self.model.max_seq_len}")
+
+    @property
+    def model(self) -> HSTUConfig:
+        return PRESETS[self.preset]
+
+    @property
+    def query_tokens(self) -> int:
+        """The graph bucket of the benchmark's request: appended + candidates of the whole batch, rounded to 64."""
+        return -(-self.batch_size * (self.append_len + self.num_candidates) // 64) * 64
+
+    def scenario_list(self) -> list[Scenario]:
+        """The requested scenarios, plus the GPU hit whenever a layerwise bound needs its T_compute."""
+        names = list(self.scenarios)
+        if any(SCENARIOS[n].bounded for n in names) and "gpu_hit" not in names:
+            names.insert(0, "gpu_hit")
+        return [SCENARIOS[n] for n in names]
+
+
+# Defaults per device: the seed's benchmark on a GPU, a small configuration that ends in seconds on the CPU path.
+GPU_DEFAULTS = dict(preset="hstu-bench", seq_lens=(2048, 4096, 8192, 16384), append_len=64, num_candidates=256,
+                    timed_iters=20, warmup_iters=5)
+CPU_DEFAULTS = dict(preset="tiny", seq_lens=(256, 512), append_len=8, num_candidates=16, timed_iters=5,
+                    warmup_iters=2)
