@@ -100,7 +100,7 @@ class TimedCudaCopyEngine(CudaCopyEngine):
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:
         copy_layer = super()._layer_copier(job, stream, to_gpu)
         events, last = self._issuing.events, job.num_layers - 1
-        events.append(_recorded(stream))  # after the wait for the current stream, before the first copy
+        events.append(_recorded(stream))  # after an offload's wait for the current stream, before the first copy
 
         def copy_and_mark(layer: int) -> None:
             copy_layer(layer)

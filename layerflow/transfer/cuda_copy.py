@@ -1,22 +1,21 @@
 """CopyEngine on the GPU's copy engines: per layer, one cudaMemcpy2DAsync for a placement that is one run on both
 sides, else one cudaMemcpyBatchAsync (an entry per page), on dedicated streams.
 
-The per-copy calls go through ctypes on libcudart (`cudart`): cuda.bindings' per-element list conversion for batches
-cost ~0.7 ms per layer and delayed the first copy.
+The per-copy calls go through ctypes on libcudart (`cudart`): cuda.bindings converts every batch entry to a Python
+object, which delayed the first copy. Why one call per layer whenever the placement is fragmented at all: each
+copy-engine call costs the copy engine a few microseconds when it ends, entries within a call nothing measurable, so
+per-run 2D copies lose to one batch per layer from two runs up and win only for a single run (docs/performance.md,
+Transfers, has the figures).
 
 One H2D and one D2H non-blocking stream per engine, so every onboarding is issued in order on one stream (the signal
 modes rely on that). Onboarding issues each layer's copies, then posts that layer's signal on the stream, all before
-returning; the addresses are computed once per transfer in numpy. Why one call per layer whenever the placement is
-fragmented at all: each call costs the copy engine about 3 us when it ends (H200, stream held until every call was
-queued: 8 plain copies took 17 us longer than one of the same bytes, 8 batch calls 20 us longer than one call of all
-512 entries, which matched the bulk copy), while entries within a call cost nothing measurable. So per-run 2D copies
-lose to one batch per layer from two runs up (2K tokens, GPU time against a bulk copy: runs of 32 / 16 / 8 pages,
-0.963 / 0.927 / 0.867 against 0.968-0.970; 16K in runs of 32: 0.960 against 0.992), and win only for a single run
-(0.979 against 0.969: a 2D call is queued in ~4 us, a batch in ~7 us plus ~0.4 us per entry, see `ramp_bounds`).
+returning; the addresses are computed once per transfer in numpy.
 
-Ordering: the copies wait for the work already queued on the caller's current torch stream (pages a kernel is still
-reading or writing), through an event. `Transfer.done()` queries an event recorded after the last copy; the transfer
-keeps its tensors alive until then.
+Ordering: an offload waits for the work already queued on the caller's current torch stream (the block that wrote
+its pages), through an event. An onboarding does not: its destination pages were just allocated to users no queued
+kernel touches (batches in flight keep their own users pinned), so the next batch's KV can move while a batch
+computes. `Transfer.done()` queries an event recorded after the last copy; the transfer keeps its tensors alive until
+then.
 """
 
 from __future__ import annotations
@@ -145,7 +144,8 @@ class CudaCopyEngine(CopyEngine):
         transfer = CudaTransfer(job, self._pool)
         layer = 0
         try:
-            self._after_current_stream(stream)
+            if not to_gpu:
+                self._after_current_stream(stream)
             copy_layer = self._layer_copier(job, stream, to_gpu)
             for layer in range(job.num_layers):
                 copy_layer(layer)
@@ -171,7 +171,7 @@ class CudaCopyEngine(CopyEngine):
         """Per-layer issue function (called with l, it issues layer l's copies on `stream`), every per-run/per-page
         address computed once here (plain ints for runs, numpy for a batch of pages).
 
-        `_issue` calls this once per transfer, after the copy stream's wait for the current stream and before the
+        `_issue` calls this once per transfer, after an offload's wait for the current stream and before the
         first copy, and posts layer l's signal right after layer l's call: the seam a subclass wraps to time or
         fail copies; what the function raises fails the transfer from that layer on."""
         plan, page = job.plan, job.layer_page_bytes
