@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from layerflow.model import HSTUConfig, HSTUWeights, JaggedBatch, cached_forward, full_forward
 
@@ -137,6 +138,17 @@ def test_init_is_deterministic_and_seeded(small_config):
 def test_load_rejects_mismatched_config(tmp_path, small_weights, small_config):
     path = tmp_path / "w.safetensors"
     small_weights.save(path)
+    wider = HSTUConfig(**{**small_config.to_dict(), "embedding_dim": 64})
+    with pytest.raises(ValueError, match=r"config differs from the file's.*'embedding_dim': \(64, 32\)"):
+        HSTUWeights.load(path, wider)
+
+
+def test_load_without_metadata_checks_tensors_against_the_config(tmp_path, small_weights, small_config):
+    path = tmp_path / "bare.safetensors"
+    save_file({k: v.contiguous() for k, v in small_weights.state_dict().items()}, str(path))
+    with pytest.raises(ValueError, match="no 'hstu_config' metadata"):
+        HSTUWeights.load(path)
+    assert HSTUWeights.load(path, small_config).config == small_config
     wider = HSTUConfig(**{**small_config.to_dict(), "embedding_dim": 64})
     with pytest.raises(ValueError, match="item_embedding has shape"):
         HSTUWeights.load(path, wider)
