@@ -26,8 +26,18 @@ def _empty_cache(cfg):
             [torch.zeros(0, cfg.num_heads, cfg.dv)] * cfg.num_layers)
 
 
-def test_cached_equals_full_over_append_steps(small_weights):
-    cfg = small_weights.config
+CACHE_EXACT = {
+    "hstu": {},
+    "hstu-window": dict(max_attn_len=40),
+    "stu-group-window": dict(family="stu", output_norm="group", max_attn_len=40, attn_alpha=0.3),
+}
+
+
+@pytest.mark.parametrize("options", list(CACHE_EXACT))
+def test_cached_equals_full_over_append_steps(small_config, options):
+    """With the constant 1/N and no contextual prefix the cached path is cache-exact, for both families."""
+    cfg = HSTUConfig(**{**small_config.to_dict(), **CACHE_EXACT[options]})
+    small_weights = HSTUWeights.init(cfg, seed=0)
     rng = random.Random(1)
     steps = [1, 37, 300]  # history length after each step: page-unaligned
     users = [0, 1]
