@@ -88,12 +88,15 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pa
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
     p = s * tl.sigmoid(s)
     if MASKED:
-        kid = _token_ids(n, m, SHIFT)[None, :]
-        seen = (history_row[:, None] & (n[None, :] == qpos[:, None])) | (qid[:, None] > kid)
-        if WINDOW > 0:
-            seen = seen & (qid[:, None] - kid <= WINDOW)
-        if CONTEXTUAL > 0:
-            seen = seen | ((qid[:, None] == 0) & (kid < m))
+        if WINDOW > 0 or CONTEXTUAL > 0:
+            kid = _token_ids(n, m, SHIFT)[None, :]
+            seen = (history_row[:, None] & (n[None, :] == qpos[:, None])) | (qid[:, None] > kid)
+            if WINDOW > 0:
+                seen = seen & (qid[:, None] - kid <= WINDOW)
+            if CONTEXTUAL > 0:
+                seen = seen | ((qid[:, None] == 0) & (kid < m))
+        else:
+            seen = n[None, :] <= qpos[:, None]     # causal; a candidate (at hist) sees every history key
         p = tl.where(key_ok[None, :] & seen, p, 0.0)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
@@ -125,21 +128,27 @@ def _paged_attention_kernel(
 
     # Query j < appended is history position hist - appended + j; candidates sit at hist (their id clamps to m).
     # Each row sees the history keys [row_lo, row_hi); for m <= 0 (a history shorter than the prefix) only a
-    # subset of that, so no tile is taken as fully seen.
+    # subset of that, so no tile is taken as fully seen. Ids grow with j, so row_lo does, and so does row_hi but
+    # for the contextual rows (all history): the block's bounds come from its first and last rows, else from a
+    # reduction over the rows.
     j = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = j < q_len
     history_row = j < appended
     m = hist - SHIFT
     qpos = tl.where(history_row, hist - appended + j, hist)
     qid = _token_ids(qpos, m, SHIFT)
-    row_hi = tl.where(history_row, qpos + 1, hist)
+    first, last = block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, q_len) - 1
+    block_lo = _window_start(_token_ids(tl.where(first < appended, hist - appended + first, hist), m, SHIFT),
+                             WINDOW, SHIFT)
+    full_lo = _window_start(_token_ids(tl.where(last < appended, hist - appended + last, hist), m, SHIFT),
+                            WINDOW, SHIFT)
     if CONTEXTUAL > 0:
-        row_hi = tl.where(qid == 0, hist, row_hi)
-    row_lo = _window_start(qid, WINDOW, SHIFT)
-    block_lo = tl.min(tl.where(row_ok, row_lo, hist), axis=0)
-    kv_end = tl.max(tl.where(row_ok, row_hi, 0), axis=0)
-    full_lo = tl.max(tl.where(row_ok, row_lo, 0), axis=0)
-    full_end = tl.where(m > 0, tl.min(tl.where(row_ok, row_hi, hist), axis=0), 0)
+        row_hi = tl.where(history_row & (qid > 0), qpos + 1, hist)
+        kv_end = tl.max(tl.where(row_ok, row_hi, 0), axis=0)
+        full_end = tl.where(m > 0, tl.min(tl.where(row_ok, row_hi, hist), axis=0), 0)
+    else:
+        kv_end = tl.minimum(hist, hist - appended + last + 1)
+        full_end = tl.minimum(hist, hist - appended + first + 1)
 
     # The user's keys [user_lo, hist) are split evenly; user_lo is where its first query's window starts.
     user_lo = _window_start(_token_ids(hist - appended, m, SHIFT), WINDOW, SHIFT)
@@ -166,9 +175,11 @@ def _paged_attention_kernel(
         chunk_pages = tl.load(page_row + first_page + slots, mask=first_page + slots < tl.cdiv(hi, PAGE), other=0)
     else:
         chunk_pages = first_page
-    for n0 in range(lo, masked_end, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi,
-                            alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW, CONTEXTUAL)
+    if WINDOW > 0:
+        for n0 in range(lo, masked_end, BLOCK_N):
+            acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0,
+                                hi, alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
+                                CONTEXTUAL)
     for n0 in range(unmasked_lo, unmasked_hi, BLOCK_N):
         acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi,
                             alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW, CONTEXTUAL)

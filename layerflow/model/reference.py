@@ -87,9 +87,10 @@ def prefill(weights: HSTUWeights, x: torch.Tensor, lengths: list[int], num_targe
     """Full forward of B users' sequences x [sum lengths, E], user after user; user b's last num_targets[b] tokens
     are its targets (candidates), none by default.
 
-    N is `n` when given, else the config's rule over the lengths (targets included) with nothing cached.
+    N is `n` when given, else the config's rule over the lengths (targets included) with nothing cached. It is
+    the cached step of users with nothing cached whose delta is the whole sequence.
     """
-    config, family, rule = weights.config, weights.family, weights.config.mask_rule
+    config = weights.config
     targets = [0] * len(lengths) if num_targets is None else list(num_targets)
     _check_lengths(config, x, sum(lengths), "x", lengths=list(lengths), num_targets=targets)
     if len(targets) != len(lengths):
@@ -98,23 +99,10 @@ def prefill(weights: HSTUWeights, x: torch.Tensor, lengths: list[int], num_targe
         if t > length or length > config.max_seq_len:
             raise ValueError(f"user {b}: num_targets={t}, length={length}: need num_targets <= length <= "
                              f"max_seq_len={config.max_seq_len}")
-    n = batch_n(config, [], list(lengths)) if n is None else n
-    offsets = [0]
-    for length in lengths:
-        offsets.append(offsets[-1] + length)
-    masks = [rule.full_mask(length - t, t, x.device) for length, t in zip(lengths, targets)]
-    history = torch.cat([torch.arange(lo, hi - t) for lo, hi, t in zip(offsets, offsets[1:], targets)]
-                        + [torch.zeros(0, dtype=torch.int64)]).to(x.device)
-    history_k, history_v = [], []
-    for lw in weights.layers:
-        u, v, q, k = family.input_projection(lw, x)
-        attn = torch.empty_like(v)
-        for lo, hi, mask in zip(offsets, offsets[1:], masks):
-            attn[lo:hi] = hstu_attention(q[lo:hi], k[lo:hi], v[lo:hi], mask, config.alpha, n)
-        history_k.append(k[history])
-        history_v.append(v[history])
-        x = family.output(lw, x, u, attn)
-    return PrefillOutput(x, history_k, history_v)
+    empty = [x.new_zeros(0, config.num_heads, d) for d in (config.dqk, config.dv)]
+    step = _step(weights, [empty[0]] * config.num_layers, [empty[1]] * config.num_layers, [0] * len(lengths), x,
+                 [length - t for length, t in zip(lengths, targets)], targets, n)
+    return PrefillOutput(step.outputs, step.new_k, step.new_v)
 
 
 @dataclass
@@ -148,7 +136,7 @@ def cached_step(weights: HSTUWeights, past_k: list[torch.Tensor], past_v: list[t
     The delta rows use the last rows of each user's full-length mask. N is `n` when given, else the config's rule.
     The cache is not extended: new_k/new_v are the appended tokens' K/V for the caller to append.
     """
-    config, family = weights.config, weights.family
+    config = weights.config
     if not len(cached_lens) == len(appended_lens) == len(candidate_lens):
         raise ValueError(f"batch sizes disagree: cached_lens={len(cached_lens)}, appended_lens="
                          f"{len(appended_lens)}, candidate_lens={len(candidate_lens)}")
@@ -159,7 +147,15 @@ def cached_step(weights: HSTUWeights, past_k: list[torch.Tensor], past_v: list[t
         if cached + delta > config.max_seq_len:
             raise ValueError(f"user {b}: cached {cached} + delta {delta} exceeds max_seq_len={config.max_seq_len}")
     check_past_kv(config, cached_lens, past_k, past_v)
-    n = batch_n(config, list(cached_lens), delta_lens) if n is None else n
+    return _step(weights, past_k, past_v, list(cached_lens), delta_x, list(appended_lens), list(candidate_lens), n)
+
+
+def _step(weights: HSTUWeights, past_k: list[torch.Tensor], past_v: list[torch.Tensor], cached_lens: list[int],
+          delta_x: torch.Tensor, appended_lens: list[int], candidate_lens: list[int], n: float | None) -> StepOutput:
+    """`cached_step` on checked inputs."""
+    config, family = weights.config, weights.family
+    delta_lens = [a + c for a, c in zip(appended_lens, candidate_lens)]
+    n = batch_n(config, cached_lens, delta_lens) if n is None else n
     rule: MaskRule = config.mask_rule
     qo, co = [0], [0]
     for cached, delta in zip(cached_lens, delta_lens):

@@ -8,6 +8,7 @@ import torch
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
 from layerflow.model.mask import MaskRule
+from tests.kernels.cuda_graph import captured
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
 pytestmark = pytest.mark.gpu
@@ -68,14 +69,7 @@ def test_one_graph_serves_a_new_n_per_batch(preload):
         kv_append(static.k, static.v, static.kv_cache, *static.lengths)
         attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out, inv_n)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for seed, case in enumerate(cases):
         n = [max(case[0]) + max(a + c for a, c in zip(case[1], case[2]))] * max_batch
