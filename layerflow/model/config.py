@@ -86,7 +86,7 @@ class HSTUConfig:
         if self.attn_alpha is not None and (isinstance(self.attn_alpha, bool)
                                             or not isinstance(self.attn_alpha, (int, float)) or self.attn_alpha <= 0):
             raise ValueError(f"attn_alpha={self.attn_alpha!r}: must be None (1/sqrt(dqk)) or a positive number")
-        self.mask_rule  # validates the mask options
+        MaskRule(self.contextual_len, self.max_attn_len, self.target_aware)   # raises on a bad mask option
         if self.contextual_len >= self.max_seq_len:
             raise ValueError(f"contextual_len={self.contextual_len} must be < max_seq_len={self.max_seq_len}")
 
