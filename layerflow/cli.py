@@ -6,6 +6,7 @@ import argparse
 import time
 
 from layerflow.model import HSTUWeights
+from layerflow.model import checkpoint
 from layerflow.model.config import PRESETS
 from layerflow.bench.cli import add_arguments as add_bench_arguments
 from layerflow.bench.cli import main as bench_main
@@ -78,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(a small CPU-path run without a GPU)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+    imports = sub.add_parser("import-checkpoint", help="convert a generative-recommenders STU stack or a "
+                             "recsys-examples HSTU stack into a layerflow weights file",
+                             description=checkpoint.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    checkpoint.add_arguments(imports)
+    imports.set_defaults(func=checkpoint.main)
     return parser
 
 

@@ -7,15 +7,25 @@ adds the partials in split order (deterministic). Splitting is what fills a 132-
 Every length, offset and page index is read from device tensors and the grid is sized from the capacity given at
 construction; programs past the batch exit at once. One compiled kernel and one captured graph therefore serve any
 lengths up to the capacity.
+
+The mask is the model's (layerflow.model.mask): token ids with the contextual shift and the target clamp, the window
+W and the contextual rows are compile-time options, and a program reads only the history keys its rows may see, so
+with a window it reads only the pages `MaskRule.cached_read_start` names (the engine may leave earlier ones
+unloaded). The 1/N factor is read from a device tensor ([1], or one value per user), so one captured graph serves
+the batch rule's N that changes with every batch. K and V share one head dim in the paged cache (dqk == dv).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
+from layerflow.model.config import HSTUConfig
+from layerflow.model.mask import MaskRule
+
+__all__ = ["AttentionTiling", "PagedAttention", "default_tiling"]
 
 PAGE_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128, 256)
@@ -41,11 +51,19 @@ def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
-def _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
+def _token_ids(pos, m, SHIFT: tl.constexpr):
+    """id(p) = min(max(p - SHIFT, 0), m): the contextual prefix shares id 0, targets share m."""
+    return tl.minimum(tl.maximum(pos - SHIFT, 0), m)
+
+
+@triton.jit
+def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
                   H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                  CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                  SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr):
     """acc += SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N read through the page table.
 
+    Unmasked tiles are ones every row of the block sees whole; masked ones apply the model's mask to each pair.
     With CHUNK_PAGES > 0 the page ids come from `chunk_pages`, the program's page-table slice held in registers, so
     the K/V addresses of a tile need no load and the loop's loads can be prefetched like dense ones.
     """
@@ -70,16 +88,33 @@ def _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, 
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
     p = s * tl.sigmoid(s)
     if MASKED:
-        p = tl.where(key_ok[None, :] & (n[None, :] <= qpos[:, None]), p, 0.0)
+        if WINDOW > 0 or CONTEXTUAL > 0:
+            kid = _token_ids(n, m, SHIFT)[None, :]
+            seen = (history_row[:, None] & (n[None, :] == qpos[:, None])) | (qid[:, None] > kid)
+            if WINDOW > 0:
+                seen = seen & (qid[:, None] - kid <= WINDOW)
+            if CONTEXTUAL > 0:
+                seen = seen | ((qid[:, None] == 0) & (kid < m))
+        else:
+            seen = n[None, :] <= qpos[:, None]     # causal; a candidate (at hist) sees every history key
+        p = tl.where(key_ok[None, :] & seen, p, 0.0)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
 
 @triton.jit
+def _window_start(qid, WINDOW: tl.constexpr, SHIFT: tl.constexpr):
+    """First history position a query of id `qid` sees: its id minus W, or 0 once that reaches the id-0 tokens
+    (always 0 without a window)."""
+    return tl.where((WINDOW == 0) | (qid <= WINDOW), 0, qid - WINDOW + SHIFT)
+
+
+@triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, dst_ptr,
-    q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, inv_n,
+    q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
+    dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BATCH_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
+    INV_N_PER_USER: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(2)
@@ -91,18 +126,41 @@ def _paged_attention_kernel(
     hist = tl.load(history_lens_ptr + user)
     appended = tl.load(appended_lens_ptr + user)
 
-    # Query j < appended is history position hist - appended + j (causal); a candidate sees the whole history.
+    # Query j < appended is history position hist - appended + j; candidates sit at hist (their id clamps to m).
+    # Each row sees the history keys [row_lo, row_hi); for m <= 0 (a history shorter than the prefix) only a
+    # subset of that, so no tile is taken as fully seen. Ids grow with j, so row_lo does, and so does row_hi but
+    # for the contextual rows (all history): the block's bounds come from its first and last rows, else from a
+    # reduction over the rows.
     j = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = j < q_len
-    qpos = tl.where(j < appended, hist - appended + j, hist - 1)
-    last = tl.minimum(block * BLOCK_M + BLOCK_M, q_len) - 1
-    kv_end = tl.minimum(hist, hist - appended + last + 1)
-    full_end = tl.minimum(hist, hist - appended + block * BLOCK_M + 1)   # keys every row of the block sees
+    history_row = j < appended
+    m = hist - SHIFT
+    qpos = tl.where(history_row, hist - appended + j, hist)
+    qid = _token_ids(qpos, m, SHIFT)
+    first, last = block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, q_len) - 1
+    block_lo = _window_start(_token_ids(tl.where(first < appended, hist - appended + first, hist), m, SHIFT),
+                             WINDOW, SHIFT)
+    full_lo = _window_start(_token_ids(tl.where(last < appended, hist - appended + last, hist), m, SHIFT),
+                            WINDOW, SHIFT)
+    if CONTEXTUAL > 0:
+        row_hi = tl.where(history_row & (qid > 0), qpos + 1, hist)
+        kv_end = tl.max(tl.where(row_ok, row_hi, 0), axis=0)
+        full_end = tl.where(m > 0, tl.min(tl.where(row_ok, row_hi, hist), axis=0), 0)
+    else:
+        kv_end = tl.minimum(hist, hist - appended + last + 1)
+        full_end = tl.minimum(hist, hist - appended + first + 1)
 
-    chunk = tl.cdiv(tl.cdiv(hist, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, kv_end)
-    full_hi = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
+    # The user's keys [user_lo, hist) are split evenly; user_lo is where its first query's window starts.
+    user_lo = _window_start(_token_ids(hist - appended, m, SHIFT), WINDOW, SHIFT)
+    chunk = tl.cdiv(tl.cdiv(hist - user_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_lo = user_lo + split * chunk
+    lo = tl.maximum(split_lo, block_lo)
+    hi = tl.minimum(split_lo + chunk, kv_end)
+    # Tiles from lo: masked ones below the first tile inside [full_lo, full_end), unmasked ones inside it, masked
+    # ones after.
+    unmasked_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N
+    masked_end = tl.minimum(unmasked_lo, hi)
+    unmasked_hi = unmasked_lo + tl.maximum(tl.minimum(hi, full_end) - unmasked_lo, 0) // BLOCK_N * BLOCK_N
 
     d = tl.arange(0, D)
     token = (q_start + j).to(tl.int64)
@@ -117,12 +175,17 @@ def _paged_attention_kernel(
         chunk_pages = tl.load(page_row + first_page + slots, mask=first_page + slots < tl.cdiv(hi, PAGE), other=0)
     else:
         chunk_pages = first_page
-    for n0 in range(lo, full_hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
-                            H, D, PAGE, BLOCK_N, CHUNK_PAGES, False, PRECISION)
-    for n0 in range(full_hi, hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
-                            H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION)
+    if WINDOW > 0:
+        for n0 in range(lo, masked_end, BLOCK_N):
+            acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0,
+                                hi, alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
+                                CONTEXTUAL)
+    for n0 in range(unmasked_lo, unmasked_hi, BLOCK_N):
+        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi,
+                            alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW, CONTEXTUAL)
+    for n0 in range(tl.maximum(unmasked_hi, masked_end), hi, BLOCK_N):
+        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi,
+                            alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW, CONTEXTUAL)
 
     if split == 0:
         # A candidate's own key: the only non-history key it sees.
@@ -134,6 +197,10 @@ def _paged_attention_kernel(
         s = tl.sum(q.to(tl.float32) * k_self, axis=1) * alpha
         acc += (s * tl.sigmoid(s))[:, None] * v_self
 
+    if INV_N_PER_USER:
+        inv_n = tl.load(inv_n_ptr + user)
+    else:
+        inv_n = tl.load(inv_n_ptr)
     dst = dst_ptr + split.to(tl.int64) * split_stride + token[:, None] * (H * D) + head_cols
     tl.store(dst, (acc * inv_n).to(dst_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -158,57 +225,18 @@ def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_ba
     tl.store(out_ptr + offsets, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@dataclass(frozen=True)
-class AttentionTiling:
-    """Launch shape of the attention kernel.
-
-    `programs_per_sm` is how many programs of this shape one SM runs at once (shared memory and registers decide it);
-    the split count is chosen so the grid fills whole waves of SMs * programs_per_sm. `num_splits` overrides that.
-    `preload_pages` keeps each program's page-table slice in registers instead of loading page ids per tile.
-    """
-
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    programs_per_sm: int = 1
-    preload_pages: bool = False
-    num_splits: int | None = None
-
-
-def default_tiling(head_dim: int, dtype: torch.dtype, tokens_per_user: int = 64) -> AttentionTiling:
-    """The fastest tiling of the H200 sweep in benchmarks/results/kernels-h200.json (fp32, the test dtype: small).
-
-    Users with many queries (candidates) make the kernel compute-bound: a taller query block reads each K/V tile for
-    more queries. Three stages with page ids in registers let the K/V loads run two tiles ahead (1.6 -> 2.0 TB/s at
-    BS=1, 16K, D=256).
-    """
-    if dtype == torch.float32:
-        return AttentionTiling(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    if tokens_per_user >= 128:
-        block_n = 32 if head_dim == 256 else 64
-        return AttentionTiling(block_m=128, block_n=block_n, num_warps=8, num_stages=3, preload_pages=True)
-    if head_dim == 256:
-        return AttentionTiling(block_m=64, block_n=64, num_warps=8, num_stages=3, preload_pages=True)
-    return AttentionTiling(block_m=64, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, preload_pages=True)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 class PagedAttention:
     """HSTU attention of one batch's queries over their users' paged history, with workspaces sized at construction.
 
     `run` allocates nothing and reads every length from device tensors, so it can be captured in a CUDA graph once
-    and replayed for any batch within the capacity.
+    and replayed for any batch within the capacity. `mask` holds the model's mask options (target-aware candidates
+    only: their keys are never in the pages). `max_seq_len` is the N of the constant 1/N rule, used when `run` is
+    given no 1/N tensor.
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
-                 *, tiling: AttentionTiling | None = None) -> None:
+                 *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule()) -> None:
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("max_pages_per_user", max_pages_per_user), ("num_heads", num_heads),
                             ("max_seq_len", max_seq_len)):
@@ -220,10 +248,14 @@ class PagedAttention:
             raise ValueError(f"page_size={page_size}: expected one of {PAGE_SIZES}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype}: expected one of {DTYPES}")
+        if not mask.target_aware:
+            raise ValueError("mask.target_aware=False: the paged kernel serves target-aware candidates only")
+        self.mask = mask
         self.max_batch, self.max_tokens, self.max_pages_per_user = max_batch, max_tokens, max_pages_per_user
         self.num_heads, self.head_dim, self.page_size, self.dtype = num_heads, head_dim, page_size, dtype
         self.device = torch.device(device)
         self.alpha, self.max_seq_len = float(alpha), max_seq_len
+        self.constant_inv_n = torch.full((1,), 1.0 / max_seq_len, dtype=torch.float32, device=self.device)
         tiling = tiling or default_tiling(head_dim, dtype, triton.cdiv(max_tokens, max_batch))
         self.num_splits = tiling.num_splits or self._pick_splits(tiling)
         if not 1 <= self.num_splits <= MAX_SPLITS:
@@ -235,6 +267,15 @@ class PagedAttention:
         self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32,
                                      device=self.device) if self.num_splits > 1 else None)
 
+    @classmethod
+    def for_model(cls, config: HSTUConfig, max_batch: int, max_tokens: int, max_pages_per_user: int, page_size: int,
+                  device: torch.device | str, *, tiling: AttentionTiling | None = None) -> "PagedAttention":
+        """The attention of `config`'s layers: its heads, alpha, mask and constant N (dqk must equal dv)."""
+        if config.dqk != config.dv:
+            raise ValueError(f"dqk={config.dqk} != dv={config.dv}: the paged cache holds K and V at one head dim")
+        return cls(max_batch, max_tokens, max_pages_per_user, config.num_heads, config.dqk, page_size, config.dtype,
+                   device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule)
+
     def _pick_splits(self, tiling: AttentionTiling) -> int:
         """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90%.
 
@@ -243,7 +284,7 @@ class PagedAttention:
         """
         per_user = triton.cdiv(self.max_tokens, self.max_batch)
         programs = self.max_batch * triton.cdiv(per_user, tiling.block_m) * self.num_heads
-        slots = _sm_count(self.device) * tiling.programs_per_sm
+        slots = sm_count(self.device) * tiling.programs_per_sm
         tiles = triton.cdiv(self.max_pages_per_user * self.page_size, tiling.block_n)
         best, best_fill = 1, 0.0
         for splits in range(1, min(tiles, MAX_SPLITS) + 1):
@@ -264,7 +305,7 @@ class PagedAttention:
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
-               appended_lens: torch.Tensor, out: torch.Tensor) -> None:
+               appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor) -> None:
         rows = (self.num_heads, self.head_dim)
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             if t.dim() != 3 or tuple(t.shape[1:]) != rows or t.shape[0] > self.max_tokens:
@@ -292,25 +333,34 @@ class PagedAttention:
                 raise ValueError(f"{name} dtype {t.dtype}: expected torch.int32")
             if n is not None and (t.dim() != 1 or t.shape[0] != n or not t.is_contiguous()):
                 raise ValueError(f"{name} shape {tuple(t.shape)}: expected contiguous [{n}]")
+        if inv_n.dtype != torch.float32 or inv_n.dim() != 1 or inv_n.shape[0] not in (1, self.max_batch) \
+                or not inv_n.is_contiguous():
+            raise ValueError(f"inv_n {inv_n.dtype} shape {tuple(inv_n.shape)}: expected contiguous float32 [1] or "
+                             f"[{self.max_batch}]")
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
-            appended_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees (see the module docstring)."""
-        self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out)
+            appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor | None = None) -> torch.Tensor:
+        """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees (see the module docstring).
+
+        `inv_n` holds 1/N on the device: one value for the batch ([1]) or one per user ([max_batch]); without it,
+        1/max_seq_len.
+        """
+        inv_n = self.constant_inv_n if inv_n is None else inv_n
+        self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out, inv_n)
         t = self.tiling
         dst = out if self.partials is None else self.partials
         split_stride = self.max_tokens * self.num_heads * self.head_dim
         precision = "ieee" if self.dtype == torch.float32 else None
         grid = (self.num_splits, self.query_slots, self.num_heads)
         _paged_attention_kernel[grid](
-            q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, dst,
+            q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, inv_n, dst,
             q.stride(0), k.stride(0), v.stride(0), page_table.stride(0), split_stride, self.max_batch, self.alpha,
-            1.0 / self.max_seq_len,
             H=self.num_heads, D=self.head_dim, PAGE=self.page_size,
             BATCH_P2=max(2, triton.next_power_of_2(self.max_batch)),
             NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,
-            PRECISION=precision,
+            PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
+            WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None:

@@ -2,6 +2,8 @@
 
 One program per token row of the capacity-sized k/v buffers; each finds its user from the device offsets and exits
 unless it is an appended token, so the launch is graph capturable and independent of the batch's lengths.
+The mask options change nothing here: every history token is cached at its position (the contextual prefix and the
+tokens a window will stop reading included); K and V share one head dim (dqk == dv), like the paged cache.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from layerflow.model.weights import HSTUWeights
 def embed(weights: HSTUWeights, item_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Item embedding plus the absolute position embedding: position i stays i whatever is appended later,
     which keeps cached K/V valid."""
+    if not weights.config.embedding_tables:
+        raise ValueError("this model has no embedding tables: its caller brings the token embeddings")
     return weights.item_embedding[item_ids] + weights.position_embedding[positions]
 
 

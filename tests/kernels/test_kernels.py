@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 from layerflow.kernels import (AttentionTiling, PagedAttention, kv_append, kv_append_reference,  # noqa: E402
                                paged_attention_reference)
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference  # noqa: E402
+from layerflow.model.mask import MaskRule  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,16 +28,18 @@ RAGGED = dict(history_lens=[0, 37, 1, 20, 0], appended_lens=[0, 3, 1, 20, 0], ca
 
 def attention_vs_reference(lengths: dict, *, num_heads: int, head_dim: int, page_size: int, tiling: AttentionTiling,
                            dtype: torch.dtype = torch.float32, max_batch: int | None = None,
-                           max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                           max_tokens: int | None = None, mask: MaskRule = MaskRule(),
+                           inv_n: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     batch = make_paged_batch(**lengths, num_heads=num_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
                              device=DEVICE, max_batch=max_batch, max_tokens=max_tokens)
     kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
     attn = PagedAttention(batch.page_table.shape[0], batch.q.shape[0], batch.page_table.shape[1], num_heads,
-                          head_dim, page_size, dtype, DEVICE, ALPHA, MAX_SEQ_LEN, tiling=tiling)
+                          head_dim, page_size, dtype, DEVICE, ALPHA, MAX_SEQ_LEN, tiling=tiling, mask=mask)
     out = torch.full_like(batch.q, 7.0)
-    attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, out)
+    attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, out, inv_n)
+    scale = dict(max_seq_len=MAX_SEQ_LEN) if inv_n is None else dict(inv_n=inv_n)
     expected = paged_attention_reference(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths,
-                                         torch.full_like(batch.q, 7.0), alpha=ALPHA, max_seq_len=MAX_SEQ_LEN)
+                                         torch.full_like(batch.q, 7.0), alpha=ALPHA, mask=mask, **scale)
     return out, expected, batch.total_tokens
 
 

@@ -6,6 +6,7 @@ import torch
 from dataclasses import replace
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
+from tests.kernels.cuda_graph import captured
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
 pytestmark = pytest.mark.gpu
@@ -69,14 +70,7 @@ def test_one_graph_replays_any_lengths_like_eager(preload):
         kv_append(static.k, static.v, static.kv_cache, *static.lengths)
         attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for case in cases:
         batch = batch_of(case)

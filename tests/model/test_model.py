@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from layerflow.model import HSTUConfig, HSTUWeights, JaggedBatch, cached_forward, full_forward
 
@@ -25,8 +26,18 @@ def _empty_cache(cfg):
             [torch.zeros(0, cfg.num_heads, cfg.dv)] * cfg.num_layers)
 
 
-def test_cached_equals_full_over_append_steps(small_weights):
-    cfg = small_weights.config
+CACHE_EXACT = {
+    "hstu": {},
+    "hstu-window": dict(max_attn_len=40),
+    "stu-group-window": dict(family="stu", output_norm="group", max_attn_len=40, attn_alpha=0.3),
+}
+
+
+@pytest.mark.parametrize("options", list(CACHE_EXACT))
+def test_cached_equals_full_over_append_steps(small_config, options):
+    """With the constant 1/N and no contextual prefix the cached path is cache-exact, for both families."""
+    cfg = HSTUConfig(**{**small_config.to_dict(), **CACHE_EXACT[options]})
+    small_weights = HSTUWeights.init(cfg, seed=0)
     rng = random.Random(1)
     steps = [1, 37, 300]  # history length after each step: page-unaligned
     users = [0, 1]
@@ -137,6 +148,17 @@ def test_init_is_deterministic_and_seeded(small_config):
 def test_load_rejects_mismatched_config(tmp_path, small_weights, small_config):
     path = tmp_path / "w.safetensors"
     small_weights.save(path)
+    wider = HSTUConfig(**{**small_config.to_dict(), "embedding_dim": 64})
+    with pytest.raises(ValueError, match=r"config differs from the file's.*'embedding_dim': \(64, 32\)"):
+        HSTUWeights.load(path, wider)
+
+
+def test_load_without_metadata_checks_tensors_against_the_config(tmp_path, small_weights, small_config):
+    path = tmp_path / "bare.safetensors"
+    save_file({k: v.contiguous() for k, v in small_weights.state_dict().items()}, str(path))
+    with pytest.raises(ValueError, match="no 'hstu_config' metadata"):
+        HSTUWeights.load(path)
+    assert HSTUWeights.load(path, small_config).config == small_config
     wider = HSTUConfig(**{**small_config.to_dict(), "embedding_dim": 64})
     with pytest.raises(ValueError, match="item_embedding has shape"):
         HSTUWeights.load(path, wider)

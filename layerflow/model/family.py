@@ -1,0 +1,121 @@
+"""Layer families: what differs between HSTU layer variants, behind one small interface chosen once per model.
+
+Both families compute, per layer on jagged tokens x [T, E],
+
+    uvqk = LayerNorm(x) @ W_uvqk + b_uvqk        split into u [H*dv], v [H, dv], q [H, dqk], k [H, dqk]
+    attn = sum_j SiLU(alpha q.k_j) / N v_j      over the keys the mask allows (no softmax; see model.reference)
+    out  = x + Y @ W_out                         (residual of the raw layer input, no output bias)
+
+and differ in the activations and in Y:
+
+- `hstu` (recsys-examples' inference layer): SiLU on u, v, q and k; Y = u * Norm(attn)           [H*dv]
+- `stu` (generative-recommenders' STU layer, DLRMv3): SiLU on u only; Y = [u, attn, u * Norm(attn)]   [3*H*dv]
+
+Norm is the config's output norm: LayerNorm over H*dv, or a group norm with one group (and one scalar weight and
+bias) per head. Norms run in fp32 (at least) and round to the model's dtype, as both frameworks do.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from layerflow.model.config import HSTUConfig
+from layerflow.model.layer import LayerWeights
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim, computed in fp32 and rounded to x's dtype."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def group_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H*d]: each head's d values normalised on their own, then scaled and shifted by that head's scalar."""
+    heads = weight.shape[0]
+    grouped = x.float().reshape(x.shape[0], heads, -1)
+    normed = F.layer_norm(grouped, (grouped.shape[-1],), eps=eps)
+    return (normed * weight.float()[:, None] + bias.float()[:, None]).reshape(x.shape).to(x.dtype)
+
+
+class LayerFamily(ABC):
+    """The layer math of one family for one model config; build it once (`layer_family`) and call it per layer."""
+
+    name: str
+    output_blocks: int   # Y is this many H*dv blocks wide
+
+    def __init__(self, config: HSTUConfig) -> None:
+        self.config = config
+        self._norm = layer_norm if config.output_norm == "layer" else group_norm
+
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every LayerWeights field."""
+        c = self.config
+        e, a = c.embedding_dim, c.num_heads * c.dv
+        norm = (a,) if c.output_norm == "layer" else (c.num_heads,)
+        return {
+            "ln_in_weight": (e,),
+            "ln_in_bias": (e,),
+            "uvqk_weight": (e, c.uvqk_dim),
+            "uvqk_bias": (c.uvqk_dim,),
+            "ln_attn_weight": norm,
+            "ln_attn_bias": norm,
+            "out_weight": (self.output_blocks * a, e),
+        }
+
+    def input_projection(self, layer: LayerWeights,
+                         x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, E] -> u [T, H*dv] (activated), v [T, H, dv], q [T, H, dqk], k [T, H, dqk]: views of one tensor."""
+        c = self.config
+        h, dv, dqk = c.num_heads, c.dv, c.dqk
+        uvqk = self._activate(layer_norm(x, layer.ln_in_weight, layer.ln_in_bias, c.layer_norm_eps)
+                              @ layer.uvqk_weight + layer.uvqk_bias)
+        u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+        return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
+
+    def output(self, layer: LayerWeights, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x + Y @ W_out, with attn [T, H, dv] (or [T, H*dv]) the attention output."""
+        flat = attn.reshape(attn.shape[0], -1).to(x.dtype)
+        normed = self._norm(flat, layer.ln_attn_weight, layer.ln_attn_bias, self.config.layer_norm_eps)
+        return x + self._output_input(u, flat, u * normed) @ layer.out_weight
+
+    @abstractmethod
+    def _activate(self, uvqk: torch.Tensor) -> torch.Tensor:
+        """The activation applied to the fused projection, returned as one [T, uvqk_dim] tensor."""
+
+    @abstractmethod
+    def _output_input(self, u: torch.Tensor, attn: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
+        """Y from u, the flat attention output and u * Norm(attn)."""
+
+
+class HSTULayer(LayerFamily):
+    name = "hstu"
+    output_blocks = 1
+
+    def _activate(self, uvqk: torch.Tensor) -> torch.Tensor:
+        return F.silu(uvqk)
+
+    def _output_input(self, u: torch.Tensor, attn: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
+        return gated
+
+
+class STULayer(LayerFamily):
+    name = "stu"
+    output_blocks = 3
+
+    def _activate(self, uvqk: torch.Tensor) -> torch.Tensor:
+        u_width = self.config.num_heads * self.config.dv
+        return torch.cat([F.silu(uvqk[:, :u_width]), uvqk[:, u_width:]], dim=1)
+
+    def _output_input(self, u: torch.Tensor, attn: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
+        return torch.cat([u, attn, gated], dim=1)
+
+
+# Keyed like config.FAMILIES, the names a config accepts.
+LAYER_FAMILIES: dict[str, type[LayerFamily]] = {cls.name: cls for cls in (HSTULayer, STULayer)}
+
+
+def layer_family(config: HSTUConfig) -> LayerFamily:
+    """The family object of `config` (its `family` field), bound to the config."""
+    return LAYER_FAMILIES[config.family](config)
