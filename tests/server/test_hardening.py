@@ -312,3 +312,13 @@ def test_a_cuda_pool_is_mapped_in_another_process_from_raw_ipc_handles(tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["mapped", str(LAYOUT.num_layers)]
     assert not pool.kv[0].any()   # the other process wrote into this one's memory
+
+
+def test_a_client_of_a_socket_where_no_server_runs_is_told_so(tmp_path):
+    from layerflow.server import TransferClient
+
+    config = Config(server_socket=str(tmp_path / "none" / "kv.sock"))
+    shm, kv = shared_cpu_pool(LAYOUT, 4)
+    with pytest.raises(FileNotFoundError, match=rf"no transfer server is running in {tmp_path / 'none'}"):
+        TransferClient.from_config(config, LAYOUT, kv, shm=shm)
+    shm.close()
