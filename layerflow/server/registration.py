@@ -54,7 +54,8 @@ def layout_from_dict(d: object) -> KVLayout:
         values = dict(zip(("num_layers", "num_heads", "head_dim", "dtype"), g))
         if values["dtype"] not in DTYPES:
             raise ValueError(f"layout group {g!r}: dtype {values['dtype']!r} not in {sorted(DTYPES)}")
-        out.append(LayerGroup(int_field(values, "num_layers", 1, MAX_LAYERS), int_field(values, "num_heads", 1, MAX_HEADS),
+        out.append(LayerGroup(int_field(values, "num_layers", 1, MAX_LAYERS),
+                              int_field(values, "num_heads", 1, MAX_HEADS),
                               int_field(values, "head_dim", 1, MAX_HEAD_DIM), DTYPES[values["dtype"]]))
     layout = KVLayout(tuple(out), page_size)
     if layout.num_layers > MAX_LAYERS:
