@@ -1,9 +1,17 @@
-"""The `layerflow` command line."""
+"""The `layerflow` command line.
+
+A user error (ValueError for a bad value, as the library raises it; OSError for a file, directory or socket it cannot
+use) is one line on stderr and exit code 2, like argparse's own; anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
+
+from safetensors import SafetensorError
 
 from layerflow.model import HSTUWeights
 from layerflow.model import checkpoint
@@ -18,12 +26,45 @@ from layerflow.server.main import add_arguments as add_server_arguments
 from layerflow.server.main import run as run_server
 
 
+USER_ERRORS = (ValueError, OSError)
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, refused with a message naming the value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+    return parse
+
+
 def _weights(args: argparse.Namespace) -> HSTUWeights:
     config = PRESETS[args.preset]
-    return HSTUWeights.load(args.weights, config) if args.weights else HSTUWeights.init(config, seed=args.seed)
+    if not args.weights:
+        return HSTUWeights.init(config, seed=args.seed)
+    try:
+        return HSTUWeights.load(args.weights, config)
+    except SafetensorError as err:
+        raise ValueError(f"--weights {args.weights}: not a safetensors file ({err})") from None
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    """The longest visit (the last round's, or the first visit without rounds) must fit the model, checked before the
+    workload's lists are built."""
+    longest = args.history_len + args.rounds * args.append_len + (args.num_candidates if args.rounds else 0)
+    limit = PRESETS[args.preset].max_seq_len
+    if longest > limit:
+        raise ValueError(f"--history-len {args.history_len} + --rounds {args.rounds} x --append-len "
+                         f"{args.append_len} + --num-candidates {args.num_candidates} = {longest} tokens exceed "
+                         f"max_seq_len={limit} of preset {args.preset!r}")
 
 
 def cmd_score(args: argparse.Namespace) -> None:
+    _check_lengths(args)
     weights = _weights(args)
     first, rounds = returning_users(args.users, args.history_len, args.append_len, args.num_candidates, args.rounds,
                                     weights.config.item_vocab_size, seed=args.seed)
@@ -58,12 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape")
     score.add_argument("--weights", help="safetensors file to load instead of seeded random weights")
     score.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
-    score.add_argument("--users", type=int, default=4, help="returning users")
-    score.add_argument("--history-len", type=int, default=256, help="history tokens cached per user before the rounds")
-    score.add_argument("--append-len", type=int, default=8, help="new history items per user per visit")
-    score.add_argument("--num-candidates", type=int, default=16, help="candidates scored per visit")
-    score.add_argument("--rounds", type=int, default=2, help="return visits per user")
-    score.add_argument("--top-k", type=int, default=3, help="best candidates printed per request")
+    score.add_argument("--users", type=_at_least(1), default=4, help="returning users")
+    score.add_argument("--history-len", type=_at_least(0), default=256,
+                       help="history tokens cached per user before the rounds")
+    score.add_argument("--append-len", type=_at_least(0), default=8, help="new history items per user per visit")
+    score.add_argument("--num-candidates", type=_at_least(1), default=16, help="candidates scored per visit")
+    score.add_argument("--rounds", type=_at_least(0), default=2, help="return visits per user")
+    score.add_argument("--top-k", type=_at_least(1), default=3, help="best candidates printed per request")
     score.add_argument("--evict-between-rounds", action="store_true",
                        help="evict the users from the GPU after each round, so the next round is served from host")
     score.add_argument("--config", help="transfer YAML config (default: $LAYERFLOW_CONFIG, else built-in defaults)")
@@ -88,8 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except USER_ERRORS as err:
+        print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

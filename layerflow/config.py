@@ -2,13 +2,16 @@
 
 Keys FlexKV also has keep FlexKV's names and units (`cpu_cache_gb`, `ssd_cache_gb`, `ssd_cache_dir` with `;` between
 several directories); the rest are layerflow's own. A value is taken from the file if the file sets it, else from the
-environment fallback if the key has one, else the default. Unknown keys and bad values raise ValueError naming both.
+environment fallback if the key has one, else the default. Unknown keys, keys given twice, malformed YAML and bad
+values raise ValueError naming the key (and the file); every number is finite and bounded (the MAX_* constants).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -57,7 +60,22 @@ class Config:
         """The SSD directories (FlexKV separates several with ';')."""
         if self.ssd_cache_dir is None:
             return ()
-        return tuple(d for d in self.ssd_cache_dir.split(";") if d)
+        return tuple(_split_dirs(self.ssd_cache_dir))
+
+    def blocks(self, key: str, block_bytes: int, minimum: int = 1) -> int:
+        """Whole blocks of `block_bytes` in the GiB of `key` (a `*_cache_gb` size); ValueError naming the key when
+        they are fewer than `minimum`. Only the model's layout knows a block's bytes, so the engine and the server
+        size their pools through this rather than trusting a size that may hold no page at all."""
+        sizes = ("gpu_cache_gb", "cpu_cache_gb", "ssd_cache_gb")
+        if key not in sizes:
+            raise ValueError(f"key={key!r}: expected one of {sizes}")
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise ValueError(f"block_bytes={block_bytes!r}: must be a positive integer")
+        gb = getattr(self, key)
+        count = int(gb * 2**30) // block_bytes
+        if count < minimum:
+            raise ValueError(f"{key}={gb!r} holds {count} blocks of {block_bytes} bytes, at least {minimum} needed")
+        return count
 
     def to_dict(self) -> dict:
         """Plain values (the enum as its YAML string), e.g. to record a benchmark's settings."""
@@ -66,26 +84,44 @@ class Config:
         return out
 
 
-def _number(name: str, value: object, minimum: float, inclusive: bool) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    ok = ok and (value >= minimum if inclusive else value > minimum)
+# Upper bounds: far beyond any machine this runs on, low enough that a typo fails here, naming its key, and not later
+# as an allocation error (1e6 GiB of GPU memory) or a descriptor limit (100000 counters of eventfds).
+MAX_GPU_CACHE_GB = 1024.0
+MAX_CPU_CACHE_GB = 16384.0
+MAX_SSD_CACHE_GB = float(2**20)
+MAX_TRANSFER_TIMEOUT_S = 86400.0
+MAX_PAGE_SIZE = 1024
+MAX_COUNTERS = 64
+MAX_SSD_IO_THREADS = 256
+UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+def _number(name: str, value: object, minimum: float, inclusive: bool, maximum: float) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (value >= minimum if inclusive else value > minimum) and value <= maximum
     if not ok:
         bound = ">=" if inclusive else ">"
-        raise ValueError(f"{name}={value!r}: must be a number {bound} {minimum}")
+        raise ValueError(f"{name}={value!r}: must be a finite number {bound} {minimum} and <= {maximum:g}")
     return float(value)
 
 
-def _non_negative(name: str, value: object) -> float:
-    return _number(name, value, 0.0, inclusive=True)
+def _size(maximum: float, positive: bool) -> Callable[[str, object], float]:
+    return lambda name, value: _number(name, value, 0.0, not positive, maximum)
 
 
-def _positive(name: str, value: object) -> float:
-    return _number(name, value, 0.0, inclusive=False)
+def _int_in(minimum: int, maximum: int) -> Callable[[str, object], int]:
+    def check(name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise ValueError(f"{name}={value!r}: must be an integer in [{minimum}, {maximum}]")
+        return value
+    return check
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
+def _page_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PAGE_SIZE \
+            or value & (value - 1):
+        raise ValueError(f"{name}={value!r}: must be a power of two in [1, {MAX_PAGE_SIZE}] (the GPU kernels take "
+                         f"16, 32, 64 or 128)")
     return value
 
 
@@ -95,9 +131,38 @@ def _bool(name: str, value: object) -> bool:
     return value
 
 
-def _optional_str(name: str, value: object) -> str | None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"{name}={value!r}: must be a non-empty string or null")
+def _optional_path(name: str, value: object) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value or "\0" in value):
+        raise ValueError(f"{name}={value!r}: must be a non-empty path without NUL bytes, or null")
+    return value
+
+
+def _ssd_dirs(name: str, value: object) -> str | None:
+    """FlexKV's `;`-separated directory list: at least one directory, none twice."""
+    if _optional_path(name, value) is None:
+        return None
+    seen: set[str] = set()
+    for d in _split_dirs(value):
+        if os.path.normpath(d) in seen:
+            raise ValueError(f"{name}={value!r}: names {os.path.normpath(d)!r} twice")
+        seen.add(os.path.normpath(d))
+    if not seen:
+        raise ValueError(f"{name}={value!r}: names no directory")
+    return value
+
+
+def _split_dirs(text: str) -> list[str]:
+    return [d for d in text.split(";") if d]
+
+
+def _socket_path(name: str, value: object) -> str | None:
+    if _optional_path(name, value) is None:
+        return None
+    if value.endswith("/"):
+        raise ValueError(f"{name}={value!r}: must name a socket file, not a directory")
+    size = len(os.fsencode(value))
+    if size > UNIX_PATH_MAX:
+        raise ValueError(f"{name}={value!r}: {size} bytes, a Unix socket path holds at most {UNIX_PATH_MAX}")
     return value
 
 
@@ -111,17 +176,17 @@ def _signal(name: str, value: object) -> SignalMode:
 
 
 _CHECKS: dict[str, Callable[[str, object], object]] = {
-    "cpu_cache_gb": _non_negative,
-    "ssd_cache_gb": _non_negative,
-    "ssd_cache_dir": _optional_str,
+    "cpu_cache_gb": _size(MAX_CPU_CACHE_GB, positive=False),
+    "ssd_cache_gb": _size(MAX_SSD_CACHE_GB, positive=False),
+    "ssd_cache_dir": _ssd_dirs,
     "enable_layerwise": _bool,
     "signal": _signal,
-    "page_size": _positive_int,
-    "gpu_cache_gb": _positive,
-    "num_counters": _positive_int,
-    "transfer_timeout_s": _positive,
-    "server_socket": _optional_str,
-    "ssd_io_threads": _positive_int,
+    "page_size": _page_size,
+    "gpu_cache_gb": _size(MAX_GPU_CACHE_GB, positive=True),
+    "num_counters": _int_in(1, MAX_COUNTERS),
+    "transfer_timeout_s": _size(MAX_TRANSFER_TIMEOUT_S, positive=True),
+    "server_socket": _socket_path,
+    "ssd_io_threads": _int_in(1, MAX_SSD_IO_THREADS),
     "spawn_server": _bool,
 }
 
@@ -145,9 +210,33 @@ ENV_FALLBACKS: dict[str, tuple[str, Callable[[str], object]]] = {
 }
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice is an error (PyYAML keeps the last silently) and `1e6` is a float as in
+    YAML 1.2 (PyYAML's YAML 1.1 reads it as a string)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 def _read_file(path: Path) -> dict:
     with open(path) as fh:
-        values = yaml.safe_load(fh)
+        try:
+            values = yaml.load(fh, Loader=_StrictLoader)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
@@ -166,6 +255,8 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] = 
     """
     if path is None and env.get(CONFIG_ENV):
         path = env[CONFIG_ENV]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{CONFIG_ENV}={path!r}: no such file")
     values = _read_file(Path(path)) if path is not None else {}
     for key, (variable, parse) in ENV_FALLBACKS.items():
         if key in values or variable not in env:

@@ -128,3 +128,62 @@ def test_top_level_must_be_mapping(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_config(tmp_path / "absent.yaml", env={})
+
+
+# ---- hardening: every key bounded and named, the file's problems named -----------------------------------------
+
+@pytest.mark.parametrize("key", ["gpu_cache_gb", "cpu_cache_gb", "ssd_cache_gb", "transfer_timeout_s"])
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan"])
+def test_infinite_or_nan_numbers_are_refused_naming_the_key(tmp_path, key, text):
+    with pytest.raises(ValueError, match=rf"{key}=(inf|-inf|nan): must be a finite number"):
+        load_config(write(tmp_path, f"{key}: {text}\nssd_cache_dir: /d\n"), env={})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("gpu_cache_gb: 1.0e+6\n", r"gpu_cache_gb=1000000.0: must be a finite number > 0.0 and <= 1024"),
+    ("gpu_cache_gb: 1e6\n", r"gpu_cache_gb=1000000.0: must be a finite number > 0.0 and <= 1024"),
+    ("cpu_cache_gb: 1.0e+9\n", r"cpu_cache_gb=1000000000.0: .*<= 16384"),
+    ("transfer_timeout_s: 1.0e+12\n", r"transfer_timeout_s=1000000000000.0: .*<= 86400"),
+    ("num_counters: 100000\n", r"num_counters=100000: must be an integer in \[1, 64\]"),
+    ("ssd_io_threads: 100000\n", r"ssd_io_threads=100000: must be an integer in \[1, 256\]"),
+    ("page_size: 48\n", r"page_size=48: must be a power of two in \[1, 1024\]"),
+    ("page_size: 4096\n", r"page_size=4096: must be a power of two"),
+    ("ssd_cache_dir: ';'\n", r"ssd_cache_dir=';': names no directory"),
+    ("ssd_cache_dir: /a;/b;/a/\n", r"ssd_cache_dir='/a;/b;/a/': names '/a' twice"),
+    ("server_socket: /tmp/sock/\n", r"server_socket='/tmp/sock/': must name a socket file"),
+    (f"server_socket: /{'s' * 120}.sock\n", r"server_socket='/s+\.sock': 126 bytes, a Unix socket path holds "
+                                            r"at most 107"),
+])
+def test_out_of_bounds_values_are_refused_naming_the_key(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_sizes_in_blocks_refuse_a_pool_below_the_minimum_naming_the_key():
+    config = Config(gpu_cache_gb=2**-10)   # 1 MiB
+    assert config.blocks("gpu_cache_gb", 2**16) == 16
+    assert config.blocks("gpu_cache_gb", 2**16, minimum=16) == 16
+    with pytest.raises(ValueError, match=r"gpu_cache_gb=0.0009765625 holds 0 blocks of 2097152 bytes, "
+                                         r"at least 1 needed"):
+        config.blocks("gpu_cache_gb", 2**21)
+    with pytest.raises(ValueError, match=r"holds 16 blocks of 65536 bytes, at least 17 needed"):
+        config.blocks("gpu_cache_gb", 2**16, minimum=17)
+    with pytest.raises(ValueError, match=r"key='page_size': expected one of"):
+        config.blocks("page_size", 2**16)
+
+
+def test_duplicate_yaml_keys_are_refused_naming_the_key_and_line(tmp_path):
+    path = write(tmp_path, "cpu_cache_gb: 4\npage_size: 16\ncpu_cache_gb: 64\n")
+    with pytest.raises(ValueError, match=r"layerflow.yaml: line 3: duplicate key 'cpu_cache_gb'"):
+        load_config(path, env={})
+
+
+def test_malformed_yaml_is_a_value_error_naming_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"layerflow.yaml: not valid YAML"):
+        load_config(write(tmp_path, "cpu_cache_gb: [1\n"), env={})
+
+
+def test_missing_file_named_by_the_environment_names_the_variable(tmp_path):
+    absent = tmp_path / "absent.yaml"
+    with pytest.raises(FileNotFoundError, match=rf"LAYERFLOW_CONFIG={str(absent)!r}: no such file"):
+        load_config(env={"LAYERFLOW_CONFIG": str(absent)})

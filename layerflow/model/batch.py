@@ -8,6 +8,8 @@ candidate's result never depends on the other candidates or their order.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -22,19 +24,33 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64)
 
 
-def _item_ids(config: HSTUConfig, user: object, kind: str, ids: list[int]) -> np.ndarray:
-    """`ids` as int64, checked in bulk: the per-item loop that names the bad id runs only when a check fails."""
+def _item_ids(config: HSTUConfig, user: object, kind: str, ids: Sequence[object]) -> np.ndarray:
+    """`ids` as int64, checked in bulk. Any integer-like id (`operator.index`: int, IntEnum, numpy or torch integers)
+    counts as its int value; bool and everything else is refused. The per-item pass that names the bad id runs only
+    when the fast path (plain ints, or an integer array, all in the vocabulary) does not apply."""
     arr = None
-    if set(map(type, ids)) <= {int}:
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        arr = ids.astype(np.int64)  # a uint64 past 2**63 wraps negative and takes the naming pass below
+    elif set(map(type, ids)) <= {int}:
         try:
             arr = np.array(ids, dtype=np.int64)
         except OverflowError:
             arr = None
-    if arr is None or (arr.size and (int(arr.min()) < 0 or int(arr.max()) >= config.item_vocab_size)):
-        bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int)
-                   or not 0 <= i < config.item_vocab_size)
-        raise ValueError(f"user {user}: {kind} item id {bad!r} out of vocabulary [0, {config.item_vocab_size})")
-    return arr
+    if arr is not None and not (arr.size and (int(arr.min()) < 0 or int(arr.max()) >= config.item_vocab_size)):
+        return arr
+    values = []
+    for item in ids:
+        try:
+            if isinstance(item, bool):
+                raise TypeError
+            value = operator.index(item)
+        except TypeError:
+            raise ValueError(f"user {user}: {kind} item id {item!r} is not an integer ({type(item).__name__})") \
+                from None
+        if not 0 <= value < config.item_vocab_size:
+            raise ValueError(f"user {user}: {kind} item id {value} out of vocabulary [0, {config.item_vocab_size})")
+        values.append(value)
+    return np.array(values, dtype=np.int64)
 
 
 @dataclass(frozen=True)

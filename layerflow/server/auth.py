@@ -36,13 +36,30 @@ class PeerCred:
 
 
 def make_private_dir(path: str | os.PathLike | None = None) -> Path:
-    """Create (or adopt an empty) directory owned by us with mode 0700."""
+    """A directory only this uid can enter: a fresh temp dir for None; else `path`, created with mode 0700 (its
+    parents as needed), or adopted only if it already is a real directory of ours with mode 0700 (a restart).
+
+    Nothing that exists is changed: a shared directory such as /tmp, or a link planted at `path`, is refused rather
+    than chmod-ed, so the server can never lock others out of a directory or follow a link to someone else's.
+    """
     if path is None:
         return Path(tempfile.mkdtemp(prefix="layerflow-transfer-"))
     p = Path(path)
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(p, 0o700)
-    check_private(p, 0o700)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(p, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(p)
+    if stat.S_ISLNK(st.st_mode):
+        raise AuthError(f"{p}: is a symbolic link; the socket and token need a real directory of their own")
+    if not stat.S_ISDIR(st.st_mode):
+        raise AuthError(f"{p}: not a directory")
+    try:
+        check_private(p, 0o700)
+    except AuthError as e:
+        raise AuthError(f"{e}: the socket and token need a directory of their own (e.g. a new one such as "
+                        f"/tmp/layerflow/kv.sock); an existing directory is never chmod-ed") from None
     return p
 
 
@@ -69,6 +86,8 @@ def write_token(directory: str | os.PathLike) -> Path:
 
 def read_token(path: str | os.PathLike) -> str:
     """Read a token file after checking it is ours and 0600 (a readable token is no secret)."""
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"{path}: no token file: no transfer server is running in {Path(path).parent}")
     check_private(path, 0o600)
     return Path(path).read_text().strip()
 

@@ -1,9 +1,12 @@
 """The start-up handshake: authenticate, then pass per-layer eventfds with SCM_RIGHTS.
 
-Client: HELLO(token, rank, layers, counters) -> ACK, then one COUNTER_SET per counter
+Client: HELLO(token, rank, pid, layers, counters) -> ACK, then one COUNTER_SET per counter
 carrying that counter's `layers` eventfds -> ACK or NACK(reason). Any NACK, hang-up or
 timeout raises HandoffError in the client's start-up, so a bad handoff is a synchronous
-failure with a reason, never a waiter that hangs later.
+failure with a reason, never a waiter that hangs later. Every field is type- and
+range-checked before the server allocates anything for it: `layers` is capped by the fds one
+message can carry and `counters` by the config's bound, so a client cannot make the server
+allocate for 10**7 counters or acknowledge 10**30 layers.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from layerflow.config import MAX_COUNTERS
 from layerflow.server import protocol
 from layerflow.server.auth import AuthError, PeerCred, check_peer, peer_credentials, tokens_match
-from layerflow.server.protocol import Op, ProtocolError
+from layerflow.server.protocol import Op, ProtocolError, int_field
 
 log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0
+MAX_LAYERS = protocol.MAX_FDS   # a counter set carries one eventfd per layer in one message
+MAX_RANK = 2**31 - 1
+MAX_PID = 2**22                 # the kernel's pid_max ceiling
 
 
 class HandoffError(ConnectionError):
@@ -58,18 +65,13 @@ def eventfd_problem(fd: int) -> str | None:
     return None
 
 
-def _positive_int(msg: protocol.Message, key: str) -> int:
-    value = msg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key}={value!r}: must be a positive integer")
-    return value
-
-
 def client_handoff(sock: socket.socket, token: str, rank: int, fds: list[list[int]]) -> None:
     """Run the client side of the handshake on a connected socket; raise HandoffError on any failure."""
     counters, layers = len(fds), len(fds[0]) if fds else 0
     if counters == 0 or layers == 0 or any(len(row) != layers for row in fds):
         raise ValueError(f"fds must be a non-empty counters x layers grid, got shape {[len(r) for r in fds]}")
+    if counters > MAX_COUNTERS or layers > MAX_LAYERS:
+        raise ValueError(f"{counters} counters x {layers} layers: at most {MAX_COUNTERS} x {MAX_LAYERS}")
     old_timeout = sock.gettimeout()
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
@@ -113,10 +115,10 @@ def server_handoff(sock: socket.socket, token: str, allowed_uid: int,
             raise HandoffError(f"expected hello, got {hello.op.value}")
         if not tokens_match(token, hello.get("token")):
             raise AuthError(f"peer pid {peer.pid} uid {peer.uid} offered a wrong token")
-        layers, counters = _positive_int(hello, "layers"), _positive_int(hello, "counters")
-        rank = hello["rank"]
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank={rank!r}: must be a non-negative integer")
+        layers = int_field(hello.fields, "layers", 1, MAX_LAYERS)
+        counters = int_field(hello.fields, "counters", 1, MAX_COUNTERS)
+        rank = int_field(hello.fields, "rank", 0, MAX_RANK)
+        int_field(hello.fields, "pid", 1, MAX_PID)
     except (AuthError, HandoffError, ValueError, ProtocolError) as e:
         log.warning("transfer server refused peer pid=%d uid=%d: %s", peer.pid, peer.uid, e)
         _nack_quietly(sock, str(e))
@@ -138,7 +140,7 @@ def _receive_counter_set(sock: socket.socket, session: Session) -> None:
     msg = protocol.recv(sock)
     try:
         problem = _counter_set_problem(msg, session)
-    except ProtocolError as e:
+    except (ProtocolError, ValueError) as e:
         problem = str(e)
     if problem is not None:
         msg.close_fds()
@@ -151,12 +153,11 @@ def _receive_counter_set(sock: socket.socket, session: Session) -> None:
 def _counter_set_problem(msg: protocol.Message, session: Session) -> str | None:
     if msg.op is not Op.COUNTER_SET:
         return f"expected counter_set, got {msg.op.value}"
-    c = msg["counter_id"]
-    if not isinstance(c, int) or not 0 <= c < session.counters:
-        return f"counter_id={c!r} outside [0, {session.counters})"
+    c = int_field(msg.fields, "counter_id", 0, session.counters - 1)
     if session.fds[c]:
         return f"counter_id={c} sent twice"
-    if (msg["layers"], msg["counters"], msg["rank"]) != (session.layers, session.counters, session.rank):
+    header = tuple(int_field(msg.fields, key, 0, MAX_RANK) for key in ("layers", "counters", "rank"))
+    if header != (session.layers, session.counters, session.rank):
         return f"counter set {c} header disagrees with hello"
     if len(msg.fds) != session.layers:
         return f"counter set {c} carried {len(msg.fds)} fds, expected {session.layers}"

@@ -2,7 +2,7 @@
 
 SEQPACKET keeps message boundaries and delivers SCM_RIGHTS fds with the message they
 belong to, so framing is only: a 4-byte header length, a JSON header, an optional raw
-payload (e.g. pickled CUDA IPC handles). A truncated message or truncated fd array is a
+payload (e.g. the raw bytes of CUDA IPC handles). A truncated message or truncated fd array is a
 ProtocolError, never silently a shorter message.
 """
 
@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -63,6 +64,16 @@ class Message:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+
+def int_field(fields: Mapping, key: str, low: int, high: int) -> int:
+    """`fields[key]`, which must be an int (JSON true/false are not) in [low, high]; ValueError naming it otherwise."""
+    if key not in fields:
+        raise ValueError(f"field {key!r} is missing")
+    value = fields[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key}={value!r}: must be an integer in [{low}, {high}]")
+    return value
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:

@@ -1,11 +1,15 @@
 """Shared memory for the server's host pool and for a CPU client's KV pool.
 
 A memfd has no name in the filesystem: it is shared only by passing its fd over the
-authenticated socket (SCM_RIGHTS), so no other process can open it by path.
+authenticated socket (SCM_RIGHTS), so no other process can open it by path. Every memfd is
+sealed against shrinking and growing once sized, and one received from another process is
+mapped only if it carries those seals: whoever holds the fd can then no longer truncate it
+under a mapping, which would turn the next access into a SIGBUS.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 
@@ -14,17 +18,42 @@ import torch
 from layerflow.tier.layout import KVLayout
 
 
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def check_sealed(fd: int, size: int) -> None:
+    """Refuse (ValueError) an fd that is not a memfd sealed against resizing, or that holds fewer than `size` bytes."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        raise ValueError(f"shared memory fd {fd} is not a sealable memfd ({e.strerror})") from None
+    if seals & SIZE_SEALS != SIZE_SEALS:
+        raise ValueError(f"shared memory fd {fd} is not sealed against shrinking and growing (seals {seals:#x}): "
+                         f"create it with MFD_ALLOW_SEALING and add F_SEAL_SHRINK | F_SEAL_GROW")
+    held = os.fstat(fd).st_size
+    if held < size:
+        raise ValueError(f"shared memory fd {fd} holds {held} bytes < size={size}")
+
+
 class SharedMemory:
-    """A memfd of `size` bytes mapped read-write; `tensor` is a flat uint8 view of it."""
+    """A memfd of `size` bytes mapped read-write; `tensor` is a flat uint8 view of it.
+
+    Without `fd`, a new memfd sized and sealed here; with one, it must be sealed and hold `size` bytes (taken over:
+    `close` closes it)."""
 
     def __init__(self, size: int, name: str = "layerflow-kv", fd: int | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size={size!r}: must be a positive integer")
         if fd is None:
-            fd = os.memfd_create(name, os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size < size:
-            raise ValueError(f"shared memory fd {fd} holds {os.fstat(fd).st_size} bytes < size={size}")
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, size)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+            except BaseException:
+                os.close(fd)
+                raise
+        else:
+            check_sealed(fd, size)
         self.fd = fd
         self.size = size
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -1,0 +1,57 @@
+"""Item ids of a jagged batch: integer-like ids are taken as ints, anything else is refused with a true message."""
+
+import enum
+
+import numpy as np
+import pytest
+import torch
+
+from layerflow.model.batch import JaggedBatch
+from layerflow.model.config import HSTUConfig
+
+CONFIG = HSTUConfig(num_layers=1, num_heads=1, dqk=8, dv=8, embedding_dim=8, max_seq_len=64,
+                    dtype=torch.float32, item_vocab_size=10, position_table_size=64)
+
+
+class Item(enum.IntEnum):
+    BOOK = 3
+    FILM = 7
+
+
+def pack(appended, candidates):
+    return JaggedBatch.from_lists(CONFIG, [0], [appended], [candidates], user_ids=[42])
+
+
+def test_integer_like_ids_are_taken_as_ints():
+    batch = pack([Item.BOOK, np.int64(5), torch.tensor(2)], [np.uint8(9), Item.FILM, 0])
+    assert batch.appended_ids.tolist() == [3, 5, 2]
+    assert batch.candidate_ids.tolist() == [9, 7, 0]
+    assert pack(np.array([1, 2], dtype=np.int32), []).appended_ids.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (1.0, r"user 42: appended item id 1.0 is not an integer \(float\)"),
+    ("3", r"user 42: appended item id '3' is not an integer \(str\)"),
+    (True, r"user 42: appended item id True is not an integer \(bool\)"),
+    (None, r"user 42: appended item id None is not an integer \(NoneType\)"),
+    (np.int64(10), r"user 42: appended item id 10 out of vocabulary \[0, 10\)"),
+    (Item.FILM + 5, r"user 42: appended item id 12 out of vocabulary"),
+    (2**80, r"user 42: appended item id 1208925819614629174706176 out of vocabulary"),
+    (-1, r"user 42: appended item id -1 out of vocabulary"),
+])
+def test_bad_ids_are_refused_with_a_true_message_never_stop_iteration(bad, message):
+    with pytest.raises(ValueError, match=message):
+        pack([1, bad], [2])
+
+
+def test_an_int_enum_id_is_accepted_not_a_stop_iteration():
+    batch = pack([Item.BOOK], [Item.FILM])
+    assert (batch.appended_ids.tolist(), batch.candidate_ids.tolist()) == ([3], [7])
+
+
+def test_an_int_enum_out_of_vocabulary_is_named_by_its_value():
+    class Far(enum.IntEnum):
+        AWAY = 11
+
+    with pytest.raises(ValueError, match=r"candidate item id 11 out of vocabulary"):
+        pack([1], [Far.AWAY])
