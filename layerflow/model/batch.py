@@ -58,8 +58,37 @@ class JaggedBatch:
     cached_lens: list[int]
     appended_lens: list[int]
     candidate_lens: list[int]
-    appended_ids: torch.Tensor   # int64 [sum appended]
-    candidate_ids: torch.Tensor  # int64 [sum candidates]
+    appended_ids: torch.Tensor   # int64 [sum appended] (empty for an embeddings-in batch)
+    candidate_ids: torch.Tensor  # int64 [sum candidates] (empty for an embeddings-in batch)
+    query_x: torch.Tensor | None = None   # [sum (appended + candidates), E]: an embeddings-in batch's token rows
+
+    @classmethod
+    def from_embeddings(cls, config: HSTUConfig, cached_lens: list[int], appended: list[torch.Tensor],
+                        candidates: list[torch.Tensor], user_ids: list[int] | None = None) -> "JaggedBatch":
+        """Pack per-user token embeddings ([n, E] each, the model's dtype) of a model whose caller brings them;
+        the query rows are each user's appended tokens, then its candidates."""
+        if not (len(cached_lens) == len(appended) == len(candidates)):
+            raise ValueError(f"batch sizes disagree: cached_lens={len(cached_lens)}, appended={len(appended)}, "
+                             f"candidates={len(candidates)}")
+        names = list(range(len(cached_lens))) if user_ids is None else user_ids
+        rows = []
+        for b, c, a, k in zip(names, cached_lens, appended, candidates):
+            for kind, x in (("appended", a), ("candidate", k)):
+                if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != config.embedding_dim:
+                    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ValueError(f"user {b}: {kind} embeddings {shape}: expected [n, {config.embedding_dim}]")
+                if not x.dtype.is_floating_point or not torch.isfinite(x).all():
+                    raise ValueError(f"user {b}: {kind} embeddings must be finite floats, got {x.dtype}")
+            if c + len(a) + len(k) > config.max_seq_len:
+                raise ValueError(f"user {b}: total length {c + len(a) + len(k)} (cached {c} + appended {len(a)} + "
+                                 f"candidates {len(k)}) exceeds max_seq_len={config.max_seq_len}")
+            rows += [a.to("cpu", config.dtype), k.to("cpu", config.dtype)]
+        x = torch.cat(rows) if rows else torch.zeros(0, config.embedding_dim, dtype=config.dtype)
+        return cls(cached_lens=list(cached_lens), appended_lens=[len(a) for a in appended],
+                   candidate_lens=[len(k) for k in candidates],
+                   appended_ids=torch.zeros(sum(len(a) for a in appended), dtype=torch.int64),
+                   candidate_ids=torch.zeros(sum(len(k) for k in candidates), dtype=torch.int64),
+                   query_x=x)
 
     @classmethod
     def from_lists(cls, config: HSTUConfig, cached_lens: list[int], appended: list[list[int]],

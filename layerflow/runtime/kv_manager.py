@@ -13,10 +13,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from layerflow.model.batch import JaggedBatch
 from layerflow.model.config import HSTUConfig
 from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
-from layerflow.runtime.request import Request
+from layerflow.runtime.history import EmbeddingHistory, History, ItemHistory
+from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.tier.gpu_pool import GpuKVPool
@@ -30,9 +33,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class UserEntry:
-    """What the manager remembers of a user: its item history (to recompute a miss) and its last offload."""
+    """What the manager remembers of a user: its history (to recompute a miss) and its last offload."""
 
-    history: list[int] = field(default_factory=list)
+    history: History
     offload: Transfer | None = None
 
     def offloading(self) -> bool:
@@ -93,13 +96,7 @@ class KVManager:
         self._reap_offloads()
         self._reap_quarantine()
         tiers = [self.tier(u) for u in users]
-        cached, appended = [], []
-        for r, tier in zip(requests, tiers):
-            history = self.users[r.user_id].history if r.user_id in self.users else []
-            keep = tier is not Tier.NONE
-            cached.append(len(history) if keep else 0)
-            appended.append(list(r.items) if keep else history + list(r.items))
-        batch = JaggedBatch.from_lists(self.config, cached, appended, [list(r.candidates) for r in requests], users)
+        batch = self._batch(requests, tiers)
         plan = BatchPlan(requests, batch, tiers, [])
         pinned = []
         try:
@@ -124,6 +121,36 @@ class KVManager:
                     self._forget_gpu(u)
             raise
         return plan
+
+    def _batch(self, requests: list, tiers: list[Tier]) -> JaggedBatch:
+        """The batch's query tokens: a hit's new tokens, a miss's whole stored history followed by its new tokens."""
+        embeddings = not self.config.embedding_tables
+        kind = EmbeddingRequest if embeddings else Request
+        bad = next((r for r in requests if not isinstance(r, kind)), None)
+        if bad is not None:
+            raise ValueError(f"user {getattr(bad, 'user_id', '?')}: a {type(bad).__name__} for a model that takes "
+                             f"{kind.__name__}s ({'no' if embeddings else 'with'} embedding tables)")
+        cached, appended = [], []
+        for r, tier in zip(requests, tiers):
+            entry = self.users.get(r.user_id)
+            keep = tier is not Tier.NONE
+            cached.append(len(entry.history) if keep else 0)
+            new = r.new_x if embeddings else list(r.items)
+            if keep or entry is None or not len(entry.history):
+                appended.append(new)
+            elif embeddings:
+                appended.append(torch.cat([entry.history.tokens(), new.to("cpu", self.config.dtype)]))
+            else:
+                appended.append(entry.history.tokens() + new)
+        users = [r.user_id for r in requests]
+        if embeddings:
+            return JaggedBatch.from_embeddings(self.config, cached, appended, [r.candidates_x for r in requests], users)
+        return JaggedBatch.from_lists(self.config, cached, appended, [list(r.candidates) for r in requests], users)
+
+    def _new_history(self) -> History:
+        if self.config.embedding_tables:
+            return ItemHistory()
+        return EmbeddingHistory(self.config.embedding_dim, self.config.dtype)
 
     def offload_early(self, plan: BatchPlan) -> None:
         """Right after the block is launched: record every user's new history and offload the pages the batch wrote.
@@ -174,14 +201,21 @@ class KVManager:
 
     def _record(self, plan: BatchPlan, b: int) -> None:
         r = plan.requests[b]
-        entry = self.users.setdefault(r.user_id, UserEntry())
+        entry = self.users.get(r.user_id)
+        if entry is None:
+            entry = self.users[r.user_id] = UserEntry(self._new_history())
         plan.recorded[b] = len(entry.history)
         if plan.batch.cached_lens[b] == 0:
             # A miss recomputed the whole history (the old one + the new items): any older copy below is stale.
-            entry.history = []
+            entry.history.clear()
             self.below.truncate(r.user_id, 0)
-        ao = plan.batch.appended_offsets
-        entry.history.extend(plan.batch.appended_ids[int(ao[b]):int(ao[b + 1])].tolist())
+        batch = plan.batch
+        if batch.query_x is None:
+            ao = batch.appended_offsets
+            entry.history.extend(batch.appended_ids[int(ao[b]):int(ao[b + 1])].tolist())
+        else:
+            start = int(batch.query_offsets[b])
+            entry.history.extend(batch.query_x[start:start + batch.appended_lens[b]])
         try:
             self._offload(r.user_id, entry, plan.page_rows[b])
         except (PoolExhausted, ValueError, OSError, TransferError) as e:
@@ -203,7 +237,7 @@ class KVManager:
             raise ValueError(f"user {user}: cannot truncate to {num_tokens} tokens (history has {have})")
         settle(entry.offload)
         self._reap_offloads()
-        del entry.history[num_tokens:]
+        entry.history.truncate(num_tokens)
         self.below.truncate(user, num_tokens)
 
     def evict_from_gpu(self, user: int) -> None:
@@ -284,7 +318,7 @@ class KVManager:
 
     def _offload(self, user: int, entry: UserEntry, pages: tuple[int, ...]) -> None:
         """Copy the pages this batch wrote down to the tier below (asynchronously)."""
-        if not entry.history:
+        if not len(entry.history):
             return
         if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
             settle(entry.offload)

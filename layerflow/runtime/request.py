@@ -1,10 +1,12 @@
-"""A scoring request: one returning user's new interactions and the items to score."""
+"""Requests: one returning user's new interactions and what to score (item ids, or token embeddings)."""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import torch
 
 MAX_USER_ID = 2**63  # user ids are keys of int64 tables and of the transfer server's JSON messages
 
@@ -33,6 +35,17 @@ def _id_list(user: int, name: str, values: Iterable[object]) -> list[int]:
     return out
 
 
+def user_id_of(value: object) -> int:
+    """A validated user id: integer-like, in [0, 2**63), as a plain int."""
+    try:
+        user = _index(value)
+    except TypeError:
+        raise ValueError(f"user_id={value!r}: must be an integer in [0, 2**63), not {type(value).__name__}") from None
+    if not 0 <= user < MAX_USER_ID:
+        raise ValueError(f"user_id={value!r}: must be an integer in [0, 2**63)")
+    return user
+
+
 @dataclass(frozen=True)
 class Request:
     """One returning user: the items appended to the history since the last visit, and the items to score.
@@ -47,13 +60,25 @@ class Request:
     candidates: list[int]
 
     def __post_init__(self) -> None:
-        try:
-            user = _index(self.user_id)
-        except TypeError:
-            raise ValueError(f"user_id={self.user_id!r}: must be an integer in [0, 2**63), "
-                             f"not {type(self.user_id).__name__}") from None
-        if not 0 <= user < MAX_USER_ID:
-            raise ValueError(f"user_id={self.user_id!r}: must be an integer in [0, 2**63)")
+        user = user_id_of(self.user_id)
         object.__setattr__(self, "user_id", user)
         object.__setattr__(self, "items", _id_list(user, "items", self.items))
         object.__setattr__(self, "candidates", _id_list(user, "candidates", self.candidates))
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """One returning user of a model whose caller brings the token embeddings (e.g. generative-recommenders' STU):
+    the new history tokens' embeddings `new_x` [n, E] and the candidates' `candidates_x` [c, E]. The engine returns
+    the final embeddings of the candidates (and of the new tokens) for the caller's own heads."""
+
+    user_id: int
+    new_x: torch.Tensor
+    candidates_x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "user_id", user_id_of(self.user_id))
+        for name in ("new_x", "candidates_x"):
+            x = getattr(self, name)
+            if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"user {self.user_id}: {name} {shape}: expected a [n, E] tensor")

@@ -1,0 +1,85 @@
+"""What the KV manager keeps of a user's history so a miss can be recomputed exactly: item ids, or token embeddings
+for a model whose caller brings them (kept on the host, in the model's dtype)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class History(ABC):
+    """The tokens of a user's history in order; its K/V are what the tiers cache."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def extend(self, tokens) -> None:
+        """Append the tokens one batch added (ids, or embedding rows)."""
+
+    @abstractmethod
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens."""
+
+    @abstractmethod
+    def tokens(self):
+        """All the tokens, in the form a request carries them (to recompute the history)."""
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+
+class ItemHistory(History):
+    def __init__(self) -> None:
+        self._items: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def extend(self, tokens) -> None:
+        self._items.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        del self._items[length:]
+
+    def tokens(self) -> list[int]:
+        return list(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to the list of its items (what callers compare it with)."""
+        return self._items == (other._items if isinstance(other, ItemHistory) else other)
+
+
+class EmbeddingHistory(History):
+    """Token embeddings in chunks (one per batch that added tokens), joined only when a miss recomputes them."""
+
+    def __init__(self, embedding_dim: int, dtype: torch.dtype) -> None:
+        self.embedding_dim, self.dtype = embedding_dim, dtype
+        self._chunks: list[torch.Tensor] = []
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def extend(self, tokens: torch.Tensor) -> None:
+        if len(tokens):
+            self._chunks.append(tokens.to("cpu", self.dtype))
+            self._length += len(tokens)
+
+    def truncate(self, length: int) -> None:
+        self._chunks = [self.tokens()[:length]] if length else []
+        self._length = length
+
+    def tokens(self) -> torch.Tensor:
+        if not self._chunks:
+            return torch.zeros(0, self.embedding_dim, dtype=self.dtype)
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks)]
+        return self._chunks[0]
+
+    def clear(self) -> None:
+        self._chunks, self._length = [], 0
