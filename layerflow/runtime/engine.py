@@ -89,7 +89,8 @@ class Engine:
         self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
         self._copy_engine = copy_engine
         gpu, below = build_kv(self.config, self.layout, self.device, copy_engine)
-        self._failover = ServerFailover(below, lambda: in_process_tier(self.config, self.layout, gpu, copy_engine)) \
+        self._failover = ServerFailover(below, lambda: in_process_tier(self.config, self.layout, gpu, copy_engine,
+                                                                   fallback=True)) \
             if uses_server(self.config) else None
         self._cond = threading.Condition(threading.RLock())
         self._flight: Flight | None = None

@@ -7,6 +7,9 @@ the CPU path that pool is laid over shared memory the server maps.
 
 from __future__ import annotations
 
+import logging
+import resource
+
 import torch
 
 from layerflow.config import Config, SignalMode
@@ -19,16 +22,25 @@ from layerflow.tier.host_pool import HostKVPool
 from layerflow.tier.in_process import InProcessTier
 from layerflow.tier.layout import KVLayout
 from layerflow.tier.ssd import SsdStore
+from layerflow.tier.ssd_directory import SsdDirectoryError
 from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.signals import make_signals
+
+log = logging.getLogger(__name__)
 
 
 def uses_server(config: Config) -> bool:
     return config.spawn_server or config.server_socket is not None
 
 
-def check_config(config: Config, device: torch.device) -> None:
-    """Refuse settings the KV tiers cannot serve on `device`, before anything is allocated."""
+def check_config(config: Config, device: torch.device, num_layers: int = 0) -> None:
+    """Refuse settings the KV tiers cannot serve on `device` (or a process's open-file limit: the signal ring holds
+    `num_counters` x `num_layers` eventfds), before anything is allocated."""
+    eventfds = config.num_counters * num_layers
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and eventfds > soft // 2:
+        raise ValueError(f"num_counters={config.num_counters}: {eventfds} eventfds for {num_layers} layers, more than "
+                         f"half of this process's open-file limit ({soft})")
     if uses_server(config) and config.signal is not SignalMode.EVENTFD:
         raise ValueError(f"signal={config.signal.value!r} with a transfer server: the server posts eventfds, "
                          f"use 'eventfd'")
@@ -40,9 +52,14 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
              copy_engine: CopyEngine | None = None) -> tuple[GpuKVPool, KVTier]:
     """The GPU pool sized by `gpu_cache_gb` and the tier below it. `copy_engine` replaces the in-process tier's default
     (the CUDA copy engine, or the CPU thread engine)."""
-    check_config(config, device)
+    check_config(config, device, layout.num_layers)
     cuda = device.type == "cuda"
-    num_pages = layout.pages_for_gb(config.gpu_cache_gb)
+    num_pages = config.blocks("gpu_cache_gb", layout.page_bytes)
+    if cuda:
+        free, _ = torch.cuda.mem_get_info(device)
+        if num_pages * layout.page_bytes > free:
+            raise ValueError(f"gpu_cache_gb={config.gpu_cache_gb}: {num_pages * layout.page_bytes / 2**30:.2f} GiB of "
+                             f"pages, only {free / 2**30:.2f} GiB free on {device}")
     if not uses_server(config):
         gpu = GpuKVPool(layout, num_pages, device)
         return gpu, in_process_tier(config, layout, gpu, copy_engine)
@@ -56,16 +73,22 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
         raise
 
 
-def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool,
-                    copy_engine: CopyEngine | None = None) -> InProcessTier:
+def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engine: CopyEngine | None = None,
+                    fallback: bool = False) -> InProcessTier:
     """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, the signal ring and a copy engine
-    (`copy_engine`, which stays its owner's to close, else a default one the tier owns)."""
+    (`copy_engine`, which stays its owner's to close, else a default one the tier owns). A `fallback` tier (standing
+    in for a server that stopped answering) goes without SSD if the directories are still locked by that server."""
     cuda = gpu.device.type == "cuda"
     host = HostKVPool(layout, cpu_cache_gb=config.cpu_cache_gb, pin_memory=cuda)
     ssd = None
     if config.ssd_cache_gb > 0:
-        ssd = SsdStore(config.ssd_cache_dirs, int(config.ssd_cache_gb * 2**30), layout.page_bytes,
-                       io_threads=config.ssd_io_threads)
+        try:
+            ssd = SsdStore(config.ssd_cache_dirs, int(config.ssd_cache_gb * 2**30), layout.page_bytes,
+                           io_threads=config.ssd_io_threads)
+        except SsdDirectoryError as e:
+            if not fallback:
+                raise
+            log.warning("the fallback tier runs without SSD: %s", e)
     signals = make_signals(config.signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
     engine = copy_engine or _default_copy_engine(gpu.device)
     return InProcessTier(HostCache(host, ssd), layout, gpu.kv, engine, signals, config.transfer_timeout_s,

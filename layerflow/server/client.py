@@ -86,6 +86,9 @@ class TransferClient:
         if config.server_socket is None:
             raise ValueError("server_socket=None: the config names no transfer server")
         socket_path = Path(config.server_socket)
+        if not socket_path.is_socket():
+            raise FileNotFoundError(f"server_socket={config.server_socket!r}: no transfer server is running in "
+                                    f"{socket_path.parent}")
         return cls(socket_path, socket_path.parent / TOKEN_FILE, layout, kv_layers, shm=shm,
                    num_counters=config.num_counters, rank=rank, timeout_s=config.transfer_timeout_s)
 

@@ -43,7 +43,12 @@ class Client:
         self.pool: ClientPool | None = None
         self.copier: GroupCopier | None = None
         self.send_lock = threading.Lock()
-        self.lanes = {lane: FifoWorker(f"layerflow-server-{lane.value}") for lane in Lane}
+        self._lanes: dict[Lane, FifoWorker] = {}   # started on first use: an idle client costs one thread
+
+    def lane(self, lane: Lane) -> FifoWorker:
+        if lane not in self._lanes:
+            self._lanes[lane] = FifoWorker(f"layerflow-server-{lane.value}")
+        return self._lanes[lane]
 
     def send(self, op: Op, **fields) -> None:
         with self.send_lock:
@@ -51,7 +56,7 @@ class Client:
 
     def close_lanes(self) -> None:
         """Let the requests already issued finish (and answer, if the socket still takes it)."""
-        for lane in self.lanes.values():
+        for lane in self._lanes.values():
             lane.stop()
 
 

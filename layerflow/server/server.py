@@ -27,6 +27,7 @@ import torch
 
 from layerflow.config import Config
 from layerflow.server import protocol
+from layerflow.server.fields import count_of, page_list, parse_loads, user_of, users_of
 from layerflow.server.auth import TOKEN_FILE, PeerCred, check_peer, make_private_dir, read_token, write_token
 from layerflow.server.handoff import HandoffError, server_handoff
 from layerflow.server.protocol import Op, ProtocolError
@@ -45,6 +46,8 @@ from layerflow.transfer.signals.notifier import EventNotifier
 
 log = logging.getLogger(__name__)
 SOCKET_FILE = "transfer.sock"
+LISTEN_BACKLOG = 128   # connects queued before accept(): a burst of clients starting together is not refused
+MAX_CLIENTS = 64       # connections served at once; one more is told so and closed (each costs threads and fds)
 
 
 def make_engine(cuda: bool) -> CopyEngine:
@@ -63,15 +66,21 @@ class TransferServer:
                  peer_check: Callable[[PeerCred, int], None] = check_peer, socket_name: str = SOCKET_FILE) -> None:
         self.config = config
         self.run_dir = make_private_dir(run_dir)
-        _clear_stale(self.run_dir / socket_name, self.run_dir / TOKEN_FILE)
-        self.token_path = write_token(self.run_dir)
-        self._token = read_token(self.token_path)
         self.socket_path = self.run_dir / socket_name
-        self._peer_check = peer_check
+        _clear_stale(self.socket_path, self.run_dir / TOKEN_FILE)
+        self.token_path = write_token(self.run_dir)
         self._listener = protocol.new_socket()
-        self._listener.bind(str(self.socket_path))
-        os.chmod(self.socket_path, 0o600)
-        self._listener.listen(16)
+        try:
+            self._token = read_token(self.token_path)
+            self._listener.bind(str(self.socket_path))
+            os.chmod(self.socket_path, 0o600)
+            self._listener.listen(LISTEN_BACKLOG)
+        except BaseException:
+            self._listener.close()
+            self.socket_path.unlink(missing_ok=True)
+            self.token_path.unlink(missing_ok=True)
+            raise
+        self._peer_check = peer_check
         self._lock = threading.Lock()  # the host cache's creation and the copy engines
         self._cuda = torch.cuda.is_available()
         self._engines: dict[bool, CopyEngine] = {}  # keyed by "the client pool is on CUDA"
@@ -102,9 +111,18 @@ class TransferServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 break
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._threads) >= MAX_CLIENTS:
+                log.warning("refusing a connection: %d clients already (MAX_CLIENTS)", len(self._threads))
+                try:
+                    protocol.send(sock, Op.NACK, reason=f"the transfer server serves {MAX_CLIENTS} clients at most")
+                except OSError:
+                    pass
+                sock.close()
+                continue
             thread = threading.Thread(target=self._serve_client, args=(sock,), daemon=True,
                                       name="layerflow-server-client")
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            self._threads.append(thread)
             thread.start()
 
     def close(self) -> None:
@@ -116,6 +134,7 @@ class TransferServer:
                 pass
         self._listener.close()
         self.socket_path.unlink(missing_ok=True)
+        self.token_path.unlink(missing_ok=True)
         for thread in self._threads:  # a thread still inside torch at interpreter exit aborts the process
             thread.join(timeout=5)
         for engine in self._engines.values():
@@ -153,6 +172,8 @@ class TransferServer:
         finally:
             self._clients.discard(client)
             client.close_lanes()
+            if client.pool is not None:   # its lanes are drained: nothing copies into its memory any more
+                client.pool.close()
             session.close()
             sock.close()
 
@@ -182,9 +203,7 @@ class TransferServer:
             if layout != self.layout:
                 raise ValueError(f"layout {layout_to_dict(layout)} differs from the server's {layout_to_dict(self.layout)}")
             return
-        num_blocks = layout.pages_for_gb(self.config.cpu_cache_gb)
-        if num_blocks <= 0:
-            raise ValueError(f"cpu_cache_gb={self.config.cpu_cache_gb} holds no block of {layout.page_bytes} bytes")
+        num_blocks = self.config.blocks("cpu_cache_gb", layout.page_bytes)
         shm = SharedMemory(num_blocks * layout.page_bytes, name="layerflow-host-kv")
         if self._cuda:
             from cuda.bindings import runtime as rt
@@ -210,7 +229,12 @@ class TransferServer:
         first and holds them until then. An error at either step is answered with ERROR naming the users (then
         non-resident)."""
         msg.close_fds()
-        users = _users_of(msg)
+        try:
+            count_of(msg.get("req"), "req")
+        except ValueError as e:
+            self._reply_error(client, msg, e)
+            return
+        users = users_of(msg)
         finished = self._in_flight.claim(users)
         try:
             if client.pool is None:
@@ -235,11 +259,11 @@ class TransferServer:
         if finish.lane is None:
             complete()
         else:
-            client.lanes[finish.lane].submit(complete)
+            client.lane(finish.lane).submit(complete)
 
     @classmethod
     def _reply_error(cls, client: Client, msg: protocol.Message, error: Exception) -> None:
-        users = _users_of(msg)
+        users = users_of(msg)
         log.warning("%s of users %r failed: %s", msg.op.value, users, error)
         cls._answer(client, Op.ERROR, req=msg.get("req"), users=users, reason=str(error))
 
@@ -255,7 +279,7 @@ class TransferServer:
         """Several users onto one counter (the shared `OnboardCopies`): without SSD users the copies are issued here
         and the onboard lane waits for them; with any, the whole onboarding runs on the SSD lane."""
         def issue() -> Finish:
-            loads = _parse_loads(msg["loads"])
+            loads = parse_loads(msg["loads"])
             counter = msg["counter_id"]
             if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
                 raise ValueError(f"counter_id={counter!r} outside [0, {client.session.counters})")
@@ -300,8 +324,9 @@ class TransferServer:
     def _offload(self, client: Client, msg: protocol.Message) -> None:
         """Copies the pages from the first one the host copy does not hold yet (the shared host cache decides)."""
         def issue() -> Finish:
-            user, tokens, gpu_pages = msg["user"], msg["tokens"], _page_list(msg["gpu_pages"])
-            n = -(-tokens // self.layout.page_size) if _is_count(tokens) else -1
+            user, tokens, gpu_pages = user_of(msg["user"]), count_of(msg["tokens"], "tokens"), \
+                page_list(msg["gpu_pages"])
+            n = -(-tokens // self.layout.page_size)
             if not 0 < n <= len(gpu_pages):
                 raise ValueError(f"offload of user {user!r}: tokens={tokens!r} need more than the "
                                  f"{len(gpu_pages)} pages sent")
@@ -329,31 +354,28 @@ class TransferServer:
 
     def _lookup(self, client: Client, msg: protocol.Message) -> None:
         def issue() -> Finish:
-            tier, tokens = self.cache.lookup(msg["user"])
+            tier, tokens = self.cache.lookup(user_of(msg["user"]))
             return Finish(lambda: {"tier": tier.value, "tokens": tokens})
 
         self._request(client, msg, issue)
 
     def _truncate(self, client: Client, msg: protocol.Message) -> None:
         def issue() -> Finish:
-            tokens = msg["tokens"]
-            if not _is_count(tokens):
-                raise ValueError(f"tokens={tokens!r}: must be a non-negative integer")
-            self.cache.truncate(msg["user"], tokens)
+            self.cache.truncate(user_of(msg["user"]), count_of(msg["tokens"], "tokens"))
             return Finish(dict)
 
         self._request(client, msg, issue)
 
     def _evict(self, client: Client, msg: protocol.Message) -> None:
         def issue() -> Finish:
-            self.cache.evict(msg["user"])
+            self.cache.evict(user_of(msg["user"]))
             return Finish(dict)
 
         self._request(client, msg, issue)
 
     def _drop(self, client: Client, msg: protocol.Message) -> None:
         def issue() -> Finish:
-            self.cache.drop(msg["user"])
+            self.cache.drop(user_of(msg["user"]))
             return Finish(dict)
 
         self._request(client, msg, issue)
@@ -365,40 +387,6 @@ class TransferServer:
         self._request(client, msg, issue)
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _page_list(pages: object) -> list[int]:
-    if not isinstance(pages, list) or not all(_is_count(p) for p in pages):
-        raise ValueError(f"gpu_pages={pages!r}: expected a list of page indices")
-    return pages
-
-
-def _parse_loads(loads: object) -> list[tuple[object, list[int]]]:
-    """`[[user, gpu_pages], ...]` from an ONBOARD message, each user once."""
-    if not isinstance(loads, list) or not loads:
-        raise ValueError(f"loads={loads!r}: expected a non-empty list of [user, gpu_pages]")
-    out = []
-    for load in loads:
-        if not (isinstance(load, list) and len(load) == 2 and isinstance(load[1], list)
-                and all(isinstance(p, int) and not isinstance(p, bool) for p in load[1])):
-            raise ValueError(f"load {load!r}: expected [user, [page, ...]]")
-        out.append((load[0], load[1]))
-    users = [user for user, _ in out]
-    if len(set(map(repr, users))) != len(users):
-        raise ValueError(f"loads: a user appears twice in {users!r}")
-    return out
-
-
-def _users_of(msg: protocol.Message) -> list:
-    """The users a request is about (an ONBOARD's loads, else its `user`), for the ERROR reply."""
-    loads = msg.get("loads")
-    if isinstance(loads, list):
-        return [load[0] for load in loads if isinstance(load, list) and load]
-    return [msg.fields["user"]] if "user" in msg.fields else []
-
-
 def _clear_stale(socket_path: Path, token_path: Path) -> None:
     """Let a server restart in its directory: a dead predecessor's socket and token go; a live one's stay (refused)."""
     if socket_path.exists():
@@ -408,7 +396,7 @@ def _clear_stale(socket_path: Path, token_path: Path) -> None:
         except ConnectionRefusedError:
             socket_path.unlink()
         else:
-            raise RuntimeError(f"another transfer server listens on {socket_path}")
+            raise FileExistsError(f"another transfer server listens on {socket_path}")
         finally:
             probe.close()
     token_path.unlink(missing_ok=True)

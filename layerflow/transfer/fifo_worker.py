@@ -3,9 +3,12 @@ completion lanes (work that must finish in submission order, off the thread that
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 class FifoWorker:
@@ -25,4 +28,7 @@ class FifoWorker:
 
     def _run(self) -> None:
         while (work := self._queue.get()) is not None:
-            work()
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - one failed job must not stop the jobs queued behind it
+                log.exception("a job on %s failed", self._thread.name)

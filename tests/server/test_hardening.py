@@ -322,3 +322,51 @@ def test_a_client_of_a_socket_where_no_server_runs_is_told_so(tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"no transfer server is running in {tmp_path / 'none'}"):
         TransferClient.from_config(config, LAYOUT, kv, shm=shm)
     shm.close()
+
+
+def test_a_request_without_its_req_field_is_refused_and_the_client_keeps_being_served(cpu_server):
+    """Issue 16.6: an OFFLOAD without `req` used to kill the client's lane and leave the user claimed forever."""
+    sock, grid = connected(cpu_server)
+    shm, kv = shared_cpu_pool(LAYOUT, 4)
+    try:
+        export = export_pool(LAYOUT, kv, shm)
+        protocol.send(sock, Op.REGISTER_POOL, fds=export.fds, payload=export.payload, **export.fields)
+        assert protocol.recv(sock).op is Op.ACK
+        protocol.send(sock, Op.OFFLOAD, user=3, tokens=4, gpu_pages=[0])
+        reply = protocol.recv(sock)
+        assert reply.op is Op.ERROR and "req=None" in reply["reason"]
+        replies = {}
+        for req, (op, fields) in enumerate([(Op.OFFLOAD, dict(user=3, tokens=4, gpu_pages=[0])),
+                                            (Op.LOOKUP, dict(user=3)), (Op.OFFLOAD, dict(user=[1], tokens=4,
+                                                                                          gpu_pages=[0]))]):
+            protocol.send(sock, op, req=req, **fields)
+            while req not in replies:   # an offload is answered from a lane: replies may come out of order
+                reply = protocol.recv(sock)
+                replies[reply["req"]] = reply
+        assert replies[0].op is Op.DONE
+        assert replies[1].op is Op.DONE and (replies[1]["tier"], replies[1]["tokens"]) == ("host", 4)
+        assert replies[2].op is Op.ERROR and "user=[1]" in replies[2]["reason"]
+    finally:
+        sock.close()
+        shm.close()
+        for fd in grid[0]:
+            os.close(fd)
+
+
+def test_connections_past_the_client_cap_are_told_so(cpu_server, monkeypatch):
+    """Issue 16.6: every client costs threads and fds; past the cap a connection is refused with a reason."""
+    from layerflow.server import server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_CLIENTS", 2)
+    held = [connected(cpu_server) for _ in range(2)]
+    try:
+        sock = protocol.new_socket()
+        sock.connect(str(cpu_server.socket_path))
+        reply = protocol.recv(sock)
+        assert reply.op is Op.NACK and "2 clients at most" in reply["reason"]
+        sock.close()
+    finally:
+        for sock, grid in held:
+            sock.close()
+            for fd in grid[0]:
+                os.close(fd)
