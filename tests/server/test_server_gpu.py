@@ -39,10 +39,11 @@ def client_main(rank: int, socket_path: str, token_path: str) -> None:
     for dst, src in zip(pool.kv, pool_data(rank)):
         dst.copy_(src)
     client = TransferClient(socket_path, token_path, LAYOUT, pool.kv, rank=rank, num_counters=2)
-    client.offload(f"user{rank}", user_pages(rank)).result(30)
+    pages = user_pages(rank)
+    client.offload(f"user{rank}", len(pages) * LAYOUT.page_size, pages).result(30)
     other = 1 - rank
     deadline = time.monotonic() + 60
-    while client.lookup(f"user{other}")[0] is None:
+    while client.lookup(f"user{other}")[0] == "none":
         if time.monotonic() > deadline:
             raise TimeoutError(f"user{other} never reached the server")
         time.sleep(0.01)
