@@ -41,7 +41,7 @@ def timed(cls, name, label):
 
 
 for cls, name in ((kv_manager.KVManager, "prepare"), (buffers.BatchBuffers, "fill"), (graphs.GraphRunner, "replay"),
-                  (buffers.BatchBuffers, "fetch_scores"), (kv_manager.KVManager, "commit"), (Engine, "score"),
+                  (buffers.BatchBuffers, "fetch"), (kv_manager.KVManager, "commit"), (Engine, "score"),
                   (kv_manager.KVManager, "offload_early"), (JaggedBatch, "from_lists"),
                   (gpu_pool.GpuKVPool, "allocate"), (tiers.InProcessTier, "onboard"),
                   (tiers.InProcessTier, "offload"), (cuda_copy.CudaCopyEngine, "_issue"),

@@ -2,8 +2,9 @@
 
 from layerflow.config import Config, load_config
 from layerflow.model import PRESETS, HSTUConfig, HSTUWeights
-from layerflow.runtime.engine import Engine
-from layerflow.runtime.request import Request
+from layerflow.runtime.engine import Engine, TokenOutputs
+from layerflow.runtime.request import EmbeddingRequest, Request
 
-__all__ = ["PRESETS", "Config", "Engine", "HSTUConfig", "HSTUWeights", "Request", "load_config"]
+__all__ = ["PRESETS", "Config", "EmbeddingRequest", "Engine", "HSTUConfig", "HSTUWeights", "Request", "TokenOutputs",
+           "load_config"]
 __version__ = "0.1.0"

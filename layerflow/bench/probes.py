@@ -47,7 +47,7 @@ def layer_compute_ms(engine: Engine, clock: Clock, requests: list[Request], buck
     """
     plan = engine.kv.prepare(requests)
     try:
-        bufs = BatchBuffers(bucket, engine.max_pages, engine.device)
+        bufs = BatchBuffers(bucket, engine.max_pages, engine.device, engine.weights.config)
         bufs.fill(plan.batch, plan.page_rows)
         waits = LayerClock(clock)
         clock.hold()

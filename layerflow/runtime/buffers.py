@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from layerflow.model.batch import JaggedBatch
+from layerflow.model.config import HSTUConfig
+from layerflow.model.reference import batch_n
 
 
 @dataclass(frozen=True, order=True)
@@ -28,11 +30,11 @@ class Bucket:
 class BatchBuffers:
     """Static tensors of one bucket; `fill` writes a batch into them without allocating."""
 
-    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device):
+    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig):
         b, t = bucket.max_batch, bucket.max_tokens
-        self.bucket, self.max_pages, self.device = bucket, max_pages, device
+        self.bucket, self.max_pages, self.device, self.model = bucket, max_pages, device, model
         sizes = {"q_offsets": b + 1, "history_lens": b, "appended_lens": b, "page_table": b * max_pages,
-                 "ids": t, "positions": t, "candidate_rows": t, "candidate_ids": t}
+                 "ids": t, "positions": t, "candidate_rows": t, "candidate_ids": t, "inv_n": 1}
         total = sum(sizes.values())
         pin = device.type == "cuda"
         self._host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
@@ -52,9 +54,18 @@ class BatchBuffers:
         self.positions = view["positions"]
         self.candidate_rows = view["candidate_rows"]
         self.candidate_ids = view["candidate_ids"]
+        # 1/N of the batch (GR's batch rule) as float32 bits in the int32 slab; None: the kernels' constant N.
+        self.inv_n = view["inv_n"].view(torch.float32) if model.attn_n_rule == "batch" else None
         self.scores = torch.zeros(t, dtype=torch.float32, device=device)
         self._scores_host = torch.zeros(t, dtype=torch.float32, pin_memory=pin)
         self.num_candidates = 0
+        self.num_tokens = 0
+        if not model.embedding_tables:   # the caller's token embeddings in, every query row's output back
+            e = model.embedding_dim
+            self.x = torch.zeros(t, e, dtype=model.dtype, device=device)
+            self._x_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
+            self.outputs = torch.zeros(t, e, dtype=model.dtype, device=device)
+            self._outputs_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
 
     def _put(self, name: str, values: np.ndarray) -> None:
         s = self._slices[name]
@@ -77,13 +88,24 @@ class BatchBuffers:
         self._put("positions", positions)
         self._put("candidate_rows", np.flatnonzero(is_candidate))
         self._put("candidate_ids", batch.candidate_ids.numpy())
+        if self.inv_n is not None:
+            n = batch_n(self.model, batch.cached_lens, batch.query_lens)
+            self._put("inv_n", np.array([1.0 / n], dtype=np.float32).view(np.int32))
         self.num_candidates = int(batch.candidate_ids.numel())
+        self.num_tokens = int(sum(batch.query_lens))
+        if batch.query_x is not None:
+            self._x_host[:self.num_tokens].copy_(batch.query_x)
+            self.x.copy_(self._x_host, non_blocking=True)
         self._device.copy_(self._host, non_blocking=True)
 
-    def fetch_scores(self) -> torch.Tensor:
-        """The batch's candidate scores on the host (synchronises with the compute stream: the designed sync)."""
-        n = self.num_candidates
-        self._scores_host[:n].copy_(self.scores[:n], non_blocking=True)
+    def fetch(self) -> torch.Tensor:
+        """The batch's results on the host: candidate scores (fp32), or every query row's output for an
+        embeddings-in model. Synchronises with the compute stream: the designed sync."""
+        if self.model.embedding_tables:
+            host, device, n = self._scores_host, self.scores, self.num_candidates
+        else:
+            host, device, n = self._outputs_host, self.outputs, self.num_tokens
+        host[:n].copy_(device[:n], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return self._scores_host[:n].clone()
+        return host[:n].clone()

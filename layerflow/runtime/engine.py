@@ -24,7 +24,8 @@ from layerflow.runtime.buffers import BatchBuffers, Bucket
 from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
-from layerflow.runtime.request import Request
+from layerflow.model.batch import JaggedBatch
+from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.runtime.tiers import build_kv, check_config, in_process_tier, uses_server
 from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.waits import LayerWait, NoWait, make_layer_wait
@@ -42,6 +43,24 @@ TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 
 def _next_power_of_2(n: int, floor: int) -> int:
     return max(floor, 1 << (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """An embeddings-in request's result: the last layer's output of its new tokens and of its candidates."""
+
+    new: torch.Tensor          # [n, E]
+    candidates: torch.Tensor   # [c, E]
+
+
+def _per_request(batch: JaggedBatch, results: torch.Tensor) -> list:
+    """Split a batch's results: candidate scores per request, or (embeddings in) TokenOutputs per request."""
+    if batch.query_x is None:
+        offsets = batch.candidate_offsets.tolist()
+        return [results[offsets[b]:offsets[b + 1]] for b in range(batch.batch_size)]
+    offsets = batch.query_offsets.tolist()
+    return [TokenOutputs(results[offsets[b]:offsets[b] + a], results[offsets[b] + a:offsets[b + 1]])
+            for b, a in enumerate(batch.appended_lens)]
 
 
 def _lost_users(error: BaseException | None) -> set:
@@ -132,8 +151,10 @@ class Engine:
                         self.graphs.capture(bufs, wait)
             torch.cuda.synchronize(self.device)
 
-    def score(self, requests: list[Request]) -> list[torch.Tensor]:
-        """Candidate scores per request (fp32, on the host, in the order of each request's candidates).
+    def score(self, requests: list[Request | EmbeddingRequest]) -> list:
+        """Per request, on the host: an item-id model's candidate scores (fp32, in the order of its candidates); for
+        a model whose caller brings the embeddings (EmbeddingRequest), its TokenOutputs (the final embeddings of the
+        new tokens and of the candidates, for the caller's own heads).
 
         A bad request raises ValueError, a failed transfer TransferError, a batch that cannot get GPU pages now
         PoolExhausted; in every case the engine's state is consistent and the next batch is served. A user whose KV
@@ -190,7 +211,7 @@ class Engine:
             if self._flight is not flight:
                 raise ValueError("collect: this batch is not the one in flight")
             try:
-                scores = flight.bufs.fetch_scores()
+                results = flight.bufs.fetch()
                 flight.wait.check()
             except BaseException:
                 self.kv.abort(flight.plan)
@@ -199,8 +220,7 @@ class Engine:
                 self._flight = None
                 self._cond.notify_all()
             self.kv.commit(flight.plan)
-            offsets = flight.plan.batch.candidate_offsets.tolist()
-            return [scores[offsets[b]:offsets[b + 1]] for b in range(len(flight.plan.requests))]
+            return _per_request(flight.plan.batch, results)
 
     def cancel(self, plan: BatchPlan) -> None:
         """Give back a prepared batch that will not be launched (e.g. its deadline passed): pins and pages go back."""
@@ -230,7 +250,7 @@ class Engine:
 
     def _bufs(self, bucket: Bucket) -> BatchBuffers:
         if bucket not in self._buffers:
-            self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device)
+            self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device, self.weights.config)
         return self._buffers[bucket]
 
     def _bucket(self, batch_size: int, num_tokens: int) -> Bucket:
