@@ -37,6 +37,7 @@ class UserEntry:
 
     history: History
     offload: Transfer | None = None
+    gpu_first_page: int = 0   # its GPU pages hold valid K/V from this page on (a windowed onboarding skipped others)
 
     def offloading(self) -> bool:
         return self.offload is not None and not self.offload.done()
@@ -52,6 +53,7 @@ class BatchPlan:
     page_rows: list[tuple[int, ...]]
     onboarding: Onboarding | None = None
     recorded: dict[int, int] = field(default_factory=dict)   # batch index -> history length before this batch
+    first_pages: dict[int, int] = field(default_factory=dict)   # batch index -> first GPU page onboarded
 
     @property
     def handle(self) -> SignalHandle | None:
@@ -75,6 +77,25 @@ class KVManager:
             return Tier.GPU
         return self.below.locate(user, len(entry.history))
 
+    def _tier_for(self, r) -> Tier:
+        """`tier(user)` for this request: a GPU copy missing pages the request's step reads (a windowed onboarding
+        skipped them and the window now starts earlier) is given up and the user looked up below."""
+        entry = self.users.get(r.user_id)
+        if entry is not None and r.user_id in self.gpu and \
+                entry.gpu_first_page > self._first_page(r, len(entry.history)):
+            settle(entry.offload)
+            self._reap_offloads()
+            self._forget_gpu(r.user_id)
+        return self.tier(r.user_id)
+
+    def _first_page(self, r, cached: int) -> int:
+        """The first cached page a request's step reads: 0, or later under a sliding window."""
+        if not self.config.max_attn_len:
+            return 0
+        appended = len(r.new_x) if isinstance(r, EmbeddingRequest) else len(r.items)
+        candidates = len(r.candidates_x) if isinstance(r, EmbeddingRequest) else len(r.candidates)
+        return self.config.mask_rule.cached_read_start(cached, appended, candidates) // self.gpu.page_size
+
     def replace_below(self, below: KVTier) -> None:
         """Swap the tier below the GPU (e.g. the transfer server died, or came back): the old one's copies are
         forgotten (closing it is the caller's choice); GPU-resident users stay hits and are offloaded to the new tier at
@@ -95,7 +116,7 @@ class KVManager:
             raise ValueError(f"user {dup} appears twice in one batch")
         self._reap_offloads()
         self._reap_quarantine()
-        tiers = [self.tier(u) for u in users]
+        tiers = [self._tier_for(r) for r in requests]
         batch = self._batch(requests, tiers)
         plan = BatchPlan(requests, batch, tiers, [])
         pinned = []
@@ -205,6 +226,8 @@ class KVManager:
         if entry is None:
             entry = self.users[r.user_id] = UserEntry(self._new_history())
         plan.recorded[b] = len(entry.history)
+        if plan.tiers[b] is not Tier.GPU:
+            entry.gpu_first_page = plan.first_pages.get(b, 0)
         if plan.batch.cached_lens[b] == 0:
             # A miss recomputed the whole history (the old one + the new items): any older copy below is stale.
             entry.history.clear()
@@ -274,11 +297,18 @@ class KVManager:
             self.gpu.free(user)
 
     def _onboard(self, plan: BatchPlan) -> None:
-        """One onboarding for every host/SSD hit of the batch: all users, all layer groups, one signal counter."""
+        """One onboarding for every host/SSD hit of the batch: all users, all layer groups, one signal counter. Under
+        a sliding window only the pages the step reads are copied."""
         ps = self.gpu.page_size
-        loads = [Load(r.user_id, tier, cached, pages[:-(-cached // ps)])
-                 for r, tier, cached, pages in zip(plan.requests, plan.tiers, plan.batch.cached_lens, plan.page_rows)
-                 if tier in (Tier.HOST, Tier.SSD)]
+        loads = []
+        for b, (r, tier, cached, pages) in enumerate(zip(plan.requests, plan.tiers, plan.batch.cached_lens,
+                                                         plan.page_rows)):
+            if tier not in (Tier.HOST, Tier.SSD):
+                continue
+            first, last = self._first_page(r, cached), -(-cached // ps)
+            plan.first_pages[b] = first
+            if first < last:
+                loads.append(Load(r.user_id, tier, cached, pages[first:last], first_page=first))
         if loads:
             plan.onboarding = self.below.onboard(loads, self.layerwise)
 
@@ -323,7 +353,7 @@ class KVManager:
         if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
             settle(entry.offload)
             self._reap_offloads()
-        entry.offload = self.below.offload(user, len(entry.history), pages)
+        entry.offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page)
         self._offloading.add(user)
 
     def _reap_offloads(self) -> None:

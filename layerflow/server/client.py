@@ -138,21 +138,23 @@ class TransferClient:
         """Copy `user`'s KV from the server into `gpu_pages`; wait on the handle per layer, then `release()` it."""
         return self.onboard_many([(user, gpu_pages)], layerwise)[0]
 
-    def onboard_many(self, loads: Sequence[tuple[object, Sequence[int]]],
+    def onboard_many(self, loads: Sequence[tuple],
                      layerwise: bool = True) -> tuple[SignalHandle, Future]:
-        """One onboarding for several users' `(user, gpu_pages)` on ONE signal counter (a batch has one wait per
-        layer). The server copies them in one copy-engine call per layer group. The future completes (or fails with
-        NotResident) once the server answered: only then may the pages be reused."""
+        """One onboarding for several users' `(user, gpu_pages[, first_page])` on ONE signal counter (a batch has one
+        wait per layer); `gpu_pages` receive the user's cached pages from `first_page` on (default 0). The server
+        copies them in one copy-engine call per layer group. The future completes (or fails with NotResident) once
+        the server answered: only then may the pages be reused."""
         if not loads:
             raise ValueError("loads=[]: an onboarding needs at least one user")
-        users = [user for user, _ in loads]
+        users = [load[0] for load in loads]
         handle = self.signals.acquire(layerwise)
         pending = _Pending(users, handle)
-        self._submit(Op.ONBOARD, pending, loads=[[user, [int(p) for p in pages]] for user, pages in loads],
+        wire = [[load[0], [int(p) for p in load[1]], int(load[2]) if len(load) > 2 else 0] for load in loads]
+        self._submit(Op.ONBOARD, pending, loads=wire,
                      counter_id=handle.counter_id, layerwise=layerwise)
         return handle, pending.future
 
-    def offload(self, user, tokens: int, gpu_pages: Sequence[int]) -> Future:
+    def offload(self, user, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Future:
         """Copy `user`'s first `tokens` tokens from `gpu_pages` to the server's host pool; the future completes when
         they are there. The server copies only the pages its copy does not hold yet. Its copy stream cannot see this
         process's streams, so pending CUDA work is synchronized first."""
@@ -163,7 +165,8 @@ class TransferClient:
         if self._kv_layers[0].is_cuda:
             torch.cuda.current_stream(self._kv_layers[0].device).synchronize()
         pending = _Pending([user], None)
-        self._submit(Op.OFFLOAD, pending, user=user, tokens=tokens, gpu_pages=[int(p) for p in gpu_pages])
+        self._submit(Op.OFFLOAD, pending, user=user, tokens=tokens, gpu_pages=[int(p) for p in gpu_pages],
+                     valid_from=int(valid_from))
         return pending.future
 
     def lookup(self, user) -> tuple[str, int]:

@@ -31,16 +31,17 @@ def page_list(pages: object) -> list[int]:
     return pages
 
 
-def parse_loads(loads: object) -> list[tuple[int | str, list[int]]]:
-    """`[[user, gpu_pages], ...]` from an ONBOARD message, each user once."""
+def parse_loads(loads: object) -> list[tuple[int | str, list[int], int]]:
+    """`[[user, gpu_pages, first_page], ...]` from an ONBOARD message, each user once (first_page may be left out)."""
     if not isinstance(loads, list) or not loads:
-        raise ValueError(f"loads={loads!r}: expected a non-empty list of [user, gpu_pages]")
+        raise ValueError(f"loads={loads!r}: expected a non-empty list of [user, gpu_pages, first_page]")
     out = []
     for load in loads:
-        if not (isinstance(load, list) and len(load) == 2):
-            raise ValueError(f"load {load!r}: expected [user, [page, ...]]")
-        out.append((user_of(load[0]), page_list(load[1])))
-    users = [user for user, _ in out]
+        if not (isinstance(load, list) and len(load) in (2, 3)):
+            raise ValueError(f"load {load!r}: expected [user, [page, ...], first_page]")
+        first = count_of(load[2], "first_page") if len(load) == 3 else 0
+        out.append((user_of(load[0]), page_list(load[1]), first))
+    users = [user for user, _, _ in out]
     if len(set(users)) != len(users):
         raise ValueError(f"loads: a user appears twice in {users!r}")
     return out

@@ -95,15 +95,16 @@ class RemoteTier(KVTier):
         return Tier(where) if held >= tokens else Tier.NONE
 
     def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
-        handle, done = self.client.onboard_many([(load.user, load.gpu_pages) for load in loads], layerwise)
+        handle, done = self.client.onboard_many([(load.user, load.gpu_pages, load.first_page) for load in loads],
+                                                layerwise)
         return _RemoteOnboarding(handle, done, self.client.timeout_s)
 
-    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Transfer:
         """The server copies the pages from the first one its copy does not hold yet."""
         if user in self._offloads:  # reap the previous one first: its failure must be seen before this one lands
             settle(self._offloads[user])
             self.reap()
-        transfer = _FutureTransfer(self.client.offload(user, tokens, gpu_pages), self.client.timeout_s)
+        transfer = _FutureTransfer(self.client.offload(user, tokens, gpu_pages, valid_from), self.client.timeout_s)
         self._offloads[user] = transfer
         return transfer
 

@@ -284,8 +284,8 @@ class TransferServer:
             if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
                 raise ValueError(f"counter_id={counter!r} outside [0, {client.session.counters})")
             signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), self._notifier)
-            pinned = self.cache.pin_for_onboard([(user, len(pages)) for user, pages in loads])
-            copies = OnboardCopies(self.cache, client.copier, pinned, [pages for _, pages in loads], signal)
+            pinned = self.cache.pin_for_onboard([(user, first, len(pages)) for user, pages, first in loads])
+            copies = OnboardCopies(self.cache, client.copier, pinned, [pages for _, pages, _ in loads], signal)
 
             def finish() -> dict:
                 try:
@@ -330,7 +330,7 @@ class TransferServer:
             if not 0 < n <= len(gpu_pages):
                 raise ValueError(f"offload of user {user!r}: tokens={tokens!r} need more than the "
                                  f"{len(gpu_pages)} pages sent")
-            slot = self.cache.begin_offload(user, tokens)
+            slot = self.cache.begin_offload(user, tokens, count_of(msg.get("valid_from", 0), "valid_from"))
             try:
                 transfers = client.copier.copy(gpu_pages[slot.first:n], slot.blocks[slot.first:n], to_gpu=False)
             except BaseException:

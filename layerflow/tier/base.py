@@ -49,12 +49,14 @@ class TierUsage:
 
 @dataclass(frozen=True)
 class Load:
-    """One user of an onboarding: where `locate` found it, its cached tokens, the GPU pages that receive them."""
+    """One user of an onboarding: where `locate` found it, its cached tokens, and the GPU pages that receive its
+    cached pages `first_page`, `first_page` + 1, ... (a step under a sliding window reads only its last pages)."""
 
     user: int
     tier: Tier
     tokens: int
     gpu_pages: tuple[int, ...]
+    first_page: int = 0
 
 
 class Onboarding(ABC):
@@ -87,9 +89,10 @@ class KVTier(ABC):
         """Copy every load's tokens into its GPU pages, all users on one signal counter."""
 
     @abstractmethod
-    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Transfer:
         """Copy the GPU pages holding `user`'s `tokens` tokens down (asynchronously); `locate` counts on it from now on,
-        until `reap` sees it failed."""
+        until `reap` sees it failed. Only pages from `valid_from` on hold valid K/V (a windowed onboarding): an
+        offload that would need earlier ones fails with ValueError."""
 
     @abstractmethod
     def reap(self) -> None:

@@ -97,7 +97,7 @@ class OnboardCopies:
                     self._read_back(pinned, pages)
                 else:
                     host_pages += pages
-                    host_blocks += pinned.blocks[:len(pages)]
+                    host_blocks += pinned.copied
             if host_pages:
                 self.transfers += self.copier.copy(host_pages, host_blocks, True, self.signal)
             else:
@@ -110,7 +110,7 @@ class OnboardCopies:
             raise
 
     def _read_back(self, pinned: Pinned, pages: Sequence[int]) -> None:
-        page_of = dict(zip(pinned.blocks, pages))
+        page_of = dict(zip(pinned.copied, pages))
         issued: list[Transfer] = []
 
         def landed(blocks: list[int]) -> None:

@@ -33,11 +33,18 @@ User = Hashable
 
 @dataclass(frozen=True)
 class Pinned:
-    """One user of an onboarding, pinned on the host: its blocks in token order and whether they come from SSD."""
+    """One user of an onboarding, pinned on the host: its blocks in token order up to the last one onboarded, whether
+    they come from SSD, and the first block the onboarding copies (an SSD read-back reads from block 0)."""
 
     user: User
     blocks: tuple[int, ...]
     from_ssd: bool
+    first: int = 0
+
+    @property
+    def copied(self) -> tuple[int, ...]:
+        """The blocks the onboarding copies to the GPU."""
+        return self.blocks[self.first:]
 
 
 @dataclass(frozen=True)
@@ -78,39 +85,42 @@ class HostCache:
 
     # ---- onboarding ---------------------------------------------------------------------------
 
-    def pin_for_onboard(self, loads: Sequence[tuple[User, int]]) -> list[Pinned]:
-        """Pin every `(user, pages)` load, host-resident users first; users only on SSD get host blocks for `pages`
-        pages (to be read back with `read_back`). LookupError names a user that cannot serve `pages` pages; then
-        nothing stays pinned or allocated."""
+    def pin_for_onboard(self, loads: Sequence[tuple[User, int, int]]) -> list[Pinned]:
+        """Pin every `(user, first, pages)` load (its cached pages first .. first + pages - 1), host-resident users
+        first; users only on SSD get host blocks for their first `first + pages` pages (to be read back with
+        `read_back`). LookupError names a user that cannot serve them; then nothing stays pinned or allocated."""
         done: dict[int, Pinned] = {}
         order = sorted(range(len(loads)), key=lambda i: loads[i][0] not in self.host)
         with self._lock:
             try:
                 for i in order:
-                    user, pages = loads[i]
-                    done[i] = self._pin_one(user, pages)
+                    user, first, pages = loads[i]
+                    done[i] = self._pin_one(user, first, pages)
             except BaseException:
                 for p in done.values():
                     self._release_onboarded(p, failed=True)
                 raise
         return [done[i] for i in range(len(loads))]
 
-    def _pin_one(self, user: User, pages: int) -> Pinned:
-        tokens = pages * self.page_size
+    def _pin_one(self, user: User, first: int, pages: int) -> Pinned:
+        last = first + pages
+        tokens = last * self.page_size
+        if first < 0 or pages <= 0:
+            raise LookupError(f"user {user!r}: pages {first}..{last - 1} asked")
         if user in self.host:
             held = self._host_tokens.get(user, 0)
-            if pages <= 0 or -(-held // self.page_size) < pages:
-                raise LookupError(f"user {user!r}: {pages} pages asked, the host copy holds {held} tokens")
+            if -(-held // self.page_size) < last:
+                raise LookupError(f"user {user!r}: pages {first}..{last - 1} asked, the host copy holds {held} tokens")
             self.host.touch(user)
             self.host.pin(user)
-            return Pinned(user, self.host.pages(user)[:pages], False)
+            return Pinned(user, self.host.pages(user)[:last], False, first)
         held = self._ssd_tokens.get(str(user), 0) if self.ssd is not None and self.ssd.contains(user) else 0
-        if pages <= 0 or -(-held // self.page_size) < pages:
-            raise LookupError(f"user {user!r} is not resident with {pages} pages (host or SSD)")
+        if -(-held // self.page_size) < last:
+            raise LookupError(f"user {user!r} is not resident with pages {first}..{last - 1} (host or SSD)")
         blocks = self.host.allocate(user, tokens, on_evict=self._spill).pages
         self.host.pin(user)
         self._host_tokens[user] = min(held, tokens)
-        return Pinned(user, blocks[:pages], True)
+        return Pinned(user, blocks[:last], True, first)
 
     def read_back(self, pinned: Pinned, on_group: Callable[[list[int]], None] | None = None) -> None:
         """SSD -> the pinned host blocks, group by group (`on_group(blocks)` as each verified group lands). A damaged
@@ -137,13 +147,18 @@ class HostCache:
 
     # ---- offload ------------------------------------------------------------------------------
 
-    def begin_offload(self, user: User, tokens: int) -> OffloadSlot:
+    def begin_offload(self, user: User, tokens: int, valid_from: int = 0) -> OffloadSlot:
         """Host blocks for `tokens` tokens of `user` (evicting and spilling LRU users if needed), pinned until
-        `end_offload`; the copy needs only the pages from `first` on. Raises PoolExhausted or ValueError (the user
-        can never fit) with nothing changed."""
+        `end_offload`; the copy needs only the pages from `first` on. The GPU holds valid pages only from
+        `valid_from` on (a windowed onboarding skipped the others): a copy that would need earlier ones is refused.
+        Raises PoolExhausted or ValueError (the user can never fit, or its GPU pages cannot make a whole copy) with
+        nothing changed."""
         with self._lock:
             held = self._host_tokens.get(user, 0) if user in self.host else 0
             first = held // self.page_size
+            if first < valid_from:
+                raise ValueError(f"offload of user {user!r}: the host holds {held} tokens, the GPU pages before page "
+                                 f"{valid_from} are not valid (a windowed onboarding): no whole copy to write")
             if first == 0 and user in self.host and not self.host.pin_count(user):
                 self.host.free(user)  # nothing valid to keep: take fresh, contiguous blocks
             blocks = self.host.allocate(user, tokens, on_evict=self._spill).pages

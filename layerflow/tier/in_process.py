@@ -58,7 +58,7 @@ class InProcessTier(KVTier):
 
     def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
         try:
-            pinned = self.cache.pin_for_onboard([(load.user, len(load.gpu_pages)) for load in loads])
+            pinned = self.cache.pin_for_onboard([(load.user, load.first_page, len(load.gpu_pages)) for load in loads])
         except LookupError as e:
             raise NotResident([load.user for load in loads], str(e)) from e
         try:
@@ -75,12 +75,12 @@ class InProcessTier(KVTier):
             raise
         return onboarding
 
-    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int]) -> Transfer:
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Transfer:
         """Copies only the pages from the first one the host copy does not hold yet."""
         if user in self._offloads:  # one offload per user at a time, each reaped (and unpinned) once
             settle(self._offloads[user])
             self.reap()
-        slot = self.cache.begin_offload(user, tokens)
+        slot = self.cache.begin_offload(user, tokens, valid_from)
         n = -(-tokens // self.cache.page_size)
         try:
             transfer = AllOf(self.copier.copy(gpu_pages[slot.first:n], slot.blocks[slot.first:n], to_gpu=False))

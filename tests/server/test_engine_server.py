@@ -100,7 +100,7 @@ def compare(weights, tmp_path, scenario: str, device: str, tol: float) -> None:
             if extra:
                 client, onboarded = engine.kv.below.client, []
                 send = client.onboard_many
-                client.onboard_many = lambda loads, lw: onboarded.append([u for u, _ in loads]) or send(loads, lw)
+                client.onboard_many = lambda loads, lw: onboarded.append([load[0] for load in loads]) or send(loads, lw)
             results[name] = visit(engine, histories, placement, tol)
     hits = [u for u, tier in placement.items() if tier in (Tier.HOST, Tier.SSD)]
     assert onboarded == ([hits] if hits else [])
