@@ -38,7 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timed-iters", type=int, help="timed iterations per scenario and length (GPU: 20)")
     parser.add_argument("--warmup-iters", type=int, help="untimed iterations before them (GPU: 5)")
     parser.add_argument("--scenarios", type=lambda t: tuple(s.strip() for s in t.split(",") if s.strip()),
-                        default=DEFAULT_SCENARIOS, help=f"comma-separated, of {','.join(SCENARIOS)}")
+                        help=f"comma-separated, of {','.join(SCENARIOS)} (default: all that apply to the model: "
+                             f"torch_eager is the hstu item-id block only)")
+    parser.add_argument("--max-attn-len", type=int, help="sliding window W of the model's attention (0: none); a "
+                        "windowed step onboards only the pages it reads")
     parser.add_argument("--disable-cudagraph", action="store_true", help="run the per-layer pipeline eagerly")
     parser.add_argument("--config", help="transfer YAML config (default: pools sized for the run)")
     parser.add_argument("--only-onboard", action="store_true",
@@ -74,11 +77,16 @@ def _signal(args: argparse.Namespace) -> SignalMode | None:
 def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settings:
     pick = _picker(args, GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS)
     seq_lens = args.seq_lens or ((args.history_len,) if args.history_len else pick("seq_lens"))
-    return Settings(preset=pick("preset"), seq_lens=tuple(seq_lens), append_len=pick("append_len"),
+    preset = pick("preset")
+    model = PRESETS[preset]
+    scenarios = args.scenarios or tuple(s for s in DEFAULT_SCENARIOS
+                                        if s != "torch_eager" or (model.family == "hstu" and model.embedding_tables))
+    return Settings(preset=preset, seq_lens=tuple(seq_lens), append_len=pick("append_len"),
                     num_candidates=pick("num_candidates"), batch_size=args.batch_size,
-                    timed_iters=pick("timed_iters"), warmup_iters=pick("warmup_iters"), scenarios=args.scenarios,
+                    timed_iters=pick("timed_iters"), warmup_iters=pick("warmup_iters"), scenarios=scenarios,
                     use_cuda_graph=not args.disable_cudagraph, only_onboard=args.only_onboard,
-                    timeline=args.timeline, signal=_signal(args), config_path=args.config, seed=args.seed)
+                    timeline=args.timeline, signal=_signal(args), config_path=args.config, seed=args.seed,
+                    max_attn_len=args.max_attn_len)
 
 
 def throughput_settings_from_args(args: argparse.Namespace, device: torch.device) -> ThroughputSettings:

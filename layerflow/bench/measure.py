@@ -21,7 +21,7 @@ from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.scenarios import Context, Measured, Scenario
 from layerflow.bench.settings import Settings
 from layerflow.bench.stats import Bound, Summary
-from layerflow.bench.workload import Workload
+from layerflow.bench.workload import Workload, as_scores
 from layerflow.config import Config, load_config
 from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
@@ -136,10 +136,10 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
             progress.set_postfix_str(f"{seq_len} tokens, layerwise {'on' if config.enable_layerwise else 'off'}")
             users = [index * settings.batch_size + b for b in range(settings.batch_size)]
             workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates,
-                                      settings.model.item_vocab_size, settings.seed)
+                                      settings.model, settings.seed)
             copy.skip_offloads = False
             workload.load(engine)
-            reference = engine.score(workload.requests)
+            reference = as_scores(engine.score(workload.requests))
             copy.skip_offloads = settings.only_onboard
             ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters, settings.timed_iters,
                           timeline, progress, reference)

@@ -80,6 +80,7 @@ def markdown(results: Results) -> str:
             ("T_compute ms", _bound(results, lambda b: b.t_compute)),
             ("first-layer transfer ms", _bound(results, lambda b: b.transfer_layers[0], "{:.3f}")),
             ("last-layer compute ms", _bound(results, lambda b: b.compute_layers[-1], "{:.3f}")),
+            ("onboarded MiB", _bound(results, lambda b: b.transfer_bytes / 2**20, "{:.1f}")),
             ("onboard GB/s", _bound(results, lambda b: b.transfer_bytes / 1e6 / b.t_transfer, "{:.1f}")),
             ("bulk memcpy GB/s", _bound(results, lambda b: b.transfer_bytes / 1e6 / b.bulk_memcpy, "{:.1f}")),
         ]

@@ -21,7 +21,7 @@ from layerflow.bench.eager import EagerBlock
 from layerflow.bench.probes import Timeline, TimelineMarks, TransferTimer, TransferTiming, layer_compute_ms
 from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.stats import Summary
-from layerflow.bench.workload import Workload, forget
+from layerflow.bench.workload import Workload, as_scores, forget
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import KVManager, Tier
@@ -119,7 +119,7 @@ class Scenario(ABC):
 
     def call(self, ctx: Context, batch: list[Request]) -> Callable[[], list[torch.Tensor]]:
         """What the timed region runs."""
-        return lambda: ctx.engine.score(batch)
+        return lambda: as_scores(ctx.engine.score(batch))
 
     def measure(self, ctx: Context) -> Measured:
         engine = ctx.engine
@@ -208,8 +208,7 @@ class NoCache(Scenario):
         for u in wl.fresh:
             forget(kv, u)
         base = FRESH_USERS + (wl.seq_len * 4096 + iteration) * len(wl.requests)
-        batch = [Request(base + b, wl.histories[r.user_id] + r.items, r.candidates)
-                 for b, r in enumerate(wl.requests)]
+        batch = [wl.whole(base + b, r) for b, r in enumerate(wl.requests)]
         wl.fresh = [r.user_id for r in batch]
         return batch
 
@@ -221,6 +220,9 @@ class TorchEager(Scenario):
 
     def measure(self, ctx: Context) -> Measured:
         wl, engine = ctx.workload, ctx.engine
+        if engine.weights.config.family != "hstu" or not engine.weights.config.embedding_tables:
+            raise ValueError(f"torch_eager is the hstu item-id block only; this model is "
+                             f"{engine.weights.config.family} (leave it out of --scenarios)")
         engine.score(wl.requests)  # resident on the GPU, whatever the previous scenario left
         for r in wl.requests:
             engine.kv.truncate(r.user_id, wl.seq_len)

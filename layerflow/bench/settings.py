@@ -3,7 +3,7 @@ scenarios and the transfer config, validated up front; the per-device defaults t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from layerflow.bench.scenarios import SCENARIOS, Scenario
 from layerflow.config import SignalMode
@@ -51,12 +51,15 @@ class Settings:
     signal: SignalMode | None = None
     config_path: str | None = None
     seed: int = 0
+    max_attn_len: int | None = None   # overrides the preset's sliding window (0: none)
 
     def __post_init__(self) -> None:
         check_settings(self, ("append_len", "num_candidates", "batch_size", "timed_iters"))
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
         if unknown or not self.scenarios:
             raise ValueError(f"scenarios={list(self.scenarios)!r}: expected some of {list(SCENARIOS)}")
+        if "torch_eager" in self.scenarios and not (self.model.family == "hstu" and self.model.embedding_tables):
+            raise ValueError(f"scenarios: torch_eager is the hstu item-id block only, not the {self.preset} model")
         if self.warmup_iters < 0:
             raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
         if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):
@@ -71,7 +74,8 @@ class Settings:
 
     @property
     def model(self) -> HSTUConfig:
-        return PRESETS[self.preset]
+        preset = PRESETS[self.preset]
+        return preset if self.max_attn_len is None else replace(preset, max_attn_len=self.max_attn_len)
 
     @property
     def query_tokens(self) -> int:
