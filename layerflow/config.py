@@ -42,6 +42,12 @@ class Config:
     server_socket: str | None = None
     ssd_io_threads: int = 4
     spawn_server: bool = False
+    # The serving layer (`layerflow serve`): batching, backpressure, deadlines, prefetch across batches.
+    serve_max_batch_size: int = 8
+    serve_max_wait_ms: float = 2.0
+    serve_max_queue: int = 1024
+    serve_deadline_ms: float = 1000.0
+    serve_prefetch: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -123,6 +129,11 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "server_socket": _optional_str,
     "ssd_io_threads": _positive_int,
     "spawn_server": _bool,
+    "serve_max_batch_size": _positive_int,
+    "serve_max_wait_ms": _non_negative,
+    "serve_max_queue": _positive_int,
+    "serve_deadline_ms": _non_negative,
+    "serve_prefetch": _bool,
 }
 
 _TRUE = {"1", "true", "yes", "on"}
