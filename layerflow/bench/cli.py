@@ -122,41 +122,41 @@ def serving_settings_from_args(args: argparse.Namespace, device: torch.device) -
     return ServingSettings(workload, tuple(rates), tuple(args.transports), args.max_wait_ms)
 
 
+def _publish(args: argparse.Namespace, cpu_path: bool, table: str, write_json: Callable[[Path], None],
+             plot: Callable[[Path], None] | None = None) -> None:
+    """The table (and the CPU-path note after it), then the JSON and the plot where the flags ask for them."""
+    print(table)
+    if cpu_path:
+        print(CPU_NOTE)
+    if args.out:
+        write_json(Path(args.out))
+    if args.plot and plot is not None:
+        plot(Path(args.plot))
+
+
 def main(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu_path = device.type != "cuda"
     if args.serve:
-        settings = serving_settings_from_args(args, device)
-        if cpu_path:
-            print(CPU_NOTE, flush=True)
-        results = serving.run_serving(settings, device)
-        print(serving_report.markdown(settings, results, device_name(device)))
-        if cpu_path:
-            print(CPU_NOTE)
-        if args.out:
-            serving_report.write_json(settings, results, device, Path(args.out))
-        if args.plot:
-            serving_report.plot(settings, results, device, Path(args.plot))
-        return
-    if args.throughput:
-        settings = throughput_settings_from_args(args, device)
-        if cpu_path:
-            print(CPU_NOTE, flush=True)
-        runs = throughput.run_throughput(settings, device)
-        print(throughput.markdown(settings, runs, device_name(device)))
-        if args.out:
-            throughput.write_json(settings, runs, device, Path(args.out))
-        return
-    settings = settings_from_args(args, device)
-    if settings.timeline and cpu_path:
-        raise ValueError("--timeline reads CUDA events: it needs a GPU")
+        serve = serving_settings_from_args(args, device)
+    elif args.throughput:
+        stream = throughput_settings_from_args(args, device)
+    else:
+        settings = settings_from_args(args, device)
+        if settings.timeline and cpu_path:
+            raise ValueError("--timeline reads CUDA events: it needs a GPU")
     if cpu_path:
         print(CPU_NOTE, flush=True)
-    results = run(settings, device)
-    print(report.markdown(results))
-    if cpu_path:
-        print(CPU_NOTE)
-    if args.out:
-        report.write_json(results, Path(args.out))
-    if args.plot:
-        report.plot(results, Path(args.plot))
+    if args.serve:
+        found = serving.run_serving(serve, device)
+        _publish(args, cpu_path, serving_report.markdown(serve, found, device_name(device)),
+                 lambda path: serving_report.write_json(serve, found, device, path),
+                 lambda path: serving_report.plot(serve, found, device, path))
+    elif args.throughput:
+        runs = throughput.run_throughput(stream, device)
+        _publish(args, cpu_path, throughput.markdown(stream, runs, device_name(device)),
+                 lambda path: throughput.write_json(stream, runs, device, path))
+    else:
+        results = run(settings, device)
+        _publish(args, cpu_path, report.markdown(results), lambda path: report.write_json(results, path),
+                 lambda path: report.plot(results, path))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from layerflow.bench.environment import device_name, results_header
+from layerflow.bench.report import save_figure
 from layerflow.bench.serving import ServingSettings
 
 
@@ -81,9 +82,4 @@ def plot(settings: ServingSettings, results: dict, device: torch.device, path: P
     w = settings.workload
     ax.set_title(f"{device_name(device)}: serving {w.preset}, {w.history_len} cached, {w.num_users} users "
                  f"(Zipf {w.zipf}), GPU pool for {w.gpu_users}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, ax, path)

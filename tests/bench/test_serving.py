@@ -1,26 +1,25 @@
 """Serving mode: its settings and defaults, its figures on known records, and a whole CPU-path run through the
 command line (in process and over HTTP, prefetch off and on)."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from layerflow.bench.cli import add_arguments, main, serving_settings_from_args
+from layerflow.bench.cli import main, serving_settings_from_args
 from layerflow.bench.serving import Calibration, ServingSettings, bound, summarize
 from layerflow.bench.serving_load import Record
 from layerflow.bench.throughput import ThroughputSettings
+from layerflow.cli import build_parser
 from layerflow.model.config import PRESETS
 from layerflow.tier.layout import KVLayout
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(list(argv))
+def parse(*argv: str):
+    """`layerflow bench ARGV`, parsed by the command line's own parser."""
+    return build_parser().parse_args(["bench", *argv])
 
 
 def test_serving_defaults_put_four_times_the_gpu_pools_users_in_the_stream():
