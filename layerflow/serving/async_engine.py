@@ -176,10 +176,13 @@ class AsyncEngine:
                 self._collect()
 
     def _busy(self) -> set[int]:
-        busy = {p.user for p in self._retry}
-        for batch in (self._flight and self._flight.prepared.batch, self._prepared and self._prepared.batch):
-            busy.update(p.user for p in batch or ())
-        return busy
+        """Users the next batch must skip: in flight, prepared, or waiting for a retry."""
+        batches = [self._retry]
+        if self._flight is not None:
+            batches.append(self._flight.prepared.batch)
+        if self._prepared is not None:
+            batches.append(self._prepared.batch)
+        return {p.user for batch in batches for p in batch}
 
     def _take(self, wait: bool) -> list[Pending] | None:
         taken = self.queue.take(self._busy(), wait)
@@ -189,6 +192,10 @@ class AsyncEngine:
         self.metrics.queue_depth.set(len(self.queue))
         return taken.batch
 
+    def _requeue(self, batch: list[Pending]) -> None:
+        self.queue.requeue(batch)
+        self.metrics.queue_depth.set(len(self.queue))
+
     def _prepare(self, batch: list[Pending], prefetch: bool) -> None:
         """Prepare `batch` as `_prepared`, or deal with why it cannot be (see the module docstring)."""
         gpu = self.engine.kv.gpu
@@ -197,7 +204,7 @@ class AsyncEngine:
             plan = self.engine.prepare([p.request for p in batch])
         except PoolExhausted as e:
             if prefetch:
-                self.queue.requeue(batch)
+                self._requeue(batch)
                 self._deferred = True
                 self.metrics.prefetch_deferred.inc()
             else:
@@ -225,7 +232,7 @@ class AsyncEngine:
             self._fail(batch[0], error)
             return
         half = len(batch) // 2
-        self.queue.requeue(batch[half:])
+        self._requeue(batch[half:])
         self._prepare(batch[:half], prefetch)
 
     def _launch(self) -> None:
@@ -235,8 +242,7 @@ class AsyncEngine:
         if dropped:
             self.engine.cancel(prepared.plan)
             self._expire([p for p in dropped if not p.future.cancelled()])
-            self.queue.requeue([p for p in prepared.batch if p not in dropped])
-            self.metrics.queue_depth.set(len(self.queue))
+            self._requeue([p for p in prepared.batch if p not in dropped])
             return
         for p in prepared.batch:
             _start(p)   # from here on the request is served: its history is recorded
@@ -261,7 +267,7 @@ class AsyncEngine:
             if self._prepared is not None:   # give its pages back: the retries must find the pool as it was
                 ahead, self._prepared = self._prepared, None
                 self.engine.cancel(ahead.plan)
-                self.queue.requeue(ahead.batch)
+                self._requeue(ahead.batch)
             self._retry.extend(prepared.batch)
             return
         now = time.monotonic()
