@@ -24,6 +24,7 @@ from layerflow.config import load_config
 from layerflow.server.main import DESCRIPTION as SERVER_DESCRIPTION
 from layerflow.server.main import add_arguments as add_server_arguments
 from layerflow.server.main import run as run_server
+from layerflow.serving import cli as serving_cli
 
 
 USER_ERRORS = (ValueError, OSError)
@@ -86,6 +87,10 @@ def cmd_score(args: argparse.Namespace) -> None:
                     engine.kv.evict_from_gpu(r.user_id)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    serving_cli.run(args, _weights(args))
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     bench_main(args)
 
@@ -116,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="run the transfer server (one shared host KV cache for every process on the host)")
     add_server_arguments(server)
     server.set_defaults(func=run_server)
+
+    serve = sub.add_parser("serve", description=serving_cli.DESCRIPTION, help="HTTP scoring server (batching, "
+                           "per-user order, prefetch, backpressure, deadlines, Prometheus metrics)")
+    serving_cli.add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="inference benchmark: GPU/CPU/SSD hits, layerwise onboarding and its bound "
                            "(a small CPU-path run without a GPU)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -45,6 +45,12 @@ class Config:
     server_socket: str | None = None
     ssd_io_threads: int = 4
     spawn_server: bool = False
+    # The serving layer (`layerflow serve`): batching, backpressure, deadlines, prefetch across batches.
+    serve_max_batch_size: int = 8
+    serve_max_wait_ms: float = 2.0
+    serve_max_queue: int = 1024
+    serve_deadline_ms: float = 1000.0
+    serve_prefetch: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -93,6 +99,10 @@ MAX_TRANSFER_TIMEOUT_S = 86400.0
 MAX_PAGE_SIZE = 1024
 MAX_COUNTERS = 64
 MAX_SSD_IO_THREADS = 256
+MAX_SERVE_BATCH = 1024
+MAX_SERVE_QUEUE = 1 << 20
+MAX_SERVE_WAIT_MS = 60_000.0
+MAX_SERVE_DEADLINE_MS = 3_600_000.0
 UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -188,6 +198,11 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "server_socket": _socket_path,
     "ssd_io_threads": _int_in(1, MAX_SSD_IO_THREADS),
     "spawn_server": _bool,
+    "serve_max_batch_size": _int_in(1, MAX_SERVE_BATCH),
+    "serve_max_wait_ms": _size(MAX_SERVE_WAIT_MS, positive=False),
+    "serve_max_queue": _int_in(1, MAX_SERVE_QUEUE),
+    "serve_deadline_ms": _size(MAX_SERVE_DEADLINE_MS, positive=False),
+    "serve_prefetch": _bool,
 }
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -14,5 +14,8 @@ Modules, each importing only those above it:
 - `measure`: the run over scenarios and lengths, and each length's lower bound.
 - `report`: markdown tables, JSON and the plot of a run.
 - `throughput`: the open-loop Zipf stream served with layerwise off and on.
+- `serving_load`: open-loop drivers of the serving layer, in process and over HTTP, one record per request.
+- `serving`: serving mode: the stream through the serving layer at rising rates, prefetch off and on, and its bound.
+- `serving_report`: serving mode's table, JSON and plot.
 - `cli`: the flags and `main`, the entry point of `layerflow bench`.
 """

@@ -1,8 +1,9 @@
 """`layerflow bench` (and benchmarks/inference_benchmark.py): the flags, their per-device defaults, and the two modes.
 
 The default mode times one returning user's request per scenario and history length (`measure.run`, `report`);
-`--throughput` serves a Zipf stream of returning users open-loop (`throughput`). Unset flags take the device's
-defaults: the seed benchmark on a GPU, a small run that ends in seconds on the CPU path.
+`--throughput` serves a Zipf stream of returning users open-loop (`throughput`); `--serve` sends that stream through
+the serving layer at rising rates, in process and over HTTP, prefetch off and on (`serving`, `serving_report`). Unset
+flags take the device's defaults: the seed benchmark on a GPU, a small run that ends in seconds on the CPU path.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Callable
 
 import torch
 
-from layerflow.bench import report, throughput
+from layerflow.bench import report, serving, serving_report, throughput
 from layerflow.bench.environment import device_name
 from layerflow.bench.measure import run
 from layerflow.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS
+from layerflow.bench.serving import ServingSettings
+from layerflow.bench.serving_load import TRANSPORTS
 from layerflow.bench.settings import CPU_DEFAULTS, GPU_DEFAULTS, Settings, parse_length, parse_lengths
 from layerflow.bench.throughput import ThroughputSettings
 from layerflow.config import SignalMode
@@ -60,6 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-users", type=int, help="throughput mode: distinct returning users (GPU: 64)")
     parser.add_argument("--gpu-users", type=int, help="throughput mode: users the GPU pool holds (GPU: 16)")
     parser.add_argument("--zipf", type=float, default=1.0, help="throughput mode: Zipf exponent of popularity")
+    parser.add_argument("--serve", action="store_true",
+                        help="serving mode: the throughput stream through the serving layer (in process and over "
+                             "HTTP, prefetch off and on) at rising offered rates, with the copy-engine/GPU bound")
+    parser.add_argument("--rates", type=lambda t: tuple(float(r) for r in t.split(",") if r.strip()),
+                        help="serving mode: offered requests/s, e.g. 100,200,400 (GPU: 100,200,400,800,1600)")
+    parser.add_argument("--transports", type=lambda t: tuple(s.strip() for s in t.split(",") if s.strip()),
+                        default=TRANSPORTS, help=f"serving mode: comma-separated, of {','.join(TRANSPORTS)}")
+    parser.add_argument("--max-batch-size", type=int, help="serving mode: most requests per batch (GPU: 8)")
+    parser.add_argument("--max-wait-ms", type=float, default=2.0,
+                        help="serving mode: how long a batch's oldest request waits for the batch to fill")
 
 
 def _picker(args: argparse.Namespace, defaults: dict[str, object]) -> Callable[[str], object]:
@@ -100,28 +113,58 @@ def throughput_settings_from_args(args: argparse.Namespace, device: torch.device
                               signal=_signal(args), config_path=args.config, seed=args.seed)
 
 
-def main(args: argparse.Namespace) -> None:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cpu_path = device.type != "cuda"
-    if args.throughput:
-        settings = throughput_settings_from_args(args, device)
-        if cpu_path:
-            print(CPU_NOTE, flush=True)
-        runs = throughput.run_throughput(settings, device)
-        print(throughput.markdown(settings, runs, device_name(device)))
-        if args.out:
-            throughput.write_json(settings, runs, device, Path(args.out))
-        return
-    settings = settings_from_args(args, device)
-    if settings.timeline and cpu_path:
-        raise ValueError("--timeline reads CUDA events: it needs a GPU")
-    if cpu_path:
-        print(CPU_NOTE, flush=True)
-    results = run(settings, device)
-    print(report.markdown(results))
+def serving_settings_from_args(args: argparse.Namespace, device: torch.device) -> ServingSettings:
+    """Users default to four times the GPU pool's; the rest as in throughput mode, with the serving defaults."""
+    defaults = serving.GPU_DEFAULTS if device.type == "cuda" else serving.CPU_DEFAULTS
+    pick = _picker(args, defaults)
+    gpu_users = pick("gpu_users")
+    history = args.history_len or (args.seq_lens[0] if args.seq_lens else defaults["history_len"])
+    rates = pick("rates")
+    workload = ThroughputSettings(preset=pick("preset"), history_len=history, append_len=pick("append_len"),
+                                  num_candidates=pick("num_candidates"),
+                                  num_users=args.num_users or serving.USERS_PER_GPU_USER * gpu_users,
+                                  gpu_users=gpu_users, num_requests=pick("num_requests"), rate=rates[0],
+                                  zipf=args.zipf, batch_size=pick("max_batch_size"),
+                                  use_cuda_graph=not args.disable_cudagraph, signal=_signal(args),
+                                  config_path=args.config, seed=args.seed)
+    return ServingSettings(workload, tuple(rates), tuple(args.transports), args.max_wait_ms)
+
+
+def _publish(args: argparse.Namespace, cpu_path: bool, table: str, write_json: Callable[[Path], None],
+             plot: Callable[[Path], None] | None = None) -> None:
+    """The table (and the CPU-path note after it), then the JSON and the plot where the flags ask for them."""
+    print(table)
     if cpu_path:
         print(CPU_NOTE)
     if args.out:
-        report.write_json(results, Path(args.out))
-    if args.plot:
-        report.plot(results, Path(args.plot))
+        write_json(Path(args.out))
+    if args.plot and plot is not None:
+        plot(Path(args.plot))
+
+
+def main(args: argparse.Namespace) -> None:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu_path = device.type != "cuda"
+    if args.serve:
+        serve = serving_settings_from_args(args, device)
+    elif args.throughput:
+        stream = throughput_settings_from_args(args, device)
+    else:
+        settings = settings_from_args(args, device)
+        if settings.timeline and cpu_path:
+            raise ValueError("--timeline reads CUDA events: it needs a GPU")
+    if cpu_path:
+        print(CPU_NOTE, flush=True)
+    if args.serve:
+        found = serving.run_serving(serve, device)
+        _publish(args, cpu_path, serving_report.markdown(serve, found, device_name(device)),
+                 lambda path: serving_report.write_json(serve, found, device, path),
+                 lambda path: serving_report.plot(serve, found, device, path))
+    elif args.throughput:
+        runs = throughput.run_throughput(stream, device)
+        _publish(args, cpu_path, throughput.markdown(stream, runs, device_name(device)),
+                 lambda path: throughput.write_json(stream, runs, device, path))
+    else:
+        results = run(settings, device)
+        _publish(args, cpu_path, report.markdown(results), lambda path: report.write_json(results, path),
+                 lambda path: report.plot(results, path))

@@ -172,6 +172,13 @@ def plot(results: Results, path: Path) -> None:
     s = results.settings
     ax.set_title(f"{device_name(results.device)}: BS={s.batch_size}, {s.append_len} appended, "
                  f"{s.num_candidates} candidates")
+    save_figure(fig, ax, path)
+
+
+def save_figure(fig, ax, path: Path) -> None:
+    """Grid and legend on `ax`, then the figure as a PNG at `path` (its folder made), closed."""
+    import matplotlib.pyplot as plt
+
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

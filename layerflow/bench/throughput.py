@@ -95,7 +95,9 @@ def take_batch(queue: list[int], users: list[int], batch_size: int) -> list[int]
     return picked
 
 
-def _config(settings: ThroughputSettings, layerwise: bool) -> Config:
+def pool_config(settings: ThroughputSettings, layerwise: bool) -> Config:
+    """The run's config: the file's if one is named, else pools sized for the stream (the GPU's for `gpu_users`
+    users, the host's for all of them); `signal` and `layerwise` on top."""
     config = load_config(settings.config_path) if settings.config_path else Config()
     layout = KVLayout.for_hstu(PRESETS[settings.preset], config.page_size)
     user_gb = layout.pages_for_tokens(settings.history_len + settings.append_len) * layout.page_bytes / 2**30
@@ -107,25 +109,41 @@ def _config(settings: ThroughputSettings, layerwise: bool) -> Config:
     return replace(config, enable_layerwise=layerwise)
 
 
+def returning_visits(settings: ThroughputSettings, vocab: int, rng: random.Random) -> dict[int, Request]:
+    """The request each user sends on every visit of the stream."""
+    return {u: Request(u, [rng.randrange(vocab) for _ in range(settings.append_len)],
+                       [rng.randrange(vocab) for _ in range(settings.num_candidates)])
+            for u in range(settings.num_users)}
+
+
+def stream_engine(settings: ThroughputSettings, weights: HSTUWeights, config: Config, device: torch.device) -> Engine:
+    """An engine whose graph buckets are the stream's batch sizes and their query tokens."""
+    tokens = tuple(sorted({settings.query_tokens(b) for b in settings.batch_buckets}))
+    return Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
+                  batch_buckets=settings.batch_buckets, token_buckets=tokens)
+
+
+def load_users(engine: Engine, settings: ThroughputSettings, visits: dict[int, Request], rng: random.Random) -> None:
+    """Capture the graphs, cache `history_len` tokens per user (offloaded to host), then one visit each so every graph
+    and kernel is compiled before the clock; every history is truncated back to `history_len`."""
+    vocab = engine.weights.config.item_vocab_size
+    engine.warmup()
+    for u in range(settings.num_users):
+        engine.score([Request(u, [rng.randrange(vocab) for _ in range(settings.history_len)], [])])
+    engine.kv.wait_offloads()
+    for u in range(settings.num_users):
+        engine.score([visits[u]])
+        engine.kv.truncate(u, settings.history_len)
+
+
 def serve(settings: ThroughputSettings, weights: HSTUWeights, layerwise: bool, device: torch.device) -> dict:
     """Serve the stream once; return throughput, latency percentiles, the tiers hit and the batch sizes."""
     rng = random.Random(settings.seed + 1)
-    vocab = weights.config.item_vocab_size
-    visits = {u: Request(u, [rng.randrange(vocab) for _ in range(settings.append_len)],
-                         [rng.randrange(vocab) for _ in range(settings.num_candidates)])
-              for u in range(settings.num_users)}
+    visits = returning_visits(settings, weights.config.item_vocab_size, rng)
     arrivals = stream(settings)
     users = [u for _, u in arrivals]
-    tokens = tuple(sorted({settings.query_tokens(b) for b in settings.batch_buckets}))
-    with Engine(weights, _config(settings, layerwise), device=device, use_cuda_graph=settings.use_cuda_graph,
-                batch_buckets=settings.batch_buckets, token_buckets=tokens) as engine:
-        engine.warmup()
-        for u in range(settings.num_users):
-            engine.score([Request(u, [rng.randrange(vocab) for _ in range(settings.history_len)], [])])
-        engine.kv.wait_offloads()
-        for u in range(settings.num_users):  # one visit each: every graph and kernel compiled before the clock
-            engine.score([visits[u]])
-            engine.kv.truncate(u, settings.history_len)
+    with stream_engine(settings, weights, pool_config(settings, layerwise), device) as engine:
+        load_users(engine, settings, visits, rng)
         queue: list[int] = []
         latencies, tiers, sizes = [0.0] * len(arrivals), Counter(), []
         nxt, served = 0, 0

@@ -1,0 +1,206 @@
+"""Serving mode (`layerflow bench --serve`): the throughput stream's users through the serving layer, at rising rates.
+
+Returning users with Zipf popularity, more of them than the GPU pool holds, arrive open-loop (Poisson) at each
+offered rate; the same arrivals go through the AsyncEngine in process and through the HTTP server with a real aiohttp
+client, with prefetch across batches off and on. Each visit appends `append_len` items (histories grow during a run
+and are truncated back to `history_len` between runs).
+
+Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
+batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
+onboarded byte at the bulk pinned memcpy rate, each batch at the measured GPU-hit time of its size (no hardware
+counters are read). The bound is the rate at which either saturates, whichever is lower: the copy engine at the bulk
+rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
+from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
+from layerflow.bench.stats import percentile
+from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
+                                        stream_engine)
+from layerflow.config import Config
+from layerflow.model import HSTUWeights
+from layerflow.model.config import PRESETS
+from layerflow.runtime.engine import Engine
+from layerflow.serving.async_engine import AsyncEngine
+from layerflow.serving.server import BackgroundServer
+from layerflow.tier.layout import KVLayout
+
+CALIBRATION_ITERS = 5
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
+    rates, the transports and the scheduler's wait for a batch to fill."""
+
+    workload: ThroughputSettings
+    rates: tuple[float, ...]
+    transports: tuple[str, ...] = TRANSPORTS
+    max_wait_ms: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.rates or any(not r > 0 for r in self.rates):
+            raise ValueError(f"rates={self.rates!r}: need at least one rate, each > 0")
+        if not self.transports or any(t not in TRANSPORTS for t in self.transports):
+            raise ValueError(f"transports={self.transports!r}: expected some of {TRANSPORTS}")
+        if not self.max_wait_ms >= 0:
+            raise ValueError(f"max_wait_ms={self.max_wait_ms!r}: must be >= 0")
+        if self.workload.gpu_users < self.workload.batch_size:
+            raise ValueError(f"gpu_users={self.workload.gpu_users} < batch_size={self.workload.batch_size}: the "
+                             "bound times a full batch of GPU hits")
+
+    def to_dict(self) -> dict:
+        workload = asdict(self.workload) | {"signal": None if self.workload.signal is None
+                                            else self.workload.signal.value}
+        return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
+                "max_wait_ms": self.max_wait_ms}
+
+
+GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
+                    num_requests=1000, rates=(100.0, 200.0, 400.0, 800.0, 1600.0), max_batch_size=8)
+CPU_DEFAULTS = dict(preset="tiny", history_len=128, append_len=4, num_candidates=16, gpu_users=4, num_requests=40,
+                    rates=(50.0, 200.0, 800.0), max_batch_size=4)
+USERS_PER_GPU_USER = 4   # the default number of users: four times what the GPU pool holds
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured in the run: the wall time of a batch of b GPU hits (ms, median) and the bulk memcpy rate."""
+
+    gpu_hit_ms: dict[int, float]
+    bulk_bytes_per_s: float
+    bulk_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"gpu_hit_ms": {str(b): ms for b, ms in self.gpu_hit_ms.items()},
+                "bulk_gb_per_s": self.bulk_bytes_per_s / 1e9, "bulk_bytes": self.bulk_bytes}
+
+
+def calibrate(engine: Engine, settings: ThroughputSettings, visits: dict, device: torch.device) -> Calibration:
+    """GPU-hit batch times for every batch size up to the largest, on GPU-resident users (histories truncated back
+    after each), and the bulk rate of one host hit's bytes."""
+    resident = [u for u in engine.kv.gpu.users() if u in visits]
+    gpu_hit_ms = {}
+    for size in range(1, settings.batch_size + 1):
+        users = resident[-size:]
+        samples = []
+        for _ in range(CALIBRATION_ITERS + 1):
+            start = time.perf_counter()
+            engine.score([visits[u] for u in users])
+            samples.append((time.perf_counter() - start) * 1e3)
+            for u in users:
+                engine.kv.truncate(u, settings.history_len)
+        gpu_hit_ms[size] = statistics.median(samples[1:])
+    layout = engine.layout
+    nbytes = layout.pages_for_tokens(settings.history_len) * layout.page_bytes
+    timer = CudaTransferTimer(device) if device.type == "cuda" else HostTransferTimer()
+    try:
+        bulk_ms = statistics.median(timer.bulk_ms(nbytes) for _ in range(CALIBRATION_ITERS))
+    finally:
+        timer.close()
+    return Calibration(gpu_hit_ms, nbytes / (bulk_ms / 1e3), nbytes)
+
+
+def onboard_bytes(record: Record, layout: KVLayout) -> int:
+    if record.tier not in ("host", "ssd"):
+        return 0
+    return layout.pages_for_tokens(record.cached_tokens) * layout.page_bytes
+
+
+def summarize(records: list[Record], rate: float, transport: str, prefetch: bool, layout: KVLayout,
+              calibration: Calibration) -> dict:
+    """One run's figures (see the module docstring)."""
+    ok = [r for r in records if r.error is None]
+    elapsed = max(r.answered_s for r in records) - min(r.arrival_s for r in records)
+    onboarded = sum(onboard_bytes(r, layout) for r in ok)
+    largest = max(calibration.gpu_hit_ms)
+    gpu_s = sum(calibration.gpu_hit_ms[min(r.batch_size, largest)] / r.batch_size for r in ok) / 1e3
+    latencies = [r.latency_ms for r in ok]
+    return {"transport": transport, "prefetch": prefetch, "offered_rate": rate, "num_requests": len(records),
+            "answered": len(ok), "throughput": len(ok) / elapsed if elapsed > 0 else 0.0,
+            "p50_ms": percentile(latencies, 50) if ok else None, "p99_ms": percentile(latencies, 99) if ok else None,
+            "tiers": dict(Counter(r.tier for r in ok)), "errors": dict(Counter(r.error for r in records if r.error)),
+            "mean_batch": len(ok) / sum(1 / r.batch_size for r in ok) if ok else 0.0,
+            "onboard_bytes": onboarded, "copy_busy": onboarded / calibration.bulk_bytes_per_s / elapsed,
+            "sm_busy": gpu_s / elapsed}
+
+
+def bound(runs: list[dict], calibration: Calibration, batch_size: int) -> dict:
+    """The rate at which the copy engine or the GPU saturates (requests/s), and which one it is (the copy engine's
+    rate is None when nothing was onboarded)."""
+    answered = sum(r["answered"] for r in runs)
+    per_request = sum(r["onboard_bytes"] for r in runs) / answered if answered else 0.0
+    copy = calibration.bulk_bytes_per_s / per_request if per_request else None
+    full = min(batch_size, max(calibration.gpu_hit_ms))
+    gpu = full / (calibration.gpu_hit_ms[full] / 1e3)
+    by_copy = copy is not None and copy < gpu
+    return {"rate": copy if by_copy else gpu, "limited_by": "copy engine" if by_copy else "GPU",
+            "copy_engine_rate": copy, "gpu_rate": gpu, "onboard_bytes_per_request": per_request,
+            "full_batch": full}
+
+
+def serving_config(settings: ServingSettings, prefetch: bool) -> Config:
+    """The stream's pools (the host's with room for every item a run appends) and the scheduler's keys: no deadline,
+    a queue that holds the whole stream (an open-loop run past saturation queues, it is not refused)."""
+    workload = settings.workload
+    config = pool_config(workload, layerwise=True)
+    if workload.config_path is None:
+        appended = workload.num_requests * workload.append_len / (workload.num_users * workload.history_len)
+        config = replace(config, cpu_cache_gb=config.cpu_cache_gb * (1 + appended))
+    return replace(config, serve_max_batch_size=workload.batch_size, serve_max_wait_ms=settings.max_wait_ms,
+                   serve_max_queue=workload.num_requests, serve_deadline_ms=0.0, serve_prefetch=prefetch)
+
+
+def _progress(run: dict) -> None:
+    p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
+    print(f"prefetch {'on' if run['prefetch'] else 'off'}, {run['transport']}, {run['offered_rate']:g}/s: "
+          f"{run['throughput']:.1f} req/s, p99 {p99} ms", file=sys.stderr, flush=True)
+
+
+def _runs_of_one_engine(settings: ServingSettings, weights: HSTUWeights, prefetch: bool, device: torch.device,
+                        calibration: Calibration | None) -> tuple[list[dict], Calibration]:
+    """Every (transport, rate) run on one engine, its users loaded first; calibrated here unless `calibration` is
+    given. The engine is gone when this returns, so two engines' pinned pools never coexist."""
+    workload = settings.workload
+    rng = random.Random(workload.seed + 1)
+    visits = returning_visits(workload, weights.config.item_vocab_size, rng)
+    runs = []
+    with stream_engine(workload, weights, serving_config(settings, prefetch), device) as engine:
+        load_users(engine, workload, visits, rng)
+        calibration = calibration or calibrate(engine, workload, visits, device)
+        serving = AsyncEngine(engine)
+        server = BackgroundServer(serving) if "http" in settings.transports else None
+        try:
+            for transport in settings.transports:
+                for rate in settings.rates:
+                    arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
+                    records = over_http(server.url, arrivals) if transport == "http" else in_process(serving, arrivals)
+                    runs.append(summarize(records, rate, transport, prefetch, engine.layout, calibration))
+                    _progress(runs[-1])
+                    for u in visits:   # the server is idle: every request was answered
+                        engine.kv.truncate(u, workload.history_len)
+        finally:
+            if server is not None:
+                server.close()
+            serving.close()
+    return runs, calibration
+
+
+def run_serving(settings: ServingSettings, device: torch.device) -> dict:
+    """Every (prefetch, transport, rate) run; the calibration (measured with the first engine) and the bound."""
+    weights = HSTUWeights.init(PRESETS[settings.workload.preset], seed=settings.workload.seed)
+    runs, calibration = _runs_of_one_engine(settings, weights, False, device, None)
+    more, _ = _runs_of_one_engine(settings, weights, True, device, calibration)
+    runs += more
+    return {"calibration": calibration, "runs": runs, "bound": bound(runs, calibration, settings.workload.batch_size)}

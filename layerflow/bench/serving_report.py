@@ -1,0 +1,85 @@
+"""The serving benchmark's outputs: a markdown table per run, the results JSON and a plot of latency vs offered rate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from layerflow.bench.environment import device_name, results_header
+from layerflow.bench.report import save_figure
+from layerflow.bench.serving import ServingSettings
+
+
+def _tiers(run: dict) -> str:
+    return "/".join(str(run["tiers"].get(t, 0)) for t in ("gpu", "host", "ssd", "none"))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _errors(run: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(run["errors"].items())) or "-"
+
+
+def markdown(settings: ServingSettings, results: dict, where: str) -> str:
+    w, cal, b = settings.workload, results["calibration"], results["bound"]
+    head = (f"### Serving on {where}: {w.preset} model, {w.num_users} users (Zipf {w.zipf}), GPU pool for "
+            f"{w.gpu_users}, {w.history_len} cached + {w.append_len} appended per visit, {w.num_candidates} "
+            f"candidates, batches up to {w.batch_size}, {w.num_requests} Poisson arrivals per rate")
+    rows = ["| transport | prefetch | offered/s | req/s | p50 ms | p99 ms | gpu/host/ssd/none | errors | mean batch | "
+            "copy busy | GPU busy |", "|---" * 11 + "|"]
+    for r in results["runs"]:
+        rows.append(f"| {r['transport']} | {'on' if r['prefetch'] else 'off'} | {r['offered_rate']:g} | "
+                    f"{r['throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | {_errors(r)} | "
+                    f"{r['mean_batch']:.2f} | {r['copy_busy']:.2f} | {r['sm_busy']:.2f} |")
+    gpu_ms = ", ".join(f"{size}: {ms:.2f}" for size, ms in sorted(cal.gpu_hit_ms.items()))
+    copy = "-" if b["copy_engine_rate"] is None else f"{b['copy_engine_rate']:.1f}"
+    foot = (f"Bound: {b['rate']:.1f} req/s, set by the {b['limited_by']} (copy engine: "
+            f"{b['onboard_bytes_per_request'] / 1e6:.2f} MB onboarded per request at {cal.bulk_bytes_per_s / 1e9:.2f} "
+            f"GB/s bulk = {copy} req/s; GPU: batches of {b['full_batch']} GPU hits = "
+            f"{b['gpu_rate']:.1f} req/s). GPU-hit batch ms by size: {gpu_ms}. Busy fractions are estimates from "
+            f"these measured figures, not hardware counters.")
+    return "\n".join([head, "", *rows, "", foot])
+
+
+def to_dict(settings: ServingSettings, results: dict, device: torch.device) -> dict:
+    """The results JSON: command line, environment, settings, calibration, bound, every run and the table."""
+    return {**results_header(device), "settings": settings.to_dict(),
+            "calibration": results["calibration"].to_dict(), "bound": results["bound"], "runs": results["runs"],
+            "table": markdown(settings, results, device_name(device))}
+
+
+def write_json(settings: ServingSettings, results: dict, device: torch.device, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_dict(settings, results, device), indent=1) + "\n")
+
+
+def plot(settings: ServingSettings, results: dict, device: torch.device, path: Path) -> None:
+    """p50 (solid) and p99 (dashed) latency vs offered rate per transport and prefetch setting, the bound dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for transport in settings.transports:
+        for prefetch in (False, True):
+            runs = [r for r in results["runs"] if r["transport"] == transport and r["prefetch"] == prefetch
+                    and r["p50_ms"] is not None]
+            label = f"{transport}, prefetch {'on' if prefetch else 'off'}"
+            rates = [r["offered_rate"] for r in runs]
+            color = ax.plot(rates, [r["p50_ms"] for r in runs], marker="o", label=f"{label}: p50")[0].get_color()
+            ax.plot(rates, [r["p99_ms"] for r in runs], marker="x", linestyle="--", color=color, label=f"{label}: p99")
+    b = results["bound"]
+    ax.axvline(b["rate"], color="black", linestyle=":", label=f"bound ({b['limited_by']}): {b['rate']:.0f}/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered rate, requests/s (Poisson)")
+    ax.set_ylabel("latency, ms (arrival -> answer at the client)")
+    w = settings.workload
+    ax.set_title(f"{device_name(device)}: serving {w.preset}, {w.history_len} cached, {w.num_users} users "
+                 f"(Zipf {w.zipf}), GPU pool for {w.gpu_users}")
+    save_figure(fig, ax, path)

@@ -1,0 +1,344 @@
+"""The asynchronous engine: `submit` from any thread (or `await score`), one scheduler thread drives the Engine.
+
+The scheduler is the only caller of the engine's steps. Its rules, in the order it applies them:
+- Batches come from the queue (layerflow.serving.queue: arrival order, one request per user, busy users skipped,
+  capped in requests and query tokens, held back up to `serve_max_wait_ms` to fill).
+- Prefetch (`serve_prefetch`): right after batch N is launched, the next batch is prepared (its KV placed and its
+  onboarding started) from what is queued at that moment, so its copies run while N computes; it is launched once N
+  is collected. If the GPU pool cannot hold it beside N (PoolExhausted), it goes back to the head of the queue and is
+  prepared after N is collected: at most one batch is prepared ahead, and only when the pool holds it.
+- Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
+  when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
+  other requests go back to the head of the queue, in order. A launched request is answered with its scores.
+- Failures: a batch that fails to launch or collect (its KV state rolled back by the engine), or whose preparation
+  fails other than for a bad request or a full pool, has each request retried alone once (`Engine.score`); what fails
+  again is that request's error. A bad request (ValueError) or a batch the GPU cannot hold with nothing in flight is
+  split in halves until the culprit is alone, which gets the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, replace
+
+import torch
+
+from layerflow.runtime.engine import Engine, Flight
+from layerflow.runtime.kv_manager import BatchPlan
+from layerflow.runtime.request import Request
+from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingError, error_kind
+from layerflow.serving.metrics import ServingMetrics
+from layerflow.serving.queue import Pending, RequestQueue
+from layerflow.tier.allocator import PoolExhausted
+from layerflow.tier.base import Tier
+
+log = logging.getLogger(__name__)
+
+POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A served request: its candidates' scores, the tier its KV came from, arrival-to-answer latency, the size of
+    the batch it ran in and the cached history tokens it reused (0 for a miss)."""
+
+    scores: torch.Tensor
+    tier: Tier
+    latency_ms: float
+    batch_size: int
+    cached_tokens: int
+
+
+@dataclass
+class _Prepared:
+    plan: BatchPlan
+    batch: list[Pending]
+    started: float
+    onboard_bytes: int
+
+
+@dataclass
+class _InFlight:
+    flight: Flight
+    prepared: _Prepared
+
+
+def _start(pending: Pending) -> None:
+    """Mark the request's future running, so a caller can no longer cancel it (a cancelled one is served anyway and
+    its answer dropped: its batch is already on its way)."""
+    if not pending.future.running():
+        pending.future.set_running_or_notify_cancel()
+
+
+def _check_deadline(deadline_s: object) -> float | None:
+    if deadline_s is None:
+        return None
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"deadline_s={deadline_s!r}: must be a positive number of seconds or None")
+    return float(deadline_s)
+
+
+class AsyncEngine:
+    """Serves `engine` from a scheduler thread (see the module docstring for its rules); `close()` drains and stops
+    it. The engine stays the caller's to close."""
+
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None) -> None:
+        config = engine.config
+        self.engine = engine
+        self.metrics = metrics or ServingMetrics()
+        self.prefetch = config.serve_prefetch
+        self.default_deadline_s = config.serve_deadline_ms / 1e3 if config.serve_deadline_ms > 0 else None
+        max_batch = min(config.serve_max_batch_size, max(b.max_batch for b in engine.buckets))
+        max_tokens = max(b.max_tokens for b in engine.buckets)
+        self.queue = RequestQueue(config.serve_max_queue, max_batch, max_tokens, config.serve_max_wait_ms / 1e3)
+        self._flight: _InFlight | None = None
+        self._prepared: _Prepared | None = None
+        self._retry: list[Pending] = []
+        self._deferred = False       # the prefetch did not fit beside the batch in flight: wait for its collect
+        self._sampled = 0.0
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="layerflow-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- any thread ---------------------------------------------------------------------------
+
+    def submit(self, request: Request, deadline_s: float | None = None) -> Future:
+        """Queue `request`; the future gets a `Scored` or the request's error. `deadline_s` (from now) overrides the
+        config's `serve_deadline_ms`. Raises QueueFull when the queue is at its bound, ShuttingDown after `close()`,
+        ValueError for a bad argument."""
+        if not isinstance(request, Request):
+            raise ValueError(f"request={request!r}: expected a layerflow Request")
+        deadline_s = _check_deadline(deadline_s)
+        if deadline_s is None:
+            deadline_s = self.default_deadline_s
+        now = time.monotonic()
+        pending = Pending(request, Future(), now, None if deadline_s is None else now + deadline_s)
+        try:
+            expired = self.queue.put(pending)
+        except ServingError as e:
+            self.metrics.request_failed(error_kind(e))
+            raise
+        self._expire(expired)
+        self.metrics.queue_depth.set(len(self.queue))
+        return pending.future
+
+    async def score(self, request: Request, deadline_s: float | None = None) -> Scored:
+        """`submit`, awaited in the running event loop."""
+        return await asyncio.wrap_future(self.submit(request, deadline_s))
+
+    @property
+    def closing(self) -> bool:
+        return self.queue.closed
+
+    def close(self) -> None:
+        """Refuse new requests, answer every queued one (served, or failed by its deadline), stop the thread."""
+        with self._close_lock:
+            self.queue.close()
+            self._thread.join()
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the scheduler thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
+            log.exception("the serving scheduler stopped")
+            self._abandon(e)
+
+    def _loop(self) -> None:
+        while True:
+            if self._retry:
+                batch, self._retry = self._retry, []
+                self._retry_alone(batch)
+            elif self._flight is None and self._prepared is not None:
+                self._launch()
+            elif self._flight is None:
+                taken = self._take(wait=True)
+                if taken is None:
+                    return
+                if taken:
+                    self._prepare(taken, prefetch=False)
+            else:
+                if self.prefetch and self._prepared is None and not self._deferred:
+                    taken = self._take(wait=False)
+                    if taken:
+                        self._prepare(taken, prefetch=True)
+                self._collect()
+
+    def _busy(self) -> set[int]:
+        """Users the next batch must skip: in flight, prepared, or waiting for a retry."""
+        batches = [self._retry]
+        if self._flight is not None:
+            batches.append(self._flight.prepared.batch)
+        if self._prepared is not None:
+            batches.append(self._prepared.batch)
+        return {p.user for batch in batches for p in batch}
+
+    def _take(self, wait: bool) -> list[Pending] | None:
+        taken = self.queue.take(self._busy(), wait)
+        if taken is None:
+            return None
+        self._expire(taken.expired)
+        self.metrics.queue_depth.set(len(self.queue))
+        return taken.batch
+
+    def _requeue(self, batch: list[Pending]) -> None:
+        self.queue.requeue(batch)
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def _prepare(self, batch: list[Pending], prefetch: bool) -> None:
+        """Prepare `batch` as `_prepared`, or deal with why it cannot be (see the module docstring)."""
+        gpu = self.engine.kv.gpu
+        resident = len(gpu)
+        try:
+            plan = self.engine.prepare([p.request for p in batch])
+        except PoolExhausted as e:
+            if prefetch:
+                self._requeue(batch)
+                self._deferred = True
+                self.metrics.prefetch_deferred.inc()
+            else:
+                self._split(batch, prefetch, e)
+            return
+        except ValueError as e:
+            self._split(batch, prefetch, e)
+            return
+        except Exception as e:  # noqa: BLE001 - e.g. a failed onboarding: retried alone once nothing is in flight
+            log.warning("preparing a batch of %d failed (%s): retrying its requests alone", len(batch), e)
+            self.metrics.failed_batches.inc()
+            self._retry.extend(batch)
+            return
+        layout = self.engine.layout
+        onboard = sum(layout.pages_for_tokens(cached) for cached, tier in zip(plan.batch.cached_lens, plan.tiers)
+                      if tier in (Tier.HOST, Tier.SSD)) * layout.page_bytes
+        placed = sum(tier is not Tier.GPU for tier in plan.tiers)
+        self.metrics.batch_prepared(prefetch, onboard, max(0, resident + placed - len(gpu)))
+        self._prepared = _Prepared(plan, batch, time.monotonic(), onboard)
+
+    def _split(self, batch: list[Pending], prefetch: bool, error: Exception) -> None:
+        """A batch refused as a whole: the request alone gets the error; else the first half is tried again and the
+        second goes back to the head of the queue."""
+        if len(batch) == 1:
+            self._fail(batch[0], error)
+            return
+        half = len(batch) // 2
+        self._requeue(batch[half:])
+        self._prepare(batch[:half], prefetch)
+
+    def _launch(self) -> None:
+        prepared, self._prepared = self._prepared, None
+        now = time.monotonic()
+        dropped = [p for p in prepared.batch if p.expired(now) or p.future.cancelled()]
+        if dropped:
+            self.engine.cancel(prepared.plan)
+            self._expire([p for p in dropped if not p.future.cancelled()])
+            self._requeue([p for p in prepared.batch if p not in dropped])
+            return
+        for p in prepared.batch:
+            _start(p)   # from here on the request is served: its history is recorded
+        try:
+            flight = self.engine.launch(prepared.plan)
+        except Exception as e:  # noqa: BLE001 - the engine rolled the batch back
+            log.warning("launching a batch of %d failed (%s): retrying its requests alone", len(prepared.batch), e)
+            self.metrics.failed_batches.inc()
+            self._retry.extend(prepared.batch)
+            return
+        self._flight = _InFlight(flight, prepared)
+
+    def _collect(self) -> None:
+        in_flight, self._flight = self._flight, None
+        self._deferred = False
+        prepared = in_flight.prepared
+        try:
+            scores = self.engine.collect(in_flight.flight)
+        except Exception as e:  # noqa: BLE001 - the engine rolled the batch back
+            log.warning("a batch of %d failed (%s): retrying its requests alone", len(prepared.batch), e)
+            self.metrics.failed_batches.inc()
+            if self._prepared is not None:   # give its pages back: the retries must find the pool as it was
+                ahead, self._prepared = self._prepared, None
+                self.engine.cancel(ahead.plan)
+                self._requeue(ahead.batch)
+            self._retry.extend(prepared.batch)
+            return
+        now = time.monotonic()
+        self.metrics.batch_collected(len(prepared.batch), prepared.onboard_bytes, now - prepared.started)
+        self._sample_pools(now)
+        cached = prepared.plan.batch.cached_lens
+        for b, p in enumerate(prepared.batch):
+            self._deliver(p, Scored(scores[b], prepared.plan.tiers[b], 0.0, len(prepared.batch), cached[b]))
+
+    def _retry_alone(self, batch: list[Pending]) -> None:
+        for p in batch:
+            if p.future.cancelled():
+                continue
+            if p.expired(time.monotonic()):
+                self._expire([p])
+                continue
+            _start(p)
+            try:
+                tier = self.engine.kv.tier(p.user)
+                entry = self.engine.kv.users.get(p.user)
+                cached = len(entry.history) if entry is not None and tier is not Tier.NONE else 0
+                scores = self.engine.score([p.request])[0]
+            except Exception as e:  # noqa: BLE001 - this request's own error
+                self._fail(p, e)
+            else:
+                self._deliver(p, Scored(scores, tier, 0.0, 1, cached))
+
+    def _sample_pools(self, now: float) -> None:
+        if now - self._sampled < POOL_SAMPLE_S:
+            return
+        self._sampled = now
+        gpu = self.engine.kv.gpu
+        try:
+            usage = self.engine.kv.below.usage()
+        except Exception as e:  # noqa: BLE001 - occupancy is informative; serving goes on without it
+            log.debug("host pool usage unavailable: %s", e)
+            return
+        self.metrics.pools(gpu.total - gpu.num_free, gpu.total, len(gpu), usage.host_blocks, usage.host_total,
+                           usage.host_users)
+
+    # ---- answers ------------------------------------------------------------------------------
+
+    def _deliver(self, pending: Pending, scored: Scored) -> None:
+        latency = time.monotonic() - pending.arrived
+        self.metrics.request_done(scored.tier, latency)
+        try:
+            pending.future.set_result(replace(scored, latency_ms=latency * 1e3))
+        except InvalidStateError:   # the caller cancelled it
+            pass
+
+    def _fail(self, pending: Pending, error: BaseException) -> None:
+        self.metrics.request_failed(error_kind(error))
+        try:
+            pending.future.set_exception(error)
+        except InvalidStateError:
+            pass
+
+    def _expire(self, pendings: list[Pending]) -> None:
+        for p in pendings:
+            waited = (time.monotonic() - p.arrived) * 1e3
+            self._fail(p, DeadlineExceeded(f"user {p.user}: deadline passed after {waited:.1f} ms, before its "
+                                           f"batch was launched"))
+
+    def _abandon(self, error: BaseException) -> None:
+        """The scheduler died: nothing more will be served, so every waiting request hears why."""
+        self.queue.close()
+        reason = ShuttingDown(f"the serving scheduler stopped: {error!r}")
+        waiting = list(self._retry) + self.queue.clear()
+        if self._prepared is not None:
+            waiting += self._prepared.batch
+        if self._flight is not None:
+            waiting += self._flight.prepared.batch
+        for p in waiting:
+            self._fail(p, reason)

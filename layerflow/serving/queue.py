@@ -1,0 +1,163 @@
+"""The requests waiting to be batched: bounded, in arrival order, and the rule that picks the next batch from them.
+
+A batch takes the oldest queued requests in arrival order, at most one per user and only a user's oldest queued
+request, skipping users that are busy (in the batch in flight, or in a prepared one): so two requests of one user are
+served in arrival order, never share a batch, and the second is prepared only once the first was collected. A batch
+is capped in requests and in query tokens (appended items + candidates: the engine's largest graph bucket). With
+`wait`, `take` holds the batch back until it is full or its oldest request has waited `max_wait_s`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from layerflow.runtime.request import Request
+from layerflow.serving.errors import QueueFull, ShuttingDown
+
+_sequence = itertools.count()
+
+
+@dataclass(eq=False)
+class Pending:
+    """One submitted request: its future, when it arrived and when it expires (`time.monotonic()` seconds)."""
+
+    request: Request
+    future: Future
+    arrived: float
+    deadline: float | None
+    seq: int = field(default_factory=lambda: next(_sequence))
+
+    @property
+    def user(self) -> int:
+        return self.request.user_id
+
+    @property
+    def tokens(self) -> int:
+        """Query tokens of the request on the cached path (appended items + candidates)."""
+        return len(self.request.items) + len(self.request.candidates)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one `take` removed from the queue: the batch, and requests that expired or were cancelled meanwhile."""
+
+    batch: list[Pending]
+    expired: list[Pending]
+
+
+class RequestQueue:
+    """Thread-safe: any thread `put`s, the scheduler thread `take`s and `requeue`s."""
+
+    def __init__(self, max_size: int, max_batch: int, max_tokens: int, max_wait_s: float) -> None:
+        for name, value in (("max_size", max_size), ("max_batch", max_batch), ("max_tokens", max_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s={max_wait_s!r}: must be >= 0")
+        self.max_size, self.max_batch, self.max_tokens, self.max_wait_s = max_size, max_batch, max_tokens, max_wait_s
+        self._items: deque[Pending] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, pending: Pending) -> list[Pending]:
+        """Queue `pending`, or raise QueueFull / ShuttingDown. Returns the requests found expired to make room (the
+        caller answers them)."""
+        with self._cond:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down: no new requests")
+            expired = []
+            if len(self._items) >= self.max_size:
+                expired = self._remove_expired(time.monotonic())
+            if len(self._items) >= self.max_size:
+                raise QueueFull(f"{len(self._items)} requests queued (serve_max_queue={self.max_size}): retry later")
+            self._items.append(pending)
+            self._cond.notify_all()
+            return expired
+
+    def requeue(self, pendings: Iterable[Pending]) -> None:
+        """Put requests taken earlier back at the head, in their order (they are older than what is queued)."""
+        with self._cond:
+            self._items.extendleft(reversed(list(pendings)))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse new requests from now on; `take` then hands out what is queued without waiting, and once the queue
+        is empty `take(wait=True)` returns None."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def clear(self) -> list[Pending]:
+        """Remove and return everything queued."""
+        with self._cond:
+            items, self._items = list(self._items), deque()
+            return items
+
+    def take(self, busy: set[int], wait: bool) -> Taken | None:
+        """The next batch (see the module docstring) and the requests that expired or were cancelled meanwhile.
+
+        Without `wait`, whatever batch can be formed now (maybe empty). With `wait`, block until a batch is ready or
+        something expired; None once the queue is closed and empty. A closed queue's batches are ready at once.
+        """
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                expired = self._remove_expired(now)
+                batch, full = self._eligible(busy)
+                ready = bool(batch) and (full or self._closed or now - batch[0].arrived >= self.max_wait_s)
+                if ready or not wait:
+                    for p in batch:
+                        self._items.remove(p)
+                    return Taken(batch, expired)
+                if expired:
+                    return Taken([], expired)
+                if self._closed and not self._items:
+                    return None
+                self._cond.wait(self._wake_in(now, batch))
+
+    def _eligible(self, busy: set[int]) -> tuple[list[Pending], bool]:
+        """The batch that can be formed now, and whether it is full (in requests, or the next one's tokens)."""
+        picked: list[Pending] = []
+        blocked = set(busy)
+        tokens = 0
+        for p in self._items:
+            if p.user in blocked:
+                continue
+            blocked.add(p.user)
+            if picked and tokens + p.tokens > self.max_tokens:
+                return picked, True
+            picked.append(p)
+            tokens += p.tokens
+            if len(picked) == self.max_batch:
+                return picked, True
+        return picked, False
+
+    def _remove_expired(self, now: float) -> list[Pending]:
+        gone = [p for p in self._items if p.expired(now) or p.future.cancelled()]
+        for p in gone:
+            self._items.remove(p)
+        return [p for p in gone if not p.future.cancelled()]
+
+    def _wake_in(self, now: float, batch: list[Pending]) -> float | None:
+        """Seconds until the batch's wait ends or the earliest deadline passes (None: until a put or close)."""
+        times = [p.deadline for p in self._items if p.deadline is not None]
+        if batch:
+            times.append(batch[0].arrived + self.max_wait_s)
+        return max(0.0, min(times) - now) if times else None

@@ -1,0 +1,87 @@
+"""Serving mode: its settings and defaults, its figures on known records, and a whole CPU-path run through the
+command line (in process and over HTTP, prefetch off and on)."""
+
+import json
+
+import pytest
+import torch
+
+from layerflow.bench.cli import main, serving_settings_from_args
+from layerflow.bench.serving import Calibration, ServingSettings, bound, summarize
+from layerflow.bench.serving_load import Record
+from layerflow.bench.throughput import ThroughputSettings
+from layerflow.cli import build_parser
+from layerflow.model.config import PRESETS
+from layerflow.tier.layout import KVLayout
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def parse(*argv: str):
+    """`layerflow bench ARGV`, parsed by the command line's own parser."""
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_serving_defaults_put_four_times_the_gpu_pools_users_in_the_stream():
+    gpu = serving_settings_from_args(parse("--serve"), CUDA)
+    w = gpu.workload
+    assert (w.preset, w.history_len, w.zipf, w.num_users, w.gpu_users) == ("hstu-bench", 4096, 1.0, 64, 16)
+    assert gpu.rates == (100.0, 200.0, 400.0, 800.0, 1600.0) and gpu.transports == ("inprocess", "http")
+    cpu = serving_settings_from_args(parse("--serve", "--gpu-users", "5", "--rates", "5,10", "--transports", "http"),
+                                     CPU)
+    assert (cpu.workload.preset, cpu.workload.num_users, cpu.rates, cpu.transports) == ("tiny", 20, (5.0, 10.0),
+                                                                                        ("http",))
+
+
+def workload(**overrides) -> ThroughputSettings:
+    values = dict(preset="tiny", history_len=64, append_len=4, num_candidates=8, num_users=8, gpu_users=2,
+                  num_requests=4, rate=1.0, zipf=1.0, batch_size=2)
+    return ThroughputSettings(**(values | overrides))
+
+
+def test_bad_serving_settings_are_refused():
+    with pytest.raises(ValueError, match="rates=()"):
+        ServingSettings(workload(), ())
+    with pytest.raises(ValueError, match="transports=\\('grpc',\\)"):
+        ServingSettings(workload(), (1.0,), ("grpc",))
+    with pytest.raises(ValueError, match="gpu_users=2 < batch_size=4"):
+        ServingSettings(workload(batch_size=4), (1.0,))
+
+
+def test_a_runs_figures_on_known_records():
+    layout = KVLayout.for_hstu(PRESETS["tiny"], 32)
+    page = layout.page_bytes
+    calibration = Calibration(gpu_hit_ms={1: 2.0, 2: 3.0}, bulk_bytes_per_s=1000.0 * page, bulk_bytes=page)
+    records = [Record(0.0, 0.010, "gpu", 2, 64), Record(0.0, 0.020, "gpu", 2, 64),
+               Record(0.5, 0.530, "host", 1, 64), Record(0.9, 1.000, "host", 1, 33),
+               Record(0.95, 0.96, error="deadline")]
+    run = summarize(records, 5.0, "inprocess", True, layout, calibration)
+    assert run["answered"] == 4 and run["throughput"] == pytest.approx(4.0)
+    assert run["p50_ms"] == pytest.approx(25.0) and run["tiers"] == {"gpu": 2, "host": 2}
+    assert run["errors"] == {"deadline": 1}
+    assert run["mean_batch"] == pytest.approx(4 / 3)
+    assert run["onboard_bytes"] == 4 * page                      # 64 tokens = 2 pages, 33 tokens = 2 pages
+    assert run["copy_busy"] == pytest.approx(4 / 1000)           # 4 pages at 1000 pages/s over 1 s
+    assert run["sm_busy"] == pytest.approx((3.0 + 2.0 + 2.0) / 1e3)   # one batch of 2, two of 1
+    limit = bound([run], calibration, batch_size=2)
+    assert limit["copy_engine_rate"] == pytest.approx(1000.0)    # 1 page per answered request
+    assert limit["gpu_rate"] == pytest.approx(2 / 3e-3)
+    assert (limit["rate"], limit["limited_by"]) == (pytest.approx(666.67, rel=1e-3), "GPU")
+
+
+def test_serve_command_on_cpu_runs_both_transports_with_prefetch_off_and_on(capsys, tmp_path):
+    main(parse("--serve", "--history-len", "32", "--num-requests", "8", "--gpu-users", "2", "--rates", "200,400",
+               "--max-batch-size", "2", "--device", "cpu", "--out", str(tmp_path / "s.json"),
+               "--plot", str(tmp_path / "s.png")))
+    out = capsys.readouterr().out
+    assert "ran the CPU path" in out and "### Serving on CPU" in out and "Bound:" in out
+    data = json.loads((tmp_path / "s.json").read_text())
+    runs = data["runs"]
+    assert [(r["prefetch"], r["transport"], r["offered_rate"]) for r in runs] == [
+        (p, t, rate) for p in (False, True) for t in ("inprocess", "http") for rate in (200.0, 400.0)]
+    assert all(r["answered"] == 8 and sum(r["tiers"].values()) == 8 and not r["errors"] for r in runs)
+    assert data["environment"]["cpu_path"] is True and data["command"]
+    assert data["settings"]["workload"]["num_users"] == 8
+    assert data["bound"]["limited_by"] in ("GPU", "copy engine") and data["bound"]["rate"] > 0
+    assert set(data["calibration"]["gpu_hit_ms"]) == {"1", "2"}
+    assert (tmp_path / "s.png").stat().st_size > 0
