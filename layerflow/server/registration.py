@@ -90,6 +90,7 @@ class ClientPool:
             self.unmap = None
         if self.shm is not None:
             self.shm.close()
+            self.shm = None   # the mapping goes with the last reference to it
 
 
 def export_pool(layout: KVLayout, layers: Sequence[torch.Tensor], shm: SharedMemory | None = None) -> Export:

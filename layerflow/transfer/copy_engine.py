@@ -10,6 +10,7 @@ A transfer moves the pairs `(gpu_pages[i], host_blocks[i])`; the engines split t
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -106,20 +107,22 @@ class CopyEngine(ABC):
     """Moves KV pages between the GPU pool tensors and the host block tensor."""
 
     def __init__(self) -> None:
-        self._checked: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+        self._checked: dict[tuple[int, ...], tuple[weakref.ref, ...]] = {}
 
     def _layout(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`check_layout` once per set of tensors: callers pass the same pool tensors on every transfer.
 
-        The tensors are kept in the memo, so their ids cannot be reused by other tensors while it holds them.
+        The memo holds weak references (a departed transfer-server client's pool must not stay mapped because of
+        it); an entry counts only while every tensor it names is alive and is the one with that id.
         """
         layers = tuple(gpu_layers)
         key = (id(host), *map(id, layers))
-        if key not in self._checked:
+        refs = self._checked.get(key)
+        if refs is None or any(ref() is not t for ref, t in zip(refs, (host, *layers))):
             check_layout(layers, host)
             if len(self._checked) >= 8:
                 self._checked.clear()
-            self._checked[key] = (host, *layers)
+            self._checked[key] = tuple(weakref.ref(t) for t in (host, *layers))
         return layers
 
     def onboard(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,

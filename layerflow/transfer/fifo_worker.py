@@ -32,3 +32,4 @@ class FifoWorker:
                 work()
             except Exception:  # noqa: BLE001 - one failed job must not stop the jobs queued behind it
                 log.exception("a job on %s failed", self._thread.name)
+            work = None   # an idle worker must not keep its last job's tensors (and the memory they map) alive

@@ -370,3 +370,32 @@ def test_connections_past_the_client_cap_are_told_so(cpu_server, monkeypatch):
             sock.close()
             for fd in grid[0]:
                 os.close(fd)
+
+
+def _client_mappings(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("layerflow-client-kv" in line for line in f)
+
+
+def test_a_departed_clients_pool_and_fds_are_given_back(tmp_path):
+    """Issue 16.7: clients that connect with a pool and leave no longer pile up in the server (its mappings of their
+    pools and their fds are released once their lanes drained)."""
+    from layerflow.server import TransferClient
+
+    handle = spawn_server(Config(cpu_cache_gb=0.001), tmp_path / "run")
+    try:
+        baseline = None
+        for rank in range(4):
+            shm, kv = shared_cpu_pool(LAYOUT, 64)
+            client = TransferClient(handle.socket_path, handle.token_path, LAYOUT, kv, shm=shm, rank=rank)
+            client.offload(rank, 4, [0]).result(10)
+            assert _client_mappings(handle.pid) >= 1
+            client.close()
+            del kv
+            shm.close()
+            assert wait_until(lambda: _client_mappings(handle.pid) == 0, 10), open(f"/proc/{handle.pid}/maps").read()
+            fds = len(os.listdir(f"/proc/{handle.pid}/fd"))
+            baseline = fds if baseline is None else baseline   # after the first client: the host pool exists
+            assert fds <= baseline
+    finally:
+        handle.stop()
