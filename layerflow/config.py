@@ -42,6 +42,14 @@ class Config:
     server_socket: str | None = None
     ssd_io_threads: int = 4
     spawn_server: bool = False
+    # The remote KV tier shared between hosts (docs/redis.md); off while remote_url is None.
+    remote_url: str | None = None
+    remote_password_file: str | None = None
+    remote_password_env: str | None = None
+    remote_timeout_s: float = 1.0
+    remote_namespace: str = "layerflow"
+    remote_write: str = "write_through"
+    remote_connections: int = 4
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -124,6 +132,36 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "ssd_io_threads": _positive_int,
     "spawn_server": _bool,
 }
+
+
+def _remote_url(name: str, value: object) -> str | None:
+    """A redis:// or rediss:// URL without a password in it (the error never repeats a password)."""
+    from layerflow.tier.redis_store import check_url
+    return None if value is None else check_url(value)
+
+
+def _remote_namespace(name: str, value: object) -> str:
+    from layerflow.tier.redis_store import check_namespace
+    return check_namespace(value)
+
+
+def _remote_choice(allowed: tuple[str, ...]) -> Callable[[str, object], str]:
+    def check(name: str, value: object) -> str:
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected one of {list(allowed)}")
+        return value
+    return check
+
+
+_CHECKS.update({
+    "remote_url": _remote_url,
+    "remote_password_file": _optional_str,
+    "remote_password_env": _optional_str,
+    "remote_timeout_s": _positive,
+    "remote_namespace": _remote_namespace,
+    "remote_write": _remote_choice(("write_through", "on_evict")),
+    "remote_connections": _positive_int,
+})
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

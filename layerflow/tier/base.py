@@ -23,6 +23,7 @@ class Tier(enum.Enum):
     GPU = "gpu"
     HOST = "host"
     SSD = "ssd"
+    REMOTE = "remote"   # a store shared with other hosts (layerflow.tier.remote_store)
     NONE = "none"
 
 
