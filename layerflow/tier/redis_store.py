@@ -6,8 +6,8 @@ Keys (a namespace, the fingerprint of the model and KV layout, the user):
 Blocks are written with a pending expiry (`pending_ttl_s`) and made persistent by the one Lua script that swaps a
 manifest in (only if the current one is still the one the writer read, and only if every block it names exists); the
 blocks the replaced manifest named and the new one does not get `stale_ttl_s` to live, so a reader of the old
-manifest still finishes. Reads fetch groups of about `fetch_bytes` with MGET on a pool of `connections`
-connections, several groups in flight. Every call is bounded by `timeout_s`; redis-py's own retries are off (the
+manifest still finishes. Reads fetch groups of about `fetch_bytes` with MGET, pipelined over up to `connections`
+connections of the pool. Every call is bounded by `timeout_s`; redis-py's own retries are off (the
 store backs off itself). The password goes in through a credential provider, so no repr of the client shows it,
 and no error or log line carries it.
 """
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import redis
@@ -107,7 +105,7 @@ class RedisStore(RemoteStore):
         self._prefix = f"{namespace}:{fingerprint}:"
         self._secret = password
         self._stale_ms, self._pending_ms = int(stale_ttl_s * 1000), int(pending_ttl_s * 1000)
-        self._per_fetch = max(1, fetch_bytes // layout.page_bytes)
+        self.blocks_per_fetch = max(1, fetch_bytes // layout.page_bytes)
         credentials = UsernamePasswordCredentialProvider(urlsplit(url).username, password) if password else None
         self._connections = redis.BlockingConnectionPool.from_url(
             url, credential_provider=credentials, socket_timeout=self.timeout_s,
@@ -115,7 +113,6 @@ class RedisStore(RemoteStore):
             retry=Retry(NoBackoff(), 0))
         self._redis = redis.Redis(connection_pool=self._connections)
         self._swap = self._redis.register_script(SWAP_SCRIPT)
-        self._fetchers = ThreadPoolExecutor(connections, thread_name_prefix="layerflow-redis-fetch")
         super().__init__(layout, fingerprint, f"redis {self.url}", queue_jobs=queue_jobs, queue_bytes=queue_bytes)
         self._check_password()
 
@@ -174,32 +171,29 @@ class RedisStore(RemoteStore):
         manifest = Manifest.decode(body, self.fingerprint, self.page_size, self.block_bytes)
         return manifest if manifest is not None and manifest.version.encode() == version else None
 
-    def _mget(self, keys: list[str]) -> list[bytes | None]:
-        with self._faults():
-            return self._redis.mget(keys)
-
     def _fetch(self, user: str, manifest: Manifest, count: int) -> Iterator[tuple[int, list[bytes | None]]]:
+        """MGETs of `blocks_per_fetch` keys pipelined over up to `connections` connections, two in flight on each
+        (sent round robin, read in order, so the server streams the next group while this one is checked)."""
         keys = self._block_keys(user, manifest, count)
-        starts = iter(range(0, count, self._per_fetch))
-        pending: deque = deque()
-
-        def refill() -> None:
-            while len(pending) <= self.connections:
-                start = next(starts, None)
-                if start is None:
-                    return
-                pending.append((start, self._fetchers.submit(self._mget, keys[start:start + self._per_fetch])))
-
+        groups = [(s, keys[s:s + self.blocks_per_fetch]) for s in range(0, count, self.blocks_per_fetch)]
+        conns, clean = [], False
         try:
-            refill()
-            while pending:
-                start, future = pending.popleft()
-                values = future.result()
-                refill()
-                yield start, values
+            with self._faults():
+                conns = [self._connections.get_connection() for _ in range(min(self.connections, len(groups)))]
+                window = 2 * len(conns)
+                for i, (_, group) in enumerate(groups[:window]):
+                    conns[i % len(conns)].send_command("MGET", *group)
+                for i, (start, _) in enumerate(groups):
+                    values = conns[i % len(conns)].read_response()
+                    if i + window < len(groups):
+                        conns[(i + window) % len(conns)].send_command("MGET", *groups[i + window][1])
+                    yield start, values
+            clean = True
         finally:
-            for _, future in pending:
-                future.cancel()
+            for conn in conns:
+                if not clean:   # replies may still be on their way: this connection's stream is out of step
+                    conn.disconnect()
+                self._connections.release(conn)
 
     def _put_blocks(self, user: str, version: str, blocks: Sequence[tuple[int, bytes]]) -> None:
         with self._faults():
@@ -221,6 +215,5 @@ class RedisStore(RemoteStore):
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     def _close_backend(self) -> None:
-        self._fetchers.shutdown(wait=True, cancel_futures=True)
         self._redis.close()
         self._connections.disconnect()
