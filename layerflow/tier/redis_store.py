@@ -124,7 +124,8 @@ class RedisStore(RemoteStore):
         except RemoteFault as e:
             if e.reason.startswith("authentication refused"):
                 self.close()
-                raise ValueError(f"the Redis server at {self.url} refused the password given") from None
+                raise ValueError(f"the Redis server at {self.url} refused the connection: wrong or missing "
+                                 f"password (remote_password_file / remote_password_env)") from None
             self.outage.failed(e.reason)
 
     @contextlib.contextmanager

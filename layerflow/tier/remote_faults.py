@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +58,19 @@ class Outage(Episode):
     """An episode of failing calls with a backoff: `ready()` is False for `base_s * 2**k` (at most `cap_s`) seconds
     after the k-th failure in a row."""
 
-    def __init__(self, what: str, base_s: float = 0.05, cap_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, what: str, base_s: float = 0.05, cap_s: float = 5.0) -> None:
         super().__init__(what + " unavailable")
-        self.base_s, self.cap_s, self._clock = base_s, cap_s, clock
+        self.base_s, self.cap_s = base_s, cap_s
         self._failures = 0
         self._retry_at = 0.0
 
     def ready(self) -> bool:
-        return self._clock() >= self._retry_at
+        return time.monotonic() >= self._retry_at
 
     def failed(self, reason: str) -> None:
         with self._lock:
             self._failures += 1
-            self._retry_at = self._clock() + min(self.cap_s, self.base_s * 2 ** (self._failures - 1))
+            self._retry_at = time.monotonic() + min(self.cap_s, self.base_s * 2 ** (self._failures - 1))
         self.start(reason)
 
     def succeeded(self) -> None:

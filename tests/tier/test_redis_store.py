@@ -253,7 +253,8 @@ def test_maxmemory_eviction_of_blocks_is_a_miss_never_a_partial_copy(redis_proce
         assert same(host, range(8), other, range(8))
         served += 1
     assert missed > 0
-    assert len([r for r in caplog.records if "losing blocks" in r.getMessage()]) == 1
+    episodes = len([r for r in caplog.records if "losing blocks" in r.getMessage()])
+    assert 1 <= episodes <= served + 1            # logged once per episode; only a whole read ends one
 
 
 def test_a_full_redis_that_does_not_evict_refuses_writes_as_an_outage(redis_process, stores):
@@ -273,7 +274,7 @@ def test_a_wrong_or_missing_password_is_refused_without_leaking_it(redis_process
     secret = tmp_path / "password"
     secret.write_text("wrong-staple-7731\n")
     for password in (read_secret(str(secret), None), None):
-        with pytest.raises(ValueError, match="refused the password") as refused:
+        with pytest.raises(ValueError, match="wrong or missing password") as refused:
             make_store(server.url, password=password)
         assert "wrong-staple-7731" not in str(refused.value) and "wrong-staple-7731" not in repr(refused.value)
     secret.write_text("right-horse-battery\n")

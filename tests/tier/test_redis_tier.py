@@ -30,7 +30,7 @@ def hosts():
     yield make
     for tier in reversed(made):
         tier.close()
-        tier.cache.remote.close()
+        tier.cache.close()
 
 
 def offload(tier, user: int, history, gpu_pages) -> None:
