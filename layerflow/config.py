@@ -51,6 +51,14 @@ class Config:
     serve_max_queue: int = 1024
     serve_deadline_ms: float = 1000.0
     serve_prefetch: bool = True
+    # The remote KV tier shared between hosts (docs/redis.md); off while remote_url is None.
+    remote_url: str | None = None
+    remote_password_file: str | None = None
+    remote_password_env: str | None = None
+    remote_timeout_s: float = 1.0
+    remote_namespace: str = "layerflow"
+    remote_write: str = "write_through"
+    remote_connections: int = 4
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -103,6 +111,7 @@ MAX_SERVE_BATCH = 1024
 MAX_SERVE_QUEUE = 1 << 20
 MAX_SERVE_WAIT_MS = 60_000.0
 MAX_SERVE_DEADLINE_MS = 3_600_000.0
+MAX_REMOTE_CONNECTIONS = 256
 UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -204,6 +213,36 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "serve_deadline_ms": _size(MAX_SERVE_DEADLINE_MS, positive=False),
     "serve_prefetch": _bool,
 }
+
+
+def _remote_url(name: str, value: object) -> str | None:
+    """A redis:// or rediss:// URL without a password in it (the error never repeats a password)."""
+    from layerflow.tier.redis_store import check_url
+    return None if value is None else check_url(value)
+
+
+def _remote_namespace(name: str, value: object) -> str:
+    from layerflow.tier.redis_store import check_namespace
+    return check_namespace(value)
+
+
+def _remote_choice(allowed: tuple[str, ...]) -> Callable[[str, object], str]:
+    def check(name: str, value: object) -> str:
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected one of {list(allowed)}")
+        return value
+    return check
+
+
+_CHECKS.update({
+    "remote_url": _remote_url,
+    "remote_password_file": _optional_path,
+    "remote_password_env": _optional_path,
+    "remote_timeout_s": _size(MAX_TRANSFER_TIMEOUT_S, positive=True),
+    "remote_namespace": _remote_namespace,
+    "remote_write": _remote_choice(("write_through", "on_evict")),
+    "remote_connections": _int_in(1, MAX_REMOTE_CONNECTIONS),
+})
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -31,6 +31,7 @@ from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.waits import LayerWait, NoWait, make_layer_wait
 from layerflow.tier.base import NotResident
 from layerflow.tier.layout import KVLayout
+from layerflow.tier.remote_manifest import model_key
 from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import LayerSignals
@@ -107,9 +108,10 @@ class Engine:
         self.layout = KVLayout.for_hstu(model, self.config.page_size)
         self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
         self._copy_engine = copy_engine
-        gpu, below = build_kv(self.config, self.layout, self.device, copy_engine)
+        key = model_key(weights) if self.config.remote_url is not None else None
+        gpu, below = build_kv(self.config, self.layout, self.device, copy_engine, model_key=key)
         self._failover = ServerFailover(below, lambda: in_process_tier(self.config, self.layout, gpu, copy_engine,
-                                                                   fallback=True)) \
+                                                                   model_key=key, fallback=True)) \
             if uses_server(self.config) else None
         self._cond = threading.Condition(threading.RLock())
         self._flight: Flight | None = None

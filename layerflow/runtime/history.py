@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 
@@ -52,6 +53,10 @@ class ItemHistory(History):
     def __eq__(self, other: object) -> bool:
         """Equal to the list of its items (what callers compare it with)."""
         return self._items == (other._items if isinstance(other, ItemHistory) else other)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The items as a numpy array (converted only where a tier keeps them, e.g. a remote copy's manifest)."""
+        return np.asarray(self._items, dtype=dtype)
 
 
 class EmbeddingHistory(History):

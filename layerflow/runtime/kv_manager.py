@@ -30,6 +30,8 @@ __all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
 
 log = logging.getLogger(__name__)
 
+BELOW_GPU = (Tier.HOST, Tier.SSD, Tier.REMOTE)   # tiers a batch onboards from
+
 
 @dataclass
 class UserEntry:
@@ -72,7 +74,11 @@ class KVManager:
     def tier(self, user: int) -> Tier:
         entry = self.users.get(user)
         if entry is None:
-            return Tier.NONE
+            adopted = self.below.adopt(user) if self.config.embedding_tables else None
+            if adopted is None:
+                return Tier.NONE
+            entry = self.users[user] = UserEntry(self._new_history())
+            entry.history.extend(adopted[1])
         if user in self.gpu:
             return Tier.GPU
         return self.below.locate(user, len(entry.history))
@@ -203,7 +209,7 @@ class KVManager:
         if plan.onboarding is not None:
             onboarding, plan.onboarding = plan.onboarding, None
             fenced = onboarding.finish(wait=False)
-        onboarded = [r.user_id for r, tier in zip(plan.requests, plan.tiers) if tier in (Tier.HOST, Tier.SSD)]
+        onboarded = [r.user_id for r, tier in zip(plan.requests, plan.tiers) if tier in BELOW_GPU]
         for r in plan.requests:
             self.gpu.unpin(r.user_id)
         if not fenced:
@@ -217,7 +223,7 @@ class KVManager:
                     self.truncate(r.user_id, plan.recorded[b])
                 else:
                     self.drop(r.user_id)
-                if tier in (Tier.HOST, Tier.SSD):
+                if tier in BELOW_GPU:
                     self.below.drop(r.user_id)
 
     def _record(self, plan: BatchPlan, b: int) -> None:
@@ -303,7 +309,7 @@ class KVManager:
         loads = []
         for b, (r, tier, cached, pages) in enumerate(zip(plan.requests, plan.tiers, plan.batch.cached_lens,
                                                          plan.page_rows)):
-            if tier not in (Tier.HOST, Tier.SSD):
+            if tier not in BELOW_GPU:
                 continue
             first, last = self._first_page(r, cached), -(-cached // ps)
             plan.first_pages[b] = first
@@ -353,7 +359,8 @@ class KVManager:
         if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
             settle(entry.offload)
             self._reap_offloads()
-        entry.offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page)
+        items = entry.history if isinstance(entry.history, ItemHistory) else None
+        entry.offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page, history=items)
         self._offloading.add(user)
 
     def _reap_offloads(self) -> None:

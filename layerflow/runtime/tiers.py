@@ -2,7 +2,8 @@
 
 The tier below is a transfer server's when the config names one (`server_socket`) or asks for a private one
 (`spawn_server`), else this process's own (`InProcessTier`). A server copies straight into the engine's pool, so on
-the CPU path that pool is laid over shared memory the server maps.
+the CPU path that pool is laid over shared memory the server maps. With `remote_url` the in-process tier's host cache
+has a remote store shared with other hosts below it (Redis; docs/redis.md), keyed by the model the engine names.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from layerflow.tier.host_cache import HostCache
 from layerflow.tier.host_pool import HostKVPool
 from layerflow.tier.in_process import InProcessTier
 from layerflow.tier.layout import KVLayout
+from layerflow.tier.redis_store import RedisStore
+from layerflow.tier.remote_faults import read_secret
+from layerflow.tier.remote_manifest import layout_fingerprint
 from layerflow.tier.ssd import SsdStore
 from layerflow.tier.ssd_directory import SsdDirectoryError
 from layerflow.transfer.copy_engine import CopyEngine
@@ -46,12 +50,15 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
                          f"use 'eventfd'")
     if device.type != "cuda" and config.signal is not SignalMode.EVENTFD:
         raise ValueError(f"signal={config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
+    if uses_server(config) and config.remote_url is not None:
+        raise ValueError("remote_url with a transfer server: the remote tier is in-process only for now")
 
 
 def build_kv(config: Config, layout: KVLayout, device: torch.device,
-             copy_engine: CopyEngine | None = None) -> tuple[GpuKVPool, KVTier]:
+             copy_engine: CopyEngine | None = None, model_key: str | None = None) -> tuple[GpuKVPool, KVTier]:
     """The GPU pool sized by `gpu_cache_gb` and the tier below it. `copy_engine` replaces the in-process tier's default
-    (the CUDA copy engine, or the CPU thread engine)."""
+    (the CUDA copy engine, or the CPU thread engine); `model_key` (layerflow.tier.remote_manifest.model_key) names the
+    model to a remote tier."""
     check_config(config, device, layout.num_layers)
     cuda = device.type == "cuda"
     num_pages = config.blocks("gpu_cache_gb", layout.page_bytes)
@@ -62,7 +69,7 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
                              f"pages, only {free / 2**30:.2f} GiB free on {device}")
     if not uses_server(config):
         gpu = GpuKVPool(layout, num_pages, device)
-        return gpu, in_process_tier(config, layout, gpu, copy_engine)
+        return gpu, in_process_tier(config, layout, gpu, copy_engine, model_key)
     shm, layers = shared_cpu_pool(layout, num_pages) if not cuda else (None, None)
     gpu = GpuKVPool(layout, num_pages, device, layers=layers)
     try:
@@ -74,10 +81,11 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
 
 
 def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engine: CopyEngine | None = None,
-                    fallback: bool = False) -> InProcessTier:
-    """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, the signal ring and a copy engine
-    (`copy_engine`, which stays its owner's to close, else a default one the tier owns). A `fallback` tier (standing
-    in for a server that stopped answering) goes without SSD if the directories are still locked by that server."""
+                    model_key: str | None = None, fallback: bool = False) -> InProcessTier:
+    """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, a Redis store when `remote_url` is
+    set, the signal ring and a copy engine (`copy_engine`, which stays its owner's to close, else a default one the
+    tier owns). A `fallback` tier (standing in for a server that stopped answering) goes without SSD if the
+    directories are still locked by that server."""
     cuda = gpu.device.type == "cuda"
     host = HostKVPool(layout, cpu_cache_gb=config.cpu_cache_gb, pin_memory=cuda)
     ssd = None
@@ -89,10 +97,19 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
             if not fallback:
                 raise
             log.warning("the fallback tier runs without SSD: %s", e)
+    remote = None
+    if config.remote_url is not None:
+        if model_key is None:
+            raise ValueError(f"remote_url={config.remote_url!r} needs the model's key (model_key): copies of different "
+                             f"models must never meet")
+        remote = RedisStore(config.remote_url, layout, layout_fingerprint(layout, model_key),
+                            namespace=config.remote_namespace, timeout_s=config.remote_timeout_s,
+                            connections=config.remote_connections,
+                            password=read_secret(config.remote_password_file, config.remote_password_env))
     signals = make_signals(config.signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
     engine = copy_engine or _default_copy_engine(gpu.device)
-    return InProcessTier(HostCache(host, ssd), layout, gpu.kv, engine, signals, config.transfer_timeout_s,
-                         owns_engine=copy_engine is None)
+    return InProcessTier(HostCache(host, ssd, remote, config.remote_write), layout, gpu.kv, engine, signals,
+                         config.transfer_timeout_s, owns_engine=copy_engine is None)
 
 
 def _default_copy_engine(device: torch.device) -> CopyEngine:

@@ -99,8 +99,10 @@ class RemoteTier(KVTier):
                                                 layerwise)
         return _RemoteOnboarding(handle, done, self.client.timeout_s)
 
-    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Transfer:
-        """The server copies the pages from the first one its copy does not hold yet."""
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0,
+                history: Sequence[int] | None = None) -> Transfer:
+        """The server copies the pages from the first one its copy does not hold yet (a server keeps no remote
+        copies: `history` is not sent)."""
         if user in self._offloads:  # reap the previous one first: its failure must be seen before this one lands
             settle(self._offloads[user])
             self.reap()

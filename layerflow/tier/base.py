@@ -23,6 +23,7 @@ class Tier(enum.Enum):
     GPU = "gpu"
     HOST = "host"
     SSD = "ssd"
+    REMOTE = "remote"   # a store shared with other hosts (layerflow.tier.remote_store)
     NONE = "none"
 
 
@@ -88,11 +89,18 @@ class KVTier(ABC):
     def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
         """Copy every load's tokens into its GPU pages, all users on one signal counter."""
 
+    def adopt(self, user: int) -> tuple[int, list[int]] | None:
+        """`(tokens, item history)` of a user this host does not know but a shared tier holds (another host computed
+        it), so the KV manager can take it over; None when there is no usable copy (the default: no shared tier)."""
+        return None
+
     @abstractmethod
-    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Transfer:
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0,
+                history: Sequence[int] | None = None) -> Transfer:
         """Copy the GPU pages holding `user`'s `tokens` tokens down (asynchronously); `locate` counts on it from now on,
         until `reap` sees it failed. Only pages from `valid_from` on hold valid K/V (a windowed onboarding): an
-        offload that would need earlier ones fails with ValueError."""
+        offload that would need earlier ones fails with ValueError. `history` (item ids, one per token) goes with
+        the copy to a shared tier, so another host can adopt the user."""
 
     @abstractmethod
     def reap(self) -> None:

@@ -1,9 +1,9 @@
 """How a tier's moves become copy-engine calls, written once for the in-process tier and the transfer server.
 
 Every move is one copy-engine call per layer group (`group_copies`). An onboarding (`OnboardCopies`) copies the users
-read back from SSD group by group as their blocks land (unsignalled: the layer signals cover the whole batch), then
-every host-resident user in one call per layer group, signalled layer by layer; when every user came from SSD, the
-layers are signalled once those copies are done.
+read back from SSD or the remote store group by group as their blocks land (unsignalled: the layer signals cover the
+whole batch), then every host-resident user in one call per layer group, signalled layer by layer; when every user was
+read back, the layers are signalled once those copies are done.
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ class GroupCopier:
 
 
 class OnboardCopies:
-    """The copies of one onboarding of pinned users (see the module docstring). `run()` issues them (reading SSD
-    users back first, which blocks), `wait()` waits for them; a damaged SSD copy fails `run()` with NotResident."""
+    """The copies of one onboarding of pinned users (see the module docstring). `run()` issues them (reading SSD and
+    remote users back first, which blocks), `wait()` waits for them; an unusable SSD or remote copy fails `run()`
+    with NotResident."""
 
     def __init__(self, cache: HostCache, copier: GroupCopier, pinned: Sequence[Pinned],
                  gpu_pages: Sequence[Sequence[int]], signal) -> None:
@@ -88,12 +89,17 @@ class OnboardCopies:
     def from_ssd(self) -> bool:
         return any(p.from_ssd for p, _ in self.loads)
 
+    @property
+    def reads_back(self) -> bool:
+        """Some user is read back from SSD or the remote store (`run()` blocks on that I/O)."""
+        return any(p.reads_back for p, _ in self.loads)
+
     def run(self) -> None:
         try:
             host_pages: list[int] = []
             host_blocks: list[int] = []
             for pinned, pages in self.loads:
-                if pinned.from_ssd:
+                if pinned.reads_back:
                     self._read_back(pinned, pages)
                 else:
                     host_pages += pages
@@ -121,7 +127,7 @@ class OnboardCopies:
         try:
             self.cache.read_back(pinned, on_group=landed)
         except Miss as e:
-            raise NotResident([pinned.user], f"its SSD copy is unusable: {e.args[0]}") from e
+            raise NotResident([pinned.user], f"its {pinned.source.value} copy is unusable: {e.args[0]}") from e
         finally:
             self.transfers += issued
         self._wait(issued)

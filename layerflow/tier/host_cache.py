@@ -12,7 +12,14 @@ holds. Rules:
   onboarding are pinned first, so the read-back cannot spill them) and are read back block group by block group; each
   verified group can be handed to the copy engine as it lands. A damaged or missing SSD copy is a `Miss`: the user's
   blocks are freed and the SSD entry forgotten, never served.
-Thread-safe: one lock guards the bookkeeping; SSD reads and copies run outside it on pinned blocks.
+- With a remote store (shared with other hosts, layerflow.tier.remote_store) below: a user on neither host nor SSD is
+  looked up there and read back like an SSD user. The remote copy is written from the host copy, asynchronously,
+  `write_through` (after each offload: the writer keeps the offload's pin until it has read the blocks) or
+  `on_evict` (when the host drops the user: the blocks are copied into the write queue first). Every offload names
+  the item history it holds (the manifest carries it, so another host can `adopt` the user); a remote copy is served
+  only for the history this host last offloaded or adopted for the user (a copy another host computed from another
+  history is a miss).
+Thread-safe: one lock guards the bookkeeping; SSD and remote reads and copies run outside it on pinned blocks.
 """
 
 from __future__ import annotations
@@ -22,8 +29,12 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from layerflow.tier.base import Tier, TierUsage
 from layerflow.tier.host_pool import HostKVPool
+from layerflow.tier.remote_manifest import Manifest, history_key
+from layerflow.tier.remote_store import ON_EVICT, REMOTE_WRITES, WRITE_THROUGH, RemoteStore
 from layerflow.tier.ssd import Miss, SsdStore, tensor_block_views
 
 log = logging.getLogger(__name__)
@@ -33,18 +44,27 @@ User = Hashable
 
 @dataclass(frozen=True)
 class Pinned:
-    """One user of an onboarding, pinned on the host: its blocks in token order up to the last one onboarded, whether
-    they come from SSD, and the first block the onboarding copies (an SSD read-back reads from block 0)."""
+    """One user of an onboarding, pinned on the host: its blocks in token order up to the last one onboarded, the
+    tier they are read from (HOST: already there; SSD or REMOTE: read back into them first, from block 0) and the
+    first block the onboarding copies to the GPU (a step under a sliding window reads only its last pages)."""
 
     user: User
     blocks: tuple[int, ...]
-    from_ssd: bool
+    source: Tier
     first: int = 0
 
     @property
     def copied(self) -> tuple[int, ...]:
         """The blocks the onboarding copies to the GPU."""
         return self.blocks[self.first:]
+
+    @property
+    def from_ssd(self) -> bool:
+        return self.source is Tier.SSD
+
+    @property
+    def reads_back(self) -> bool:
+        return self.source is not Tier.HOST
 
 
 @dataclass(frozen=True)
@@ -56,26 +76,64 @@ class OffloadSlot:
 
 
 class HostCache:
-    """A host block pool and an optional SSD store with the rules of the module docstring."""
+    """A host block pool, an optional SSD store and an optional remote store with the rules of the module
+    docstring; `remote_write` is `write_through` or `on_evict`."""
 
-    def __init__(self, host: HostKVPool, ssd: SsdStore | None = None) -> None:
-        self.host, self.ssd = host, ssd
+    def __init__(self, host: HostKVPool, ssd: SsdStore | None = None, remote: RemoteStore | None = None,
+                 remote_write: str = WRITE_THROUGH) -> None:
+        if remote_write not in REMOTE_WRITES:
+            raise ValueError(f"remote_write={remote_write!r}: expected one of {list(REMOTE_WRITES)}")
+        self.host, self.ssd, self.remote, self.remote_write = host, ssd, remote, remote_write
         self.page_size = host.page_size
         self._views = tensor_block_views(host.blocks)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # a remote write released from inside a call that holds it
         self._host_tokens: dict[User, int] = {}
         self._ssd_tokens: dict[str, int] = {}   # keyed as the SSD store names users: str(user)
+        self._remote_tokens: dict[str, int] = {}   # tokens of a remote copy that matches this host's history
+        self._histories: dict[User, np.ndarray] = {}   # item ids of the host copy's tokens (for remote writes)
+        self._history_keys: dict[str, tuple[int, int]] = {}   # the history a remote copy must have been made from
+        self._first_changed: dict[User, int] = {}   # lowest host block rewritten since the last remote write
 
     # ---- questions ----------------------------------------------------------------------------
 
     def lookup(self, user: User) -> tuple[Tier, int]:
-        """Where the user's newest copy is (HOST, SSD or NONE) and how many history tokens of it are valid."""
+        """Where the user's newest copy is (HOST, SSD, REMOTE or NONE) and how many history tokens of it are valid.
+        The remote store is asked outside the lock (a round trip)."""
         with self._lock:
             if user in self.host:
                 return Tier.HOST, self._host_tokens.get(user, 0)
             if self.ssd is not None and str(user) in self._ssd_tokens and self.ssd.contains(user):
                 return Tier.SSD, self._ssd_tokens[str(user)]
+        if self.remote is None:
             return Tier.NONE, 0
+        held = self._note_remote(user, self.remote.lookup(user))
+        return (Tier.REMOTE, held) if held else (Tier.NONE, 0)
+
+    def adopt(self, user: User) -> tuple[int, list[int]] | None:
+        """`(tokens, item history)` of the remote copy of a user this host does not know yet (None: no usable copy),
+        so its KV manager can take the user over; from now on only a copy of that history is served."""
+        copy = self.remote.lookup(user) if self.remote is not None else None
+        if copy is None:
+            return None
+        with self._lock:
+            self._history_keys[str(user)] = history_key(copy.history)
+        self._note_remote(user, copy)
+        return copy.tokens, copy.history.tolist()
+
+    def _note_remote(self, user: User, copy: Manifest | None) -> int:
+        """Tokens of `copy` this host may serve: as many as the history it last offloaded or adopted for the user
+        has, if the copy was made from that history; else none."""
+        key = str(user)
+        with self._lock:
+            expected = self._history_keys.get(key)
+            held = 0
+            if copy is not None and expected is not None and copy.history_key(expected[0]) == expected:
+                held = expected[0]
+            if held:
+                self._remote_tokens[key] = held
+            else:
+                self._remote_tokens.pop(key, None)
+            return held
 
     def usage(self) -> TierUsage:
         with self._lock:
@@ -113,23 +171,27 @@ class HostCache:
                 raise LookupError(f"user {user!r}: pages {first}..{last - 1} asked, the host copy holds {held} tokens")
             self.host.touch(user)
             self.host.pin(user)
-            return Pinned(user, self.host.pages(user)[:last], False, first)
-        held = self._ssd_tokens.get(str(user), 0) if self.ssd is not None and self.ssd.contains(user) else 0
+            return Pinned(user, self.host.pages(user)[:last], Tier.HOST, first)
+        source, held = Tier.SSD, self._ssd_tokens.get(str(user), 0)
+        if not (self.ssd is not None and self.ssd.contains(user) and held):
+            source, held = Tier.REMOTE, self._remote_tokens.get(str(user), 0)
         if -(-held // self.page_size) < last:
-            raise LookupError(f"user {user!r} is not resident with pages {first}..{last - 1} (host or SSD)")
+            raise LookupError(f"user {user!r} is not resident with pages {first}..{last - 1} (host, SSD or remote)")
         blocks = self.host.allocate(user, tokens, on_evict=self._spill).pages
         self.host.pin(user)
         self._host_tokens[user] = min(held, tokens)
-        return Pinned(user, blocks[:last], True, first)
+        return Pinned(user, blocks[:last], source, first)
 
     def read_back(self, pinned: Pinned, on_group: Callable[[list[int]], None] | None = None) -> None:
-        """SSD -> the pinned host blocks, group by group (`on_group(blocks)` as each verified group lands). A damaged
-        or missing copy raises Miss; the caller then releases the onboarding with `failed=True`."""
+        """SSD or remote store -> the pinned host blocks, group by group (`on_group(blocks)` as each verified group
+        lands). A damaged, missing or unreachable copy raises Miss; the caller then releases the onboarding with
+        `failed=True`."""
+        store, known = (self.ssd, self._ssd_tokens) if pinned.source is Tier.SSD else (self.remote, self._remote_tokens)
         try:
-            self.ssd.load(pinned.user, self._views, list(pinned.blocks), on_group=on_group)
+            store.load(pinned.user, self._views, list(pinned.blocks), on_group=on_group)
         except Miss:
             with self._lock:
-                self._ssd_tokens.pop(str(pinned.user), None)
+                known.pop(str(pinned.user), None)
             raise
 
     def release_onboarded(self, pinned: Sequence[Pinned], failed: bool) -> None:
@@ -141,18 +203,22 @@ class HostCache:
 
     def _release_onboarded(self, p: Pinned, failed: bool) -> None:
         self.host.unpin(p.user)
-        if failed and p.from_ssd and not self.host.pin_count(p.user):
+        if failed and p.reads_back and not self.host.pin_count(p.user):
             self.host.free(p.user)
             self._host_tokens.pop(p.user, None)
 
     # ---- offload ------------------------------------------------------------------------------
 
-    def begin_offload(self, user: User, tokens: int, valid_from: int = 0) -> OffloadSlot:
+    def begin_offload(self, user: User, tokens: int, valid_from: int = 0,
+                      history: Sequence[int] | None = None) -> OffloadSlot:
         """Host blocks for `tokens` tokens of `user` (evicting and spilling LRU users if needed), pinned until
         `end_offload`; the copy needs only the pages from `first` on. The GPU holds valid pages only from
         `valid_from` on (a windowed onboarding skipped the others): a copy that would need earlier ones is refused.
-        Raises PoolExhausted or ValueError (the user can never fit, or its GPU pages cannot make a whole copy) with
-        nothing changed."""
+        `history`: the item id of each of the tokens (needed for the user's remote copy). Raises PoolExhausted or
+        ValueError (the user can never fit, its GPU pages cannot make a whole copy, or a history of another length)
+        with nothing changed."""
+        if history is not None and len(history) != tokens:
+            raise ValueError(f"user {user!r}: a history of {len(history)} items for {tokens} tokens")
         with self._lock:
             held = self._host_tokens.get(user, 0) if user in self.host else 0
             first = held // self.page_size
@@ -165,11 +231,20 @@ class HostCache:
             self.host.pin(user)
             self._host_tokens[user] = tokens
             self._drop_ssd(user)
+            if self.remote is not None:
+                self._first_changed[user] = min(self._first_changed.get(user, first), first)
+                self._histories.pop(user, None)
+                if history is not None:
+                    self._histories[user] = np.asarray(history, dtype=np.int64)
+                    self._history_keys[str(user)] = history_key(self._histories[user])
             return OffloadSlot(blocks, first)
 
     def end_offload(self, user: User, ok: bool) -> None:
-        """The offload's copies ended; a failed one leaves no host copy."""
+        """The offload's copies ended; a failed one leaves no host copy. Writing through, the remote write takes
+        over the offload's pin."""
         with self._lock:
+            if ok and self.remote_write == WRITE_THROUGH and self._write_remote(user, pinned=True):
+                return
             self.host.unpin(user)
             if not ok:
                 log.warning("offload of user %r failed; its host copy is dropped", user)
@@ -180,35 +255,100 @@ class HostCache:
     # ---- forgetting ---------------------------------------------------------------------------
 
     def truncate(self, user: User, tokens: int) -> None:
-        """Only the first `tokens` tokens of the user's copies stay valid."""
+        """Only the first `tokens` tokens of the user's copies stay valid (the remote one too)."""
         with self._lock:
-            for held, key in ((self._host_tokens, user), (self._ssd_tokens, str(user))):
+            for held, key in ((self._host_tokens, user), (self._ssd_tokens, str(user)),
+                              (self._remote_tokens, str(user))):
                 if key in held:
                     held[key] = min(held[key], tokens)
+            if self.remote is None:
+                return
+            self._first_changed[user] = min(self._first_changed.get(user, tokens), tokens // self.page_size)
+            if user in self._histories:
+                self._histories[user] = self._histories[user][:tokens]
+            known = self._history_keys.get(str(user))
+            if known is not None and known[0] > tokens:
+                # the prefix's key needs its items: without the host copy's, no remote copy is served until the next
+                # offload names the history again
+                history = self._histories.get(user)
+                self._history_keys[str(user)] = history_key(history) if history is not None else (tokens, None)
+            self.remote.truncate(user, tokens)
 
     def evict(self, user: User) -> None:
-        """Move the user's host copy down to SSD (or nowhere without one)."""
+        """Move the user's host copy down to SSD or the remote store (on_evict), or nowhere without them."""
         with self._lock:
             if user in self.host:
                 self._spill(user)
-                self.host.free(user)
-                self._host_tokens.pop(user, None)
+                self._free_host(user)
 
     def drop(self, user: User) -> None:
-        """Forget the user on the host and on SSD (an in-flight transfer of it must have ended: the caller's job)."""
+        """Forget the user on the host, on SSD and in the remote store (an in-flight transfer of it must have ended:
+        the caller's job)."""
         with self._lock:
-            if user in self.host:
-                self.host.free(user)
-            self._host_tokens.pop(user, None)
+            self._free_host(user)
             self._drop_ssd(user)
+            if self.remote is not None:
+                self._remote_tokens.pop(str(user), None)
+                self._history_keys[str(user)] = (0, None)   # no remote copy is served until an offload or adopt
+                self._first_changed.pop(user, None)
+                self.remote.evict(user)
+
+    def close(self) -> None:
+        """Close the SSD store and the remote store (which first runs its queued writes)."""
+        if self.ssd is not None:
+            self.ssd.close()
+        if self.remote is not None:
+            self.remote.close()
+
+    def _free_host(self, user: User) -> None:
+        """Forget the host copy; its blocks go back now, or when the remote write still reading them ends."""
+        self._host_tokens.pop(user, None)
+        self._histories.pop(user, None)
+        if user in self.host and not self.host.pin_count(user):
+            self.host.free(user)
 
     def _drop_ssd(self, user: User) -> None:
         self._ssd_tokens.pop(str(user), None)
         if self.ssd is not None:
             self.ssd.evict(user)
 
+    def _write_remote(self, user: User, pinned: bool) -> bool:
+        """Under the lock: queue a remote write of the user's host copy (pinned: read from the host blocks, which
+        stay pinned until the writer is done; else copied now). True if the remote store took it."""
+        tokens, history = self._host_tokens.get(user, 0), self._histories.get(user)
+        if self.remote is None or not tokens or history is None or user not in self.host:
+            return False
+        if self._remote_tokens.get(str(user)) == tokens and user not in self._first_changed:
+            return False   # the remote copy already is this one (read back from it, not offloaded since)
+        blocks = self.host.pages(user)[:-(-tokens // self.page_size)]
+        if pinned:
+            read, held, release = self._block_bytes(blocks), 0, _once(lambda: self._release_write(user))
+        else:
+            snapshot = [b"".join(self._views(b)) for b in blocks]
+            read, held, release = snapshot.__getitem__, len(blocks) * self.host.layout.page_bytes, _nothing
+        if not self.remote.store(user, history, len(blocks), read, release,
+                                 self._first_changed.get(user, 0), held):
+            return False
+        self._first_changed.pop(user, None)
+        self._remote_tokens[str(user)] = tokens
+        return True
+
+    def _block_bytes(self, blocks: Sequence[int]) -> Callable[[int], bytes]:
+        return lambda i: b"".join(self._views(blocks[i]))
+
+    def _release_write(self, user: User) -> None:
+        """The remote writer has read the user's pinned blocks: unpin them (and free them if the copy was dropped)."""
+        with self._lock:
+            self.host.unpin(user)
+            if user not in self._host_tokens and not self.host.pin_count(user):
+                self.host.free(user)
+
     def _spill(self, victim: User) -> None:
-        """Under the lock, just before the victim's host blocks are freed: write its valid copy to SSD."""
+        """Under the lock, just before the victim's host blocks are freed: write its valid copy to SSD and, on_evict,
+        to the remote store."""
+        if self.remote_write == ON_EVICT:
+            self._write_remote(victim, pinned=False)
+        self._histories.pop(victim, None)
         tokens = self._host_tokens.pop(victim, 0)
         if self.ssd is None or tokens == 0 or str(victim) in self._ssd_tokens:
             return
@@ -221,3 +361,17 @@ class HostCache:
         self._ssd_tokens[str(victim)] = tokens
         for key in dropped:  # the SSD store evicted these to make room
             self._ssd_tokens.pop(key, None)
+
+
+def _once(call: Callable[[], None]) -> Callable[[], None]:
+    done = threading.Event()
+
+    def run() -> None:
+        if not done.is_set():
+            done.set()
+            call()
+    return run
+
+
+def _nothing() -> None:
+    pass

@@ -75,12 +75,16 @@ class InProcessTier(KVTier):
             raise
         return onboarding
 
-    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Transfer:
+    def adopt(self, user: int) -> tuple[int, list[int]] | None:
+        return self.cache.adopt(user)
+
+    def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0,
+                history: Sequence[int] | None = None) -> Transfer:
         """Copies only the pages from the first one the host copy does not hold yet."""
         if user in self._offloads:  # one offload per user at a time, each reaped (and unpinned) once
             settle(self._offloads[user])
             self.reap()
-        slot = self.cache.begin_offload(user, tokens, valid_from)
+        slot = self.cache.begin_offload(user, tokens, valid_from, history)
         n = -(-tokens // self.cache.page_size)
         try:
             transfer = AllOf(self.copier.copy(gpu_pages[slot.first:n], slot.blocks[slot.first:n], to_gpu=False))
@@ -122,5 +126,4 @@ class InProcessTier(KVTier):
         if self.owns_engine:
             self.engine.close()
         self.signals.close()
-        if self.cache.ssd is not None:
-            self.cache.ssd.close()
+        self.cache.close()
