@@ -10,6 +10,7 @@ run: venv
 	$(VENV)/bin/layerflow bench
 
 test: venv
+	@tools/ensure_redis.sh
 	$(PY) -m pytest -m "not gpu" -q
 
 gpu-test: venv
