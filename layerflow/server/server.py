@@ -287,6 +287,19 @@ class TransferServer:
             pinned = self.cache.pin_for_onboard([(user, first, len(pages)) for user, pages, first in loads])
             copies = OnboardCopies(self.cache, client.copier, pinned, [pages for _, pages, _ in loads], signal)
 
+            def failed() -> None:
+                """Let the copies in flight end, then give the pinned blocks back (a half read-back is freed)."""
+                copies.settle()
+                self.cache.release_onboarded(pinned, failed=True)
+
+            def run() -> None:
+                """Issue the copies, reading SSD users back first."""
+                try:
+                    copies.run()
+                except BaseException:
+                    failed()
+                    raise
+
             def finish() -> dict:
                 try:
                     copies.wait()
@@ -294,29 +307,18 @@ class TransferServer:
                     if signal.error is not None:
                         raise TransferError(str(signal.error))
                 except BaseException:
-                    copies.settle()
-                    self.cache.release_onboarded(pinned, failed=True)
+                    failed()
                     raise
                 self.cache.release_onboarded(pinned, failed=False)
                 return {"tiers": ["ssd" if p.from_ssd else "host" for p in pinned]}
 
             def run_then_finish() -> dict:
-                try:
-                    copies.run()
-                except BaseException:
-                    copies.settle()
-                    self.cache.release_onboarded(pinned, failed=True)
-                    raise
+                run()
                 return finish()
 
             if copies.from_ssd:
                 return Finish(run_then_finish, Lane.SSD_ONBOARD)
-            try:
-                copies.run()
-            except BaseException:
-                copies.settle()
-                self.cache.release_onboarded(pinned, failed=True)
-                raise
+            run()
             return Finish(finish, Lane.ONBOARD)
 
         self._request(client, msg, issue)
