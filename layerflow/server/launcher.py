@@ -21,7 +21,7 @@ import yaml
 
 from layerflow.config import Config
 from layerflow.server.auth import TOKEN_FILE, make_private_dir
-from layerflow.server.server import SOCKET_FILE
+from layerflow.server.listener import SOCKET_FILE
 
 READY = "LAYERFLOW-TRANSFER-SERVER-READY"
 

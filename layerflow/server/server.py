@@ -21,15 +21,15 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from layerflow.config import Config
 from layerflow.server import protocol
+from layerflow.server.auth import PeerCred, check_peer, make_private_dir
 from layerflow.server.fields import count_of, page_list, parse_loads, user_of, users_of
-from layerflow.server.auth import TOKEN_FILE, PeerCred, check_peer, make_private_dir, read_token, write_token
 from layerflow.server.handoff import HandoffError, server_handoff
+from layerflow.server.listener import SOCKET_FILE, listen
 from layerflow.server.protocol import Op, ProtocolError
 from layerflow.server.registration import import_pool, layout_to_dict
 from layerflow.server.remote_signal import ClientSignal
@@ -45,8 +45,6 @@ from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.notifier import EventNotifier
 
 log = logging.getLogger(__name__)
-SOCKET_FILE = "transfer.sock"
-LISTEN_BACKLOG = 128   # connects queued before accept(): a burst of clients starting together is not refused
 MAX_CLIENTS = 64       # connections served at once; one more is told so and closed (each costs threads and fds)
 
 
@@ -66,20 +64,7 @@ class TransferServer:
                  peer_check: Callable[[PeerCred, int], None] = check_peer, socket_name: str = SOCKET_FILE) -> None:
         self.config = config
         self.run_dir = make_private_dir(run_dir)
-        self.socket_path = self.run_dir / socket_name
-        _clear_stale(self.socket_path, self.run_dir / TOKEN_FILE)
-        self.token_path = write_token(self.run_dir)
-        self._listener = protocol.new_socket()
-        try:
-            self._token = read_token(self.token_path)
-            self._listener.bind(str(self.socket_path))
-            os.chmod(self.socket_path, 0o600)
-            self._listener.listen(LISTEN_BACKLOG)
-        except BaseException:
-            self._listener.close()
-            self.socket_path.unlink(missing_ok=True)
-            self.token_path.unlink(missing_ok=True)
-            raise
+        self._listener, self.socket_path, self.token_path, self._token = listen(self.run_dir, socket_name)
         self._peer_check = peer_check
         self._lock = threading.Lock()  # the host cache's creation and the copy engines
         self._cuda = torch.cuda.is_available()
@@ -387,18 +372,3 @@ class TransferServer:
             return Finish(lambda: dataclasses.asdict(self.cache.usage()))
 
         self._request(client, msg, issue)
-
-
-def _clear_stale(socket_path: Path, token_path: Path) -> None:
-    """Let a server restart in its directory: a dead predecessor's socket and token go; a live one's stay (refused)."""
-    if socket_path.exists():
-        probe = protocol.new_socket()
-        try:
-            probe.connect(str(socket_path))
-        except ConnectionRefusedError:
-            socket_path.unlink()
-        else:
-            raise FileExistsError(f"another transfer server listens on {socket_path}")
-        finally:
-            probe.close()
-    token_path.unlink(missing_ok=True)
