@@ -108,7 +108,7 @@ def measure(url: str, tokens_list: list[int], reps: int, connections: int) -> li
         source, target = list(range(n)), list(range(n, 2 * n))
         for t in gpu.kv:
             t[source].view(torch.uint8).random_()
-        slot = cache.begin_offload(user, tokens, list(range(tokens)))
+        slot = cache.begin_offload(user, tokens, history=list(range(tokens)))
         AllOf(tier.copier.copy(source, slot.blocks[:n], to_gpu=False)).wait(60)
         write_s = timed(lambda: (cache.end_offload(user, ok=True), store.flush(600)))
         keys = [f"bench:{store.fingerprint}:{user}:{v}:{i}" for i, v in enumerate(store.lookup(user).block_versions())]

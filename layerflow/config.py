@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from layerflow.tier.redis_url import check_namespace, check_url
+
 CONFIG_ENV = "LAYERFLOW_CONFIG"
 
 
@@ -217,12 +219,10 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
 
 def _remote_url(name: str, value: object) -> str | None:
     """A redis:// or rediss:// URL without a password in it (the error never repeats a password)."""
-    from layerflow.tier.redis_store import check_url
     return None if value is None else check_url(value)
 
 
 def _remote_namespace(name: str, value: object) -> str:
-    from layerflow.tier.redis_store import check_namespace
     return check_namespace(value)
 
 

@@ -22,7 +22,6 @@ from layerflow.tier.host_cache import HostCache
 from layerflow.tier.host_pool import HostKVPool
 from layerflow.tier.in_process import InProcessTier
 from layerflow.tier.layout import KVLayout
-from layerflow.tier.redis_store import RedisStore
 from layerflow.tier.remote_faults import read_secret
 from layerflow.tier.remote_manifest import layout_fingerprint
 from layerflow.tier.ssd import SsdStore
@@ -102,6 +101,8 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
         if model_key is None:
             raise ValueError(f"remote_url={config.remote_url!r} needs the model's key (model_key): copies of different "
                              f"models must never meet")
+        from layerflow.tier.redis_store import RedisStore   # redis-py is needed only by those who use Redis
+
         remote = RedisStore(config.remote_url, layout, layout_fingerprint(layout, model_key),
                             namespace=config.remote_namespace, timeout_s=config.remote_timeout_s,
                             connections=config.remote_connections,
