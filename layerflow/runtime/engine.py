@@ -6,8 +6,9 @@ stream wait-value); without CUDA the same pipeline runs eagerly with a transfer 
 
 The tier below the GPU is in this process, or a transfer server's when the config names one (`server_socket`) or asks
 for a private one (`spawn_server`): the server then copies into this process's pool (CUDA IPC, or shared memory on the
-CPU path) and posts the eventfds the same wait nodes read. If the server dies, the requests waiting on it fail with
-TransferError at once; the next batch reconnects, or else the engine falls back to an in-process tier (logged once).
+CPU path) and posts the eventfds the same wait nodes read. If the server dies, the batch waiting on it is released at
+once and its users, whose KV died with the server, are recomputed in the same call; the engine serves from an
+in-process tier meanwhile and switches back when the server answers again (runtime/failover.py).
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from layerflow.config import Config
+from layerflow.model.batch import JaggedBatch
 from layerflow.model.weights import HSTUWeights
 from layerflow.runtime.buffers import BatchBuffers, Bucket
+from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
-from layerflow.model.batch import JaggedBatch
 from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.runtime.tiers import build_kv, check_config, in_process_tier, uses_server
-from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.waits import LayerWait, NoWait, make_layer_wait
 from layerflow.tier.base import NotResident
 from layerflow.tier.layout import KVLayout

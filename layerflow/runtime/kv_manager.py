@@ -1,11 +1,13 @@
 """Who holds each user's KV (GPU pages, the tier below, nowhere) and the moves a batch needs.
 
 The manager owns what is the GPU's: user histories, the GPU page pool, pins, LRU and the batch plan. Everything below
-the GPU (host pool, SSD, copies, signals) is a `KVTier`, in this process or a transfer server's. For a batch: pin the
-users, allocate GPU pages for their history after the append, launch one onboarding for every host or SSD hit (all
-users, all layer groups, one signal counter), and after the block launch the asynchronous offload of the pages the
-batch wrote. The GPU evicts by LRU only users whose offload finished. A user whose KV is gone from every tier is a
-miss: its stored item history is recomputed once, exactly.
+the GPU (host pool, SSD, a shared remote store, copies, signals) is a `KVTier`, in this process or a transfer
+server's. For a batch: pin the users, allocate GPU pages for their history after the append, launch one onboarding
+for every host, SSD or remote hit (all users, all layer groups, one signal counter; under a sliding window only the
+pages the step reads), and after the block launch the asynchronous offload of the pages the batch wrote. The GPU
+evicts by LRU only users whose offload finished. A user whose KV is gone from every tier is a miss: its stored
+history (item ids or token embeddings) is recomputed once, exactly. A user this host never saw but a shared tier
+holds is adopted with the history its manifest carries.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import torch
 
 from layerflow.model.batch import JaggedBatch
 from layerflow.model.config import HSTUConfig
-from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
 from layerflow.runtime.history import EmbeddingHistory, History, ItemHistory
 from layerflow.runtime.request import EmbeddingRequest, Request
+from layerflow.tier.allocator import PoolExhausted
+from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
+from layerflow.tier.gpu_pool import GpuKVPool
 from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
-from layerflow.tier.gpu_pool import GpuKVPool
-from layerflow.tier.allocator import PoolExhausted
 from layerflow.transfer.signals.base import SignalHandle
 
 __all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
