@@ -399,3 +399,20 @@ def test_a_departed_clients_pool_and_fds_are_given_back(tmp_path):
             assert fds <= baseline
     finally:
         handle.stop()
+
+
+def test_an_idle_client_costs_the_server_one_thread(cpu_server):
+    """Issue 16.6: 200 idle clients used to cost 802 threads (a connection thread and three lanes each); the lanes now
+    start on a client's first request that needs them."""
+    before = {t.name for t in threading.enumerate()}
+    held = [connected(cpu_server) for _ in range(10)]
+    try:
+        assert wait_until(lambda: sum(t.name == "layerflow-server-client" for t in threading.enumerate()) >= 10, 10)
+        lanes = [t for t in threading.enumerate() if t.name.startswith("layerflow-server-") and
+                 t.name != "layerflow-server-client" and t.name not in before]
+        assert lanes == []
+    finally:
+        for sock, grid in held:
+            sock.close()
+            for fd in grid[0]:
+                os.close(fd)
