@@ -51,6 +51,9 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
         raise ValueError(f"signal={config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
     if uses_server(config) and config.remote_url is not None:
         raise ValueError("remote_url with a transfer server: the remote tier is in-process only for now")
+    if uses_server(config) and config.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} with a transfer server: the server's protocol "
+                         f"describes pools of the model's dtype only for now; use kv_cache_dtype: auto")
 
 
 def build_kv(config: Config, layout: KVLayout, device: torch.device,
