@@ -51,9 +51,6 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
         raise ValueError(f"signal={config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
     if uses_server(config) and config.remote_url is not None:
         raise ValueError("remote_url with a transfer server: the remote tier is in-process only for now")
-    if uses_server(config) and config.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} with a transfer server: the server's protocol "
-                         f"describes pools of the model's dtype only for now; use kv_cache_dtype: auto")
 
 
 def build_kv(config: Config, layout: KVLayout, device: torch.device,
@@ -62,6 +59,10 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
     (the CUDA copy engine, or the CPU thread engine); `model_key` (layerflow.tier.remote_manifest.model_key) names the
     model to a remote tier."""
     check_config(config, device, layout.num_layers)
+    if uses_server(config) and any(g.quantised for g in layout.groups):
+        raise ValueError(f"an fp8 KV cache ({', '.join(str(g.dtype) for g in layout.groups)}) with a transfer server: "
+                         f"the server's protocol describes pools of a model dtype only for now (kv_cache_dtype: "
+                         f"auto)")
     cuda = device.type == "cuda"
     num_pages = config.blocks("gpu_cache_gb", layout.page_bytes)
     if cuda:
