@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from layerflow.bench.scenarios import SCENARIOS, Scenario
 from layerflow.config import SignalMode
 from layerflow.model.config import PRESETS, HSTUConfig
+from layerflow.tier.layout import KV_CACHE_DTYPES
 
 
 def parse_length(text: str) -> int:
@@ -52,6 +53,7 @@ class Settings:
     config_path: str | None = None
     seed: int = 0
     max_attn_len: int | None = None   # overrides the preset's sliding window (0: none)
+    kv_cache_dtype: str | None = None   # overrides the config's kv_cache_dtype
 
     def __post_init__(self) -> None:
         check_settings(self, ("append_len", "num_candidates", "batch_size", "timed_iters"))
@@ -60,6 +62,8 @@ class Settings:
             raise ValueError(f"scenarios={list(self.scenarios)!r}: expected some of {list(SCENARIOS)}")
         if "torch_eager" in self.scenarios and not (self.model.family == "hstu" and self.model.embedding_tables):
             raise ValueError(f"scenarios: torch_eager is the hstu item-id block only, not the {self.preset} model")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {list(KV_CACHE_DTYPES)}")
         if self.warmup_iters < 0:
             raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
         if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):
