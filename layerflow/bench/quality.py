@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layerflow.bench.agreement import Agreement
-from layerflow.bench.settings import check_settings
+from layerflow.bench.settings import check_lengths, check_settings
 from layerflow.config import Config
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS, HSTUConfig
@@ -48,13 +48,8 @@ class QualitySettings:
             raise ValueError(f"num_candidates={self.num_candidates!r}: a ranking needs at least 2")
         if self.kv_cache_dtype not in FP8_NAMES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {list(FP8_NAMES)}")
-        if not self.history_lens or min(self.history_lens) <= 0:
-            raise ValueError(f"history_lens={self.history_lens!r}: must be positive lengths")
-        longest = max(self.history_lens) + self.append_len + self.num_candidates
-        if longest > self.model.max_seq_len:
-            raise ValueError(f"history {max(self.history_lens)} + append {self.append_len} + candidates "
-                             f"{self.num_candidates} = {longest} exceeds the {self.preset} model's max_seq_len "
-                             f"{self.model.max_seq_len}")
+        check_lengths("history_lens", self.history_lens, self.append_len, self.num_candidates, self.model,
+                      self.preset)
 
     @property
     def model(self) -> HSTUConfig:

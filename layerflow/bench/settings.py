@@ -34,6 +34,17 @@ def check_settings(settings: object, positive: tuple[str, ...]) -> None:
             raise ValueError(f"{name}={getattr(settings, name)!r}: must be positive")
 
 
+def check_lengths(name: str, lengths: tuple[int, ...], append_len: int, num_candidates: int, model: HSTUConfig,
+                  preset: str) -> None:
+    """History lengths (the field `name`) are positive and the longest request fits the model's max_seq_len."""
+    if not lengths or min(lengths) <= 0:
+        raise ValueError(f"{name}={lengths!r}: must be positive lengths")
+    longest = max(lengths) + append_len + num_candidates
+    if longest > model.max_seq_len:
+        raise ValueError(f"{name.removesuffix('s')} {max(lengths)} + append {append_len} + candidates "
+                         f"{num_candidates} = {longest} exceeds the {preset} model's max_seq_len {model.max_seq_len}")
+
+
 @dataclass(frozen=True)
 class Settings:
     """One benchmark run: the model, the request shape, the lengths, the scenarios and the transfer config."""
@@ -68,13 +79,7 @@ class Settings:
             raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
         if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):
             raise ValueError(f"timeline=True: needs batch_size=1 (got {self.batch_size}) and cpu_hit_layerwise")
-        if not self.seq_lens or min(self.seq_lens) <= 0:
-            raise ValueError(f"seq_lens={self.seq_lens!r}: must be positive lengths")
-        longest = max(self.seq_lens) + self.append_len + self.num_candidates
-        if longest > self.model.max_seq_len:
-            raise ValueError(f"seq_len {max(self.seq_lens)} + append {self.append_len} + candidates "
-                             f"{self.num_candidates} = {longest} exceeds the {self.preset} model's max_seq_len "
-                             f"{self.model.max_seq_len}")
+        check_lengths("seq_lens", self.seq_lens, self.append_len, self.num_candidates, self.model, self.preset)
 
     @property
     def model(self) -> HSTUConfig:
