@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layerflow.kernels.fp8 import decode, kernel_code, power_of_two
+from layerflow.kernels.fp8 import decode, kernel_code, tile_scales
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.model.config import HSTUConfig
 from layerflow.model.mask import MaskRule
@@ -94,9 +94,7 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row
     if FP8 == 0:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
     else:
-        scale_ptrs = scales_h + page_base + n % PAGE
-        k_scale = power_of_two(tl.load(scale_ptrs, mask=key_ok, other=127).to(tl.int32) - 127)
-        v_scale = power_of_two(tl.load(scale_ptrs + ROWS * H * D, mask=key_ok, other=127).to(tl.int32) - 127)
+        k_scale, v_scale = tile_scales(scales_h + page_base + n % PAGE, key_ok, ROWS * H * D, MASKED)
         k = decode(k, FP8).to(q.dtype)
         v = decode(v, FP8).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :] * alpha

@@ -9,7 +9,8 @@ fp8(x * 2^-k), rounded to nearest even. Why per token and power-of-two:
 - scaling by a power of two is exact, so quantising costs only the fp8 rounding, the scale can be applied after the
   q.k dot (and on the attention weights before the V dot) with the same result as dequantising every element first,
   and every backend computes the same codes;
-- the scale is one byte (its exponent + 127, the E8M0 encoding), 1/head_dim of the codes.
+- the scale is one byte (its exponent + 127, the E8M0 encoding) per head_dim codes, kept in the scale rows of the
+  page it belongs to (layerflow.tier.layout).
 Both kernels round with integer operations that reproduce torch's round-to-nearest-even conversion bit for bit
 (Triton's interpreter mis-rounds fp8 casts whose mantissa carries into the exponent); decoding uses the native cast.
 """
@@ -107,6 +108,19 @@ def power_of_two(exponent):
 
 
 @triton.jit
+def tile_scales(ptrs, ok, V_OFFSET: tl.constexpr, MASKED: tl.constexpr):
+    """The scales (fp32) of a tile's keys in K and in V, from their scale bytes at `ptrs` and `ptrs + V_OFFSET`
+    (`ok` masks the keys of a masked tile)."""
+    if MASKED:
+        k_bytes = tl.load(ptrs, mask=ok, other=127)
+        v_bytes = tl.load(ptrs + V_OFFSET, mask=ok, other=127)
+    else:
+        k_bytes = tl.load(ptrs)
+        v_bytes = tl.load(ptrs + V_OFFSET)
+    return power_of_two(k_bytes.to(tl.int32) - 127), power_of_two(v_bytes.to(tl.int32) - 127)
+
+
+@triton.jit
 def scale_exponent(absmax, FP8: tl.constexpr):
     """`scale_exponents` of row maxima (fp32, >= 0) in the format `FP8` names (1: e4m3, 2: e5m2)."""
     bits = absmax.to(tl.int32, bitcast=True)
@@ -129,8 +143,7 @@ def _round_to_fp8(y, MANTISSA: tl.constexpr, BIAS: tl.constexpr, SUBNORMAL_STEPS
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     magnitude = bits & 0x7FFFFFFF
-    shift: tl.constexpr = 23 - MANTISSA
-    rounded = (magnitude + ((1 << (shift - 1)) - 1) + ((magnitude >> shift) & 1)) >> shift
+    rounded = (magnitude + ((1 << (22 - MANTISSA)) - 1) + ((magnitude >> (23 - MANTISSA)) & 1)) >> (23 - MANTISSA)
     normal = rounded - ((127 - BIAS) << MANTISSA)
     steps = magnitude.to(tl.float32, bitcast=True) * SUBNORMAL_STEPS + 8388608.0
     subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
