@@ -61,6 +61,9 @@ class Config:
     remote_namespace: str = "layerflow"
     remote_write: str = "write_through"
     remote_connections: int = 4
+    # What the KV pages hold (docs/fp8.md): `auto` the model's dtype; fp8_e4m3 / fp8_e5m2 fp8 codes with per-token
+    # scales, about half the bytes of bf16 in every tier and every copy.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -242,6 +245,7 @@ _CHECKS.update({
     "remote_namespace": _remote_namespace,
     "remote_write": _remote_choice(("write_through", "on_evict")),
     "remote_connections": _int_in(1, MAX_REMOTE_CONNECTIONS),
+    "kv_cache_dtype": _remote_choice(("auto", "fp8_e4m3", "fp8_e5m2")),
 })
 
 _TRUE = {"1", "true", "yes", "on"}

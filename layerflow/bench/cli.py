@@ -24,6 +24,7 @@ from layerflow.bench.settings import CPU_DEFAULTS, GPU_DEFAULTS, Settings, parse
 from layerflow.bench.throughput import ThroughputSettings
 from layerflow.config import SignalMode
 from layerflow.model.config import PRESETS
+from layerflow.tier.layout import KV_CACHE_DTYPES
 
 CPU_NOTE = ("NOTE: no CUDA GPU: this ran the CPU path (tiny model, short histories, eager torch kernels, a copy "
             "thread instead of the GPU's copy engines). Its figures check the benchmark, not the runtime's speed.")
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"torch_eager is the hstu item-id block only)")
     parser.add_argument("--max-attn-len", type=int, help="sliding window W of the model's attention (0: none); a "
                         "windowed step onboards only the pages it reads")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
+                        help="what the KV pages hold (default: the config's, auto = the model's dtype); fp8_* halve "
+                             "the bytes onboarded (docs/fp8.md). The default mode only: elsewhere set it in --config")
     parser.add_argument("--disable-cudagraph", action="store_true", help="run the per-layer pipeline eagerly")
     parser.add_argument("--config", help="transfer YAML config (default: pools sized for the run)")
     parser.add_argument("--only-onboard", action="store_true",
@@ -99,7 +103,7 @@ def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settin
                     timed_iters=pick("timed_iters"), warmup_iters=pick("warmup_iters"), scenarios=scenarios,
                     use_cuda_graph=not args.disable_cudagraph, only_onboard=args.only_onboard,
                     timeline=args.timeline, signal=_signal(args), config_path=args.config, seed=args.seed,
-                    max_attn_len=args.max_attn_len)
+                    max_attn_len=args.max_attn_len, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def throughput_settings_from_args(args: argparse.Namespace, device: torch.device) -> ThroughputSettings:
@@ -145,6 +149,8 @@ def _publish(args: argparse.Namespace, cpu_path: bool, table: str, write_json: C
 def main(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu_path = device.type != "cuda"
+    if args.kv_cache_dtype is not None and (args.serve or args.throughput):
+        raise ValueError("--kv-cache-dtype: the default mode only; set kv_cache_dtype in the --config file instead")
     if args.serve:
         serve = serving_settings_from_args(args, device)
     elif args.throughput:

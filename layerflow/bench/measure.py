@@ -37,7 +37,9 @@ def transfer_config(settings: Settings, ssd_dir: str | None) -> Config:
     """The YAML config if given (its sizes as they are), else pools sized for the run; the SSD directory (when the
     config has none) and the signal come from the command line. The runner sets `enable_layerwise` per engine."""
     config = load_config(settings.config_path) if settings.config_path is not None else Config()
-    layout = KVLayout.for_hstu(settings.model, config.page_size)
+    if settings.kv_cache_dtype is not None:
+        config = replace(config, kv_cache_dtype=settings.kv_cache_dtype)
+    layout = KVLayout.for_hstu(settings.model, config.page_size, config.kv_cache_dtype)
     user_gb = layout.pages_for_tokens(max(settings.seq_lens) + settings.append_len) * layout.page_bytes / 2**30
     room = 4 * settings.batch_size * user_gb + 0.25
     if settings.config_path is None:

@@ -9,6 +9,7 @@ from typing import Callable
 from layerflow.bench.environment import device_name, results_header
 from layerflow.bench.measure import Results
 from layerflow.bench.scenarios import SCENARIOS
+from layerflow.tier.layout import KVLayout
 
 SEED_GPU = "RTX Pro 6000 Blackwell"
 # The seed's published medians (ms) on its GPU: BS=1, 64 appended, 256 candidates, the seed model.
@@ -48,6 +49,13 @@ def _bound(results: Results, figure: Callable, fmt: str = "{:.2f}") -> Callable[
     return cell
 
 
+def kv_bytes_per_token(results: Results) -> float:
+    """Bytes one cached token takes over all layers in the run's KV cache (fp8: codes and scale rows)."""
+    config = results.transfer_config
+    return KVLayout.for_hstu(results.settings.model, config.page_size, config.kv_cache_dtype).page_bytes \
+        / config.page_size
+
+
 def _length(seq_len: int) -> str:
     return f"{seq_len // 1024}K" if seq_len % 1024 == 0 else str(seq_len)
 
@@ -85,8 +93,9 @@ def markdown(results: Results) -> str:
             ("bulk memcpy GB/s", _bound(results, lambda b: b.transfer_bytes / 1e6 / b.bulk_memcpy, "{:.1f}")),
         ]
         parts += ["", "LB = max(T_transfer + last-layer compute, T_compute + first-layer transfer); T_transfer: the "
-                  "same pages onboarded alone; T_compute: the GPU hit; bulk memcpy: one pinned copy of the same bytes.",
-                  "", _table(lens, detail)]
+                  "same pages onboarded alone; T_compute: the GPU hit; bulk memcpy: one pinned copy of the same bytes. "
+                  f"KV cache {results.transfer_config.kv_cache_dtype}: {kv_bytes_per_token(results) / 1024:.2f} KiB "
+                  "per token over all layers.", "", _table(lens, detail)]
     timed = [m for m in results.measured if m.timeline() is not None]
     if timed:
         def part(name: str) -> Callable[[int], str]:
@@ -121,7 +130,8 @@ def to_dict(results: Results) -> dict:
     settings = {k: getattr(s, k) for k in ("preset", "append_len", "num_candidates", "batch_size", "timed_iters",
                                            "warmup_iters", "use_cuda_graph", "only_onboard", "seed")}
     settings |= {"seq_lens": list(s.seq_lens), "scenarios": [sc.name for sc in s.scenario_list()],
-                 "query_bucket_tokens": s.query_tokens}
+                 "query_bucket_tokens": s.query_tokens, "kv_cache_dtype": results.transfer_config.kv_cache_dtype,
+                 "kv_bytes_per_token": kv_bytes_per_token(results)}
     return {
         **results_header(results.device),
         "settings": settings,

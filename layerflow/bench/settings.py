@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from layerflow.bench.scenarios import SCENARIOS, Scenario
 from layerflow.config import SignalMode
 from layerflow.model.config import PRESETS, HSTUConfig
+from layerflow.tier.layout import KV_CACHE_DTYPES
 
 
 def parse_length(text: str) -> int:
@@ -33,6 +34,17 @@ def check_settings(settings: object, positive: tuple[str, ...]) -> None:
             raise ValueError(f"{name}={getattr(settings, name)!r}: must be positive")
 
 
+def check_lengths(name: str, lengths: tuple[int, ...], append_len: int, num_candidates: int, model: HSTUConfig,
+                  preset: str) -> None:
+    """History lengths (the field `name`) are positive and the longest request fits the model's max_seq_len."""
+    if not lengths or min(lengths) <= 0:
+        raise ValueError(f"{name}={lengths!r}: must be positive lengths")
+    longest = max(lengths) + append_len + num_candidates
+    if longest > model.max_seq_len:
+        raise ValueError(f"{name.removesuffix('s')} {max(lengths)} + append {append_len} + candidates "
+                         f"{num_candidates} = {longest} exceeds the {preset} model's max_seq_len {model.max_seq_len}")
+
+
 @dataclass(frozen=True)
 class Settings:
     """One benchmark run: the model, the request shape, the lengths, the scenarios and the transfer config."""
@@ -52,6 +64,7 @@ class Settings:
     config_path: str | None = None
     seed: int = 0
     max_attn_len: int | None = None   # overrides the preset's sliding window (0: none)
+    kv_cache_dtype: str | None = None   # overrides the config's kv_cache_dtype
 
     def __post_init__(self) -> None:
         check_settings(self, ("append_len", "num_candidates", "batch_size", "timed_iters"))
@@ -60,17 +73,13 @@ class Settings:
             raise ValueError(f"scenarios={list(self.scenarios)!r}: expected some of {list(SCENARIOS)}")
         if "torch_eager" in self.scenarios and not (self.model.family == "hstu" and self.model.embedding_tables):
             raise ValueError(f"scenarios: torch_eager is the hstu item-id block only, not the {self.preset} model")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {list(KV_CACHE_DTYPES)}")
         if self.warmup_iters < 0:
             raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
         if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):
             raise ValueError(f"timeline=True: needs batch_size=1 (got {self.batch_size}) and cpu_hit_layerwise")
-        if not self.seq_lens or min(self.seq_lens) <= 0:
-            raise ValueError(f"seq_lens={self.seq_lens!r}: must be positive lengths")
-        longest = max(self.seq_lens) + self.append_len + self.num_candidates
-        if longest > self.model.max_seq_len:
-            raise ValueError(f"seq_len {max(self.seq_lens)} + append {self.append_len} + candidates "
-                             f"{self.num_candidates} = {longest} exceeds the {self.preset} model's max_seq_len "
-                             f"{self.model.max_seq_len}")
+        check_lengths("seq_lens", self.seq_lens, self.append_len, self.num_candidates, self.model, self.preset)
 
     @property
     def model(self) -> HSTUConfig:

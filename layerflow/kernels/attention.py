@@ -13,6 +13,7 @@ W and the contextual rows are compile-time options, and a program reads only the
 with a window it reads only the pages `MaskRule.cached_read_start` names (the engine may leave earlier ones
 unloaded). The 1/N factor is read from a device tensor ([1], or one value per user), so one captured graph serves
 the batch rule's N that changes with every batch. K and V share one head dim in the paged cache (dqk == dv).
+An fp8 cache (layerflow.kernels.fp8) is dequantised inside the tile loop, on load: there is no pass over the cache.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from layerflow.kernels.fp8 import decode, kernel_code, tile_scales
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.model.config import HSTUConfig
 from layerflow.model.mask import MaskRule
+from layerflow.tier.layout import FP8_DTYPES, fp8_scale_rows
 
 __all__ = ["AttentionTiling", "PagedAttention", "default_tiling"]
 
@@ -57,15 +60,17 @@ def _token_ids(pos, m, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi, alpha,
-                  H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                  SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr):
+def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page, n0, hi,
+                  alpha, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                  SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr, FP8: tl.constexpr):
     """acc += SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N read through the page table.
 
     Unmasked tiles are ones every row of the block sees whole; masked ones apply the model's mask to each pair.
     With CHUNK_PAGES > 0 the page ids come from `chunk_pages`, the program's page-table slice held in registers, so
     the K/V addresses of a tile need no load and the loop's loads can be prefetched like dense ones.
+    An fp8 cache (FP8 > 0) is decoded on load and its per-key power-of-two scales are applied to q.k after the dot
+    and to the attention weights before the V dot: exactly the dots over the dequantised K and V.
     """
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
@@ -77,15 +82,22 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pa
         page = tl.load(page_row + n // PAGE, mask=key_ok, other=0)
     else:
         page = tl.load(page_row + n // PAGE)
-    rows = page.to(tl.int64) * (2 * PAGE * H * D) + (n % PAGE) * (H * D)
+    page_base = page.to(tl.int64) * (2 * ROWS * H * D)
+    rows = page_base + (n % PAGE) * (H * D)
     k_ptrs = cache_h + rows[:, None] + d[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
-        v = tl.load(k_ptrs + PAGE * H * D, mask=key_ok[:, None], other=0.0)
+        v = tl.load(k_ptrs + ROWS * H * D, mask=key_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + PAGE * H * D)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        v = tl.load(k_ptrs + ROWS * H * D)
+    if FP8 == 0:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+    else:
+        k_scale, v_scale = tile_scales(scales_h + page_base + n % PAGE, key_ok, ROWS * H * D, MASKED)
+        k = decode(k, FP8).to(q.dtype)
+        v = decode(v, FP8).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :] * alpha
     p = s * tl.sigmoid(s)
     if MASKED:
         if WINDOW > 0 or CONTEXTUAL > 0:
@@ -98,6 +110,8 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pa
         else:
             seen = n[None, :] <= qpos[:, None]     # causal; a candidate (at hist) sees every history key
         p = tl.where(key_ok[None, :] & seen, p, 0.0)
+    if FP8 != 0:
+        p = p * v_scale[None, :]
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
 
@@ -115,6 +129,7 @@ def _paged_attention_kernel(
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BATCH_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
     INV_N_PER_USER: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
+    ROWS: tl.constexpr, FP8: tl.constexpr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(2)
@@ -168,6 +183,7 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + token[:, None] * q_stride + head_cols, mask=row_ok[:, None], other=0.0)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     cache_h = cache_ptr + head * D
+    scales_h = cache_ptr + PAGE * H * D + head * PAGE     # an fp8 page half's scale bytes [H, PAGE]
     page_row = page_table_ptr + user * page_table_stride
     first_page = lo // PAGE
     if CHUNK_PAGES > 0:
@@ -177,15 +193,17 @@ def _paged_attention_kernel(
         chunk_pages = first_page
     if WINDOW > 0:
         for n0 in range(lo, masked_end, BLOCK_N):
-            acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0,
-                                hi, alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
-                                CONTEXTUAL)
+            acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages,
+                                first_page, n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION,
+                                SHIFT, WINDOW, CONTEXTUAL, FP8)
     for n0 in range(unmasked_lo, unmasked_hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi,
-                            alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW, CONTEXTUAL)
+        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
+                            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW,
+                            CONTEXTUAL, FP8)
     for n0 in range(tl.maximum(unmasked_hi, masked_end), hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, page_row, chunk_pages, first_page, n0, hi,
-                            alpha, H, D, PAGE, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW, CONTEXTUAL)
+        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
+                            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
+                            CONTEXTUAL, FP8)
 
     if split == 0:
         # A candidate's own key: the only non-history key it sees.
@@ -231,12 +249,14 @@ class PagedAttention:
     `run` allocates nothing and reads every length from device tensors, so it can be captured in a CUDA graph once
     and replayed for any batch within the capacity. `mask` holds the model's mask options (target-aware candidates
     only: their keys are never in the pages). `max_seq_len` is the N of the constant 1/N rule, used when `run` is
-    given no 1/N tensor.
+    given no 1/N tensor. `kv_dtype` None: the cache holds `dtype`; an fp8 dtype: the cache holds uint8 pages of codes
+    and scale rows (layerflow.tier.layout), dequantised as they are read.
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
-                 *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule()) -> None:
+                 *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
+                 kv_dtype: torch.dtype | None = None) -> None:
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("max_pages_per_user", max_pages_per_user), ("num_heads", num_heads),
                             ("max_seq_len", max_seq_len)):
@@ -250,6 +270,10 @@ class PagedAttention:
             raise ValueError(f"dtype={dtype}: expected one of {DTYPES}")
         if not mask.target_aware:
             raise ValueError("mask.target_aware=False: the paged kernel serves target-aware candidates only")
+        if kv_dtype is not None and kv_dtype not in FP8_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype}: expected None (the cache holds {dtype}) or one of {FP8_DTYPES}")
+        self.kv_dtype = kv_dtype
+        self.rows = page_size + (fp8_scale_rows(page_size, head_dim) if kv_dtype is not None else 0)
         self.mask = mask
         self.max_batch, self.max_tokens, self.max_pages_per_user = max_batch, max_tokens, max_pages_per_user
         self.num_heads, self.head_dim, self.page_size, self.dtype = num_heads, head_dim, page_size, dtype
@@ -269,12 +293,14 @@ class PagedAttention:
 
     @classmethod
     def for_model(cls, config: HSTUConfig, max_batch: int, max_tokens: int, max_pages_per_user: int, page_size: int,
-                  device: torch.device | str, *, tiling: AttentionTiling | None = None) -> "PagedAttention":
-        """The attention of `config`'s layers: its heads, alpha, mask and constant N (dqk must equal dv)."""
+                  device: torch.device | str, *, tiling: AttentionTiling | None = None,
+                  kv_dtype: torch.dtype | None = None) -> "PagedAttention":
+        """The attention of `config`'s layers: its heads, alpha, mask and constant N (dqk must equal dv), over a cache
+        holding the model's dtype or `kv_dtype` fp8."""
         if config.dqk != config.dv:
             raise ValueError(f"dqk={config.dqk} != dv={config.dv}: the paged cache holds K and V at one head dim")
         return cls(max_batch, max_tokens, max_pages_per_user, config.num_heads, config.dqk, page_size, config.dtype,
-                   device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule)
+                   device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule, kv_dtype=kv_dtype)
 
     def _pick_splits(self, tiling: AttentionTiling) -> int:
         """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90%.
@@ -317,11 +343,12 @@ class PagedAttention:
                 raise ValueError(f"{name} dtype {t.dtype}: expected {self.dtype}")
         if q.shape[0] != out.shape[0] or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
             raise ValueError(f"q/k/v/out rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]}/{out.shape[0]} differ")
-        cache_rows = (2, self.page_size, self.num_heads, self.head_dim)
+        cache_rows = (2, self.rows, self.num_heads, self.head_dim)
         if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != cache_rows or not kv_cache.is_contiguous():
             raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)}: expected contiguous [pages, *{cache_rows}]")
-        if kv_cache.dtype != self.dtype:
-            raise ValueError(f"kv_cache dtype {kv_cache.dtype}: expected {self.dtype}")
+        stored = self.dtype if self.kv_dtype is None else torch.uint8
+        if kv_cache.dtype != stored:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype}: expected {stored}")
         if page_table.dim() != 2 or page_table.shape[0] != self.max_batch or page_table.stride(1) != 1 \
                 or page_table.shape[1] > self.max_pages_per_user:
             raise ValueError(f"page_table shape {tuple(page_table.shape)}: expected [{self.max_batch}, "
@@ -361,6 +388,7 @@ class PagedAttention:
             NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,
             PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
+            ROWS=self.rows, FP8=kernel_code(self.kv_dtype),
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None:

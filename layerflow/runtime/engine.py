@@ -106,7 +106,7 @@ class Engine:
         check_config(self.config, self.device)
         self.weights = weights.to(self.device)
         model = weights.config
-        self.layout = KVLayout.for_hstu(model, self.config.page_size)
+        self.layout = KVLayout.for_hstu(model, self.config.page_size, self.config.kv_cache_dtype)
         self.max_pages = self.layout.pages_for_tokens(model.max_seq_len)
         self._copy_engine = copy_engine
         key = model_key(weights) if self.config.remote_url is not None else None
@@ -121,8 +121,9 @@ class Engine:
         if not self.layerwise:
             log.info("layerwise onboarding is off: each onboarding completes before the block starts")
         self.kv = KVManager(model, gpu, below, self.layerwise)
-        kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages) if cuda \
-            else ReferenceKernels(self.weights)
+        kv_dtype = self.layout.groups[0].fp8_dtype
+        kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages, kv_dtype) if cuda \
+            else ReferenceKernels(self.weights, kv_dtype)
         self.pipeline = LayerPipeline(self.weights, gpu.kv, kernels)
         self.buckets = sorted(Bucket(b, t) for b in batch_buckets for t in token_buckets)
         self._buffers: dict[Bucket, BatchBuffers] = {}

@@ -34,10 +34,11 @@ class LayerKernels(Protocol):
 
 
 class TritonKernels:
-    """The Triton kernels, with one attention workspace per bucket (allocated once, graph capturable)."""
+    """The Triton kernels, with one attention workspace per bucket (allocated once, graph capturable); `kv_dtype`:
+    the fp8 dtype of the pages, None when they hold the model's dtype."""
 
-    def __init__(self, weights: HSTUWeights, page_size: int, max_pages: int):
-        self.config, self.page_size, self.max_pages = weights.config, page_size, max_pages
+    def __init__(self, weights: HSTUWeights, page_size: int, max_pages: int, kv_dtype: torch.dtype | None = None):
+        self.config, self.page_size, self.max_pages, self.kv_dtype = weights.config, page_size, max_pages, kv_dtype
         self.fused_gate = self.config.family == "hstu" and self.config.output_norm == "layer"
         self._attention: dict[tuple[int, int], PagedAttention] = {}
 
@@ -45,11 +46,13 @@ class TritonKernels:
         key = (bufs.bucket.max_batch, bufs.bucket.max_tokens)
         if key not in self._attention:
             self._attention[key] = PagedAttention.for_model(self.config, bufs.bucket.max_batch, bufs.bucket.max_tokens,
-                                                            self.max_pages, self.page_size, bufs.device)
+                                                            self.max_pages, self.page_size, bufs.device,
+                                                            kv_dtype=self.kv_dtype)
         return self._attention[key]
 
     def append(self, k, v, kv_cache, bufs):
-        kv_append(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens)
+        kv_append(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens,
+                  self.kv_dtype)
 
     def attend(self, q, k, v, kv_cache, bufs, out):
         self._for(bufs).run(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
@@ -57,21 +60,23 @@ class TritonKernels:
 
 
 class ReferenceKernels:
-    """The torch references: the CPU path (they read lengths on the host, which a CPU does anyway)."""
+    """The torch references: the CPU path (they read lengths on the host, which a CPU does anyway); `kv_dtype` as
+    for TritonKernels."""
 
     fused_gate = False
 
-    def __init__(self, weights: HSTUWeights):
-        self.config = weights.config
+    def __init__(self, weights: HSTUWeights, kv_dtype: torch.dtype | None = None):
+        self.config, self.kv_dtype = weights.config, kv_dtype
 
     def append(self, k, v, kv_cache, bufs):
-        kv_append_reference(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens)
+        kv_append_reference(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens,
+                            self.kv_dtype)
 
     def attend(self, q, k, v, kv_cache, bufs, out):
         paged_attention_reference(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
                                   bufs.appended_lens, out, alpha=self.config.alpha, inv_n=bufs.inv_n,
                                   max_seq_len=None if bufs.inv_n is not None else self.config.max_seq_len,
-                                  mask=self.config.mask_rule)
+                                  mask=self.config.mask_rule, kv_dtype=self.kv_dtype)
 
 
 class LayerPipeline:

@@ -59,6 +59,10 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
     (the CUDA copy engine, or the CPU thread engine); `model_key` (layerflow.tier.remote_manifest.model_key) names the
     model to a remote tier."""
     check_config(config, device, layout.num_layers)
+    if uses_server(config) and any(g.quantised for g in layout.groups):
+        raise ValueError(f"an fp8 KV cache ({', '.join(str(g.dtype) for g in layout.groups)}) with a transfer server: "
+                         f"the server's protocol describes pools of a model dtype only for now (kv_cache_dtype: "
+                         f"auto)")
     cuda = device.type == "cuda"
     num_pages = config.blocks("gpu_cache_gb", layout.page_bytes)
     if cuda:

@@ -11,7 +11,8 @@ from layerflow.tier.user_pages import UserPages
 
 
 class GpuKVPool(UserPages):
-    """`kv[layer]` is `[num_pages, 2, page_size, H, D]`; a page index means the same tokens in every layer.
+    """`kv[layer]` is `[num_pages, 2, rows, H, D]` of the group's storage dtype (layerflow.tier.layout: `rows` is the
+    page size, plus the scale rows of an fp8 cache); a page index means the same tokens in every layer.
 
     Eviction never happens behind the caller's back: a GPU page may only be dropped once its KV is safe elsewhere,
     which only the KV manager knows, so `allocate` evicts only with a `can_drop`, and `evict_until` needs one.
@@ -27,7 +28,8 @@ class GpuKVPool(UserPages):
         super().__init__(num_pages, layout.page_size)
         self.layout = layout
         self.device = torch.device(device)
-        shapes = [((num_pages, *layout.gpu_page_shape(g)), layout.groups[g].dtype) for g, _ in layout.layer_map]
+        shapes = [((num_pages, *layout.gpu_page_shape(g)), layout.groups[g].storage_dtype)
+                  for g, _ in layout.layer_map]
         if layers is None:
             self.kv: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=self.device)
                                            for shape, dtype in shapes]

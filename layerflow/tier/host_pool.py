@@ -1,4 +1,5 @@
-"""Block-first KV in host memory: `[num_blocks, layers, 2, page_size, H, D]` per layer group, LRU by user.
+"""Block-first KV in host memory: `[num_blocks, layers, 2, rows, H, D]` per layer group, LRU by user (`rows`: the page
+size, plus the scale rows of an fp8 cache; layerflow.tier.layout).
 
 Pinned when CUDA is present, so copies run at the PCIe rate. The pool can also be laid over a buffer it did not
 allocate (a shared-memory mmap of the transfer server): blocks then live where the other process can see them.
@@ -13,7 +14,7 @@ from layerflow.tier.user_pages import UserPages
 
 
 class HostKVPool(UserPages):
-    """`blocks[group]` is `[num_blocks, layers, 2, page_size, H, D]`; a block index means the same tokens everywhere.
+    """`blocks[group]` is `[num_blocks, layers, 2, rows, H, D]`; a block index means the same tokens everywhere.
 
     The host is the last in-memory tier, so a full pool evicts LRU unpinned users on `allocate` by default (pass
     `can_drop` to veto, e.g. users not yet written to SSD).
@@ -56,10 +57,10 @@ class HostKVPool(UserPages):
         for g, group in enumerate(layout.groups):
             shape = (num_blocks, *layout.host_block_shape(g))
             if buffer is None:
-                self.blocks.append(torch.empty(shape, dtype=group.dtype, pin_memory=self.pinned))
+                self.blocks.append(torch.empty(shape, dtype=group.storage_dtype, pin_memory=self.pinned))
             else:
                 nbytes = num_blocks * layout.block_bytes(g)
-                self.blocks.append(buffer[offset:offset + nbytes].view(group.dtype).view(shape))
+                self.blocks.append(buffer[offset:offset + nbytes].view(group.storage_dtype).view(shape))
                 offset += nbytes
 
     @staticmethod

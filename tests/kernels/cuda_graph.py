@@ -17,3 +17,13 @@ def captured(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         step()
     return graph
+
+
+def replay_on(graph: torch.cuda.CUDAGraph, static, fresh, out: torch.Tensor) -> None:
+    """Replay `graph`, captured on the PagedBatch `static`, on the inputs of `fresh` (copied into `static`'s tensors),
+    with `out` zeroed first; returns once the replay is done."""
+    for name in ("q", "k", "v", "kv_cache", "page_table", "q_offsets", "history_lens", "appended_lens"):
+        getattr(static, name).copy_(getattr(fresh, name))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()

@@ -6,9 +6,12 @@ cached token is poisoned (NaN) so a kernel that reads outside a user's history s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from layerflow.kernels.fp8 import page_views, quantise
+from layerflow.tier.layout import fp8_scale_rows
 
 
 @dataclass
@@ -86,3 +89,22 @@ def make_paged_batch(history_lens: list[int], appended_lens: list[int], candidat
         history_lens=ints(history_lens + [0] * (max_batch - batch)),
         appended_lens=ints(appended_lens + [0] * (max_batch - batch)),
     )
+
+
+
+POISON_CODE, POISON_SCALE = 0x7F, 0xFF    # an fp8 NaN (e4m3 and e5m2) and a scale byte of 2^128 (inf)
+
+
+def quantised_batch(batch: PagedBatch, kv_dtype: torch.dtype, page_size: int) -> PagedBatch:
+    """`batch` (made with the default NaN poison) with its cache as an fp8 cache of codes and scale rows
+    (layerflow.tier.layout): every cached slot quantised by layerflow.kernels.fp8, every other slot poisoned."""
+    cache = batch.kv_cache
+    num_pages, _, _, heads, dim = cache.shape
+    rows = page_size + fp8_scale_rows(page_size, dim)
+    fp8 = torch.full((num_pages, 2, rows, heads, dim), POISON_CODE, dtype=torch.uint8, device=cache.device)
+    codes, scales = page_views(fp8, page_size)
+    cached = ~torch.isnan(cache.float()).flatten(3).any(dim=-1)           # [pages, 2, page_size]
+    values, exponents = quantise(torch.nan_to_num(cache.float()), kv_dtype)
+    codes.copy_(torch.where(cached[..., None, None], values, POISON_CODE))
+    scales.copy_(torch.where(cached[..., None], exponents, POISON_SCALE).permute(0, 1, 3, 2))
+    return replace(batch, kv_cache=fp8)

@@ -6,7 +6,7 @@ import torch
 from dataclasses import replace
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
-from tests.kernels.cuda_graph import captured
+from tests.kernels.cuda_graph import captured, replay_on
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
 pytestmark = pytest.mark.gpu
@@ -76,11 +76,6 @@ def test_one_graph_replays_any_lengths_like_eager(preload):
         batch = batch_of(case)
         kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
         eager = attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(batch.q))
-        fresh = batch_of(case)
-        for name in ("q", "k", "v", "kv_cache", "page_table", "q_offsets", "history_lens", "appended_lens"):
-            getattr(static, name).copy_(getattr(fresh, name))
-        static_out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_on(graph, static, batch_of(case), static_out)
         assert torch.equal(static_out, eager), f"graph replay differs from eager for {case}"
         assert_bf16_close(eager, reference_fp32(batch), batch.total_tokens)

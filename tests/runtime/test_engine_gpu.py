@@ -20,9 +20,10 @@ FP32 = HSTUConfig(**{**BF16.to_dict(), "dtype": "float32"})
 HISTORY = {1: 2000, 2: 333, 3: 0}
 
 
-def _engine(weights, signal=SignalMode.EVENTFD, graph=True, layerwise=True, copy_engine=None):
+def _engine(weights, signal=SignalMode.EVENTFD, graph=True, layerwise=True, copy_engine=None,
+            kv_cache_dtype="auto"):
     tc = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, enable_layerwise=layerwise,
-                        transfer_timeout_s=5.0)
+                transfer_timeout_s=5.0, kv_cache_dtype=kv_cache_dtype)
     engine = Engine(weights, tc, use_cuda_graph=graph, token_buckets=(64, 256), batch_buckets=(1, 4),
                     copy_engine=copy_engine)
     engine.warmup()

@@ -94,3 +94,28 @@ def test_group_ranges_cover_the_layers_in_order():
     layout = KVLayout((LayerGroup(3, 2, 8, "bfloat16"), LayerGroup(2, 1, 4, "float32")), page_size=4)
     assert layout.group_ranges == (range(0, 3), range(3, 5))
     assert [layout.locate(l)[0] for r in layout.group_ranges for l in r] == [0, 0, 0, 1, 1]
+
+
+def test_fp8_layout_of_the_benchmark_model():
+    """One scale row per page half: 33 rows of 4 x 256 bytes, 0.52x the bf16 page, with uint8 page tensors."""
+    layout = KVLayout.for_hstu(HSTUConfig(), page_size=32, kv_cache_dtype="fp8_e4m3")
+    group = layout.groups[0]
+    assert group.dtype == torch.float8_e4m3fn and group.quantised and group.fp8_dtype == torch.float8_e4m3fn
+    assert group.storage_dtype == torch.uint8
+    assert layout.gpu_page_shape(0) == (2, 33, 4, 256)
+    assert layout.host_block_shape(0) == (8, 2, 33, 4, 256)
+    assert layout.layer_page_bytes(0) == 2 * 33 * 1024
+    bf16 = KVLayout.for_hstu(HSTUConfig(), page_size=32)
+    assert layout.page_bytes / bf16.page_bytes == 33 / 64
+    assert bf16.groups[0].fp8_dtype is None and bf16.groups[0].storage_dtype == torch.bfloat16
+    assert KVLayout.for_hstu(HSTUConfig(), 32, "fp8_e5m2").groups[0].dtype == torch.float8_e5m2
+
+
+def test_fp8_sizes_match_real_tensors_and_names():
+    layout = KVLayout((LayerGroup(3, 2, 8, "float8_e4m3fn"), LayerGroup(2, 1, 4, torch.float8_e5m2)), page_size=16)
+    assert [layout.groups[g].scale_rows(16) for g in range(2)] == [2, 4]
+    for gi in range(2):
+        host = torch.empty((5, *layout.host_block_shape(gi)), dtype=layout.groups[gi].storage_dtype)
+        assert host[0, 0].numel() * host.element_size() == layout.layer_page_bytes(gi)
+        assert host.stride(0) * host.element_size() == layout.host_pitch(gi)
+    assert layout != KVLayout((LayerGroup(3, 2, 8, torch.float8_e5m2), LayerGroup(2, 1, 4, torch.float8_e5m2)), 16)

@@ -1,7 +1,9 @@
 """One suite for every tier below the GPU: the in-process tier and a transfer server's must behave the same.
 
-Each test runs twice, through the `KVTier` interface only: once on an in-process tier, once on a transfer server (a
-real server on a Unix socket, in a thread of this process so the suite stays fast; tests/server covers the process).
+Each test runs three times, through the `KVTier` interface only: on an in-process tier, on a transfer server (a real
+server on a Unix socket, in a thread of this process so the suite stays fast; tests/server covers the process), and
+on an in-process tier of an fp8 KV cache, whose pages are bytes of codes and scale rows (every comparison is of whole
+pages, scale rows included).
 """
 
 import threading
@@ -17,22 +19,24 @@ from layerflow.tier.layout import KVLayout, LayerGroup
 from layerflow.transfer.errors import TransferError
 
 LAYOUT = KVLayout((LayerGroup(2, 2, 8, torch.float32), LayerGroup(1, 1, 16, torch.bfloat16)), 4)
+FP8_LAYOUT = KVLayout((LayerGroup(2, 2, 8, torch.float8_e4m3fn), LayerGroup(1, 1, 16, torch.float8_e5m2)), 4)
 PAGE = LAYOUT.page_size
 GPU_PAGES = 32
 HOST_BLOCKS = 10
 
 
-def gb(blocks: int) -> float:
-    return (blocks + 0.5) * LAYOUT.page_bytes / 2**30
+def gb(blocks: int, layout: KVLayout = LAYOUT) -> float:
+    return (blocks + 0.5) * layout.page_bytes / 2**30
 
 
-@pytest.fixture(params=["in_process", "server"])
+@pytest.fixture(params=["in_process", "server", "in_process_fp8"])
 def tier_of(request, tmp_path):
     """`tier_of(**config)` -> (gpu pool, tier); everything is closed after the test."""
     made = []
+    layout = FP8_LAYOUT if request.param.endswith("fp8") else LAYOUT
 
     def make(**overrides):
-        values = dict(cpu_cache_gb=gb(HOST_BLOCKS), gpu_cache_gb=gb(GPU_PAGES), ssd_cache_gb=0.001,
+        values = dict(cpu_cache_gb=gb(HOST_BLOCKS, layout), gpu_cache_gb=gb(GPU_PAGES, layout), ssd_cache_gb=0.001,
                       ssd_cache_dir=str(tmp_path / "ssd"), transfer_timeout_s=10.0, num_counters=2)
         values.update(overrides)
         if request.param == "server":
@@ -41,7 +45,7 @@ def tier_of(request, tmp_path):
             made.append(server)
             values = dict(gpu_cache_gb=values["gpu_cache_gb"], server_socket=str(server.socket_path),
                           transfer_timeout_s=10.0, num_counters=2)
-        gpu, tier = build_kv(Config(**values), LAYOUT, torch.device("cpu"))
+        gpu, tier = build_kv(Config(**values), layout, torch.device("cpu"))
         made.append(tier)
         return gpu, tier
 
@@ -51,10 +55,15 @@ def tier_of(request, tmp_path):
 
 
 def fill(gpu, pages, seed: int) -> list[torch.Tensor]:
-    """Random K/V in `pages` of every layer; returns a copy of the whole pool."""
+    """Random K/V (random bytes in an fp8 cache: codes and scales) in `pages` of every layer; returns a copy of the
+    whole pool."""
     g = torch.Generator().manual_seed(seed)
     for t in gpu.kv:
-        t[list(pages)] = torch.randn(t[list(pages)].shape, generator=g).to(t.dtype)
+        shape = t[list(pages)].shape
+        if t.dtype == torch.uint8:
+            t[list(pages)] = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        else:
+            t[list(pages)] = torch.randn(shape, generator=g).to(t.dtype)
     return [t.clone() for t in gpu.kv]
 
 
@@ -67,7 +76,7 @@ def onboard(tier, gpu, loads: list[tuple[int, int, list[int]]]) -> None:
     """Onboard `(user, tokens, gpu_pages)` loads on one counter, wait for every layer, finish."""
     for t in gpu.kv:
         for _, _, pages in loads:
-            t[pages] = float("nan")
+            t[pages] = 0xFF if t.dtype == torch.uint8 else float("nan")
     onboarding = tier.onboard([Load(u, tier.locate(u, n), n, tuple(p)) for u, n, p in loads], layerwise=True)
     try:
         for layer in range(LAYOUT.num_layers):
@@ -164,7 +173,7 @@ def test_a_damaged_ssd_copy_is_not_resident_and_never_served(tier_of, tmp_path):
     files = [p for p in (tmp_path / "ssd").iterdir() if p.suffix == ".kv"]
     assert len(files) == 1
     data = bytearray(files[0].read_bytes())
-    data[LAYOUT.page_bytes // 2] ^= 0xFF
+    data[gpu.layout.page_bytes // 2] ^= 0xFF
     files[0].write_bytes(bytes(data))
     assert not_resident_users(failure_of(tier, gpu, [(4, 12, [0, 1, 2])])) == [4]
     assert tier.locate(4, 12) is Tier.NONE
