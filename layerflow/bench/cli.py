@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the offload after each timed request: onboarding + block only")
     parser.add_argument("--timeline", action="store_true",
                         help="GPU only: split each layerwise request into issue / transfer / tail on the device clock")
+    parser.add_argument("--profile", action="store_true",
+                        help="host time per phase of every timed request (prepare / launch / collect and their parts)")
     parser.add_argument("--signal", choices=[m.value for m in SignalMode], help="per-layer signal (default: config)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     parser.add_argument("--out", help="write every figure as JSON here")
@@ -98,8 +100,8 @@ def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settin
                     num_candidates=pick("num_candidates"), batch_size=args.batch_size,
                     timed_iters=pick("timed_iters"), warmup_iters=pick("warmup_iters"), scenarios=scenarios,
                     use_cuda_graph=not args.disable_cudagraph, only_onboard=args.only_onboard,
-                    timeline=args.timeline, signal=_signal(args), config_path=args.config, seed=args.seed,
-                    max_attn_len=args.max_attn_len)
+                    timeline=args.timeline, profile=args.profile, signal=_signal(args), config_path=args.config,
+                    seed=args.seed, max_attn_len=args.max_attn_len)
 
 
 def throughput_settings_from_args(args: argparse.Namespace, device: torch.device) -> ThroughputSettings:
@@ -145,6 +147,8 @@ def _publish(args: argparse.Namespace, cpu_path: bool, table: str, write_json: C
 def main(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu_path = device.type != "cuda"
+    if args.profile and (args.serve or args.throughput):
+        raise ValueError("--profile times the requests of the default mode, not --throughput or --serve")
     if args.serve:
         serve = serving_settings_from_args(args, device)
     elif args.throughput:

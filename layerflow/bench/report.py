@@ -8,6 +8,7 @@ from typing import Callable
 
 from layerflow.bench.environment import device_name, results_header
 from layerflow.bench.measure import Results
+from layerflow.bench.phases import PHASES, row_names
 from layerflow.bench.scenarios import SCENARIOS
 
 SEED_GPU = "RTX Pro 6000 Blackwell"
@@ -105,7 +106,37 @@ def markdown(results: Results) -> str:
     if others:
         parts += ["", _table(lens, [("seq_len", _length)]
                              + [(f"{SCENARIOS[n].label} ms", _latency(results, n)) for n in others])]
-    return "\n".join(parts)
+    return "\n".join(parts + _phase_tables(results))
+
+
+def _phase_label(name: str) -> str:
+    step, _, part = name.partition(".")
+    return f"{step}: {part}" if part else name
+
+
+def _phase_tables(results: Results) -> list[str]:
+    """Per scenario that was profiled (`--profile`): host ms per phase and history length, median (p90)."""
+    profiled = [n for n in SCENARIOS if any(m.scenario == n and m.phases for m in results.measured)]
+    if not profiled:
+        return []
+    lens = list(results.settings.seq_lens)
+
+    def cell(scenario: str, seq_len: int) -> Callable[[str], str]:
+        def text(name: str) -> str:
+            m = results.get(scenario, seq_len)
+            if m is None or m.phases is None:
+                return "-"
+            return f"{m.phases[name].median:.3f} ({m.phases[name].p90:.3f})"
+        return text
+
+    parts = ["", "Host time per phase (`--profile`, host clock), ms, median (p90): "
+             + "; ".join(f"{_phase_label(n)} = {what}" for n, _, what in PHASES)
+             + "; other: the step less its parts; outside: the timed call less its three steps."]
+    for scenario in profiled:
+        columns: list[Column] = [(f"{SCENARIOS[scenario].label}: phase", _phase_label)]
+        columns += [(_length(n), cell(scenario, n)) for n in lens]
+        parts += ["", _table(row_names(), columns)]
+    return parts
 
 
 def _seed(scenario: str) -> Callable[[int], str]:
@@ -119,7 +150,7 @@ def to_dict(results: Results) -> dict:
     """Every figure of the run, after the command line and the environment (`results_header`)."""
     s = results.settings
     settings = {k: getattr(s, k) for k in ("preset", "append_len", "num_candidates", "batch_size", "timed_iters",
-                                           "warmup_iters", "use_cuda_graph", "only_onboard", "seed")}
+                                           "warmup_iters", "use_cuda_graph", "only_onboard", "profile", "seed")}
     settings |= {"seq_lens": list(s.seq_lens), "scenarios": [sc.name for sc in s.scenario_list()],
                  "query_bucket_tokens": s.query_tokens}
     return {

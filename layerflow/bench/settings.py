@@ -52,6 +52,7 @@ class Settings:
     config_path: str | None = None
     seed: int = 0
     max_attn_len: int | None = None   # overrides the preset's sliding window (0: none)
+    profile: bool = False   # host time per phase of every timed request (bench.phases)
 
     def __post_init__(self) -> None:
         check_settings(self, ("append_len", "num_candidates", "batch_size", "timed_iters"))
