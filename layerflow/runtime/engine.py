@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -57,9 +58,9 @@ class TokenOutputs:
 def _per_request(batch: JaggedBatch, results: torch.Tensor) -> list:
     """Split a batch's results: candidate scores per request, or (embeddings in) TokenOutputs per request."""
     if batch.query_x is None:
-        offsets = batch.candidate_offsets.tolist()
+        offsets = list(accumulate(batch.candidate_lens, initial=0))
         return [results[offsets[b]:offsets[b + 1]] for b in range(batch.batch_size)]
-    offsets = batch.query_offsets.tolist()
+    offsets = list(accumulate(batch.query_lens, initial=0))
     return [TokenOutputs(results[offsets[b]:offsets[b] + a], results[offsets[b] + a:offsets[b + 1]])
             for b, a in enumerate(batch.appended_lens)]
 
