@@ -18,5 +18,6 @@ Modules, each importing only those above it:
 - `serving_load`: open-loop drivers of the serving layer, in process and over HTTP, one record per request.
 - `serving`: serving mode: the stream through the serving layer at rising rates, prefetch off and on, and its bound.
 - `serving_report`: serving mode's table, JSON and plot.
+- `ladder`: ladder mode: what a ladder of token buckets costs (buckets, graphs, buffer and workspace bytes).
 - `cli`: the flags and `main`, the entry point of `layerflow bench`.
 """

@@ -68,7 +68,8 @@ def markdown(results: Results) -> str:
     if _seed_comparable(results):
         main += [(f"seed {SCENARIOS[n].label} ms", _seed(n)) for n in ("gpu_hit", "cpu_hit", "cpu_hit_layerwise")]
     parts = [f"### {where}: {s.preset} model, BS={s.batch_size}, {s.append_len} appended, {s.num_candidates} "
-             f"candidates, CUDA graphs {'on' if s.use_cuda_graph and not results.cpu_path else 'off'}"
+             f"candidates, {s.query_tokens}-token bucket, "
+             f"CUDA graphs {'on' if s.use_cuda_graph and not results.cpu_path else 'off'}"
              f"{', only onboarding (no offload)' if s.only_onboard else ''}",
              f"Latency request in -> scores on the host, median (p90) over {s.timed_iters} timed iterations."
              + (f" Seed columns: the seed's published medians on its {SEED_GPU}." if _seed_comparable(results)

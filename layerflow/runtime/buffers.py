@@ -17,6 +17,22 @@ from layerflow.model.config import HSTUConfig
 from layerflow.model.reference import batch_n
 
 
+def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
+    """Token capacities from `smallest` to `largest` (powers of two, `smallest` >= `steps`): in each octave [p, 2p),
+    `steps` evenly spaced sizes p + i * p / steps. A request of n > `smallest` tokens then fits a size below
+    n * (1 + 1 / steps): at most 12.5% padding with the default 8, where powers of two alone pad up to 100%."""
+    for name, value in (("smallest", smallest), ("largest", largest), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
+            raise ValueError(f"{name}={value!r}: must be a positive power of two")
+    if not steps <= smallest <= largest:
+        raise ValueError(f"smallest={smallest}, largest={largest}, steps={steps}: need steps <= smallest <= largest")
+    sizes, p = [], smallest
+    while p < largest:
+        sizes += range(p, 2 * p, p // steps)
+        p *= 2
+    return (*sizes, largest)
+
+
 @dataclass(frozen=True, order=True)
 class Bucket:
     """Capacity of one captured graph: users, query tokens (appended + candidates) and candidates."""
