@@ -92,3 +92,17 @@ def test_the_timer_counts_only_open_requests_and_only_on_its_engine():
         assert torch.equal(plain.score([request])[0], first[0])
         assert timer.stop() == {}                # the other engine and the classes are not wrapped
         assert "prepare" in vars(timed) and "prepare" not in vars(plain)
+
+
+@pytest.mark.gpu
+def test_a_profiled_gpu_run_splits_replayed_requests_into_their_phases():
+    s = small_settings(preset="hstu-bench", seq_lens=(256,), append_len=8, num_candidates=16,
+                       scenarios=("gpu_hit", "cpu_hit_layerwise"), profile=True)
+    r = run(s, torch.device("cuda"))
+    for name in ("gpu_hit", "cpu_hit_layerwise"):
+        m = r.get(name, 256)
+        assert m.max_abs_diff == 0.0 and list(m.phases) == row_names(), name
+        for row in ("prepare.pack", "launch.fill", "launch.forward", "collect.fetch"):
+            assert min(m.phases[row].samples) > 0, (name, row)
+    assert r.get("cpu_hit_layerwise", 256).phases["prepare.onboard"].median > \
+        r.get("gpu_hit", 256).phases["prepare.onboard"].median
