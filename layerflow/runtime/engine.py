@@ -41,7 +41,9 @@ from layerflow.transfer.signals.base import LayerSignals
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8)
-TOKEN_BUCKETS = token_ladder(64, 2048, steps=8)   # 41 sizes: a request pads by at most 12.5% (docs/performance.md)
+# Powers of two (a request may pad by up to 100%) until the H200 has measured the finer ladder, token_ladder(64, 2048):
+# at most 12.5% padding, for 7x the graphs and attention workspaces (docs/performance.md, "Bucket ladder").
+TOKEN_BUCKETS = token_ladder(64, 2048, steps=1)
 
 
 def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -102,7 +104,7 @@ class Engine:
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`. The captured shapes are every size of `batch_buckets` with every size of
-    `token_buckets` (default: `token_ladder(64, 2048)`, at most 12.5% padding); a batch runs in the smallest that fits.
+    `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
