@@ -1,9 +1,10 @@
-"""`layerflow bench` (and benchmarks/inference_benchmark.py): the flags, their per-device defaults, and the two modes.
+"""`layerflow bench` (and benchmarks/inference_benchmark.py): the flags, their per-device defaults, and the modes.
 
-The default mode times one returning user's request per scenario and history length (`measure.run`, `report`);
-`--throughput` serves a Zipf stream of returning users open-loop (`throughput`); `--serve` sends that stream through
-the serving layer at rising rates, in process and over HTTP, prefetch off and on (`serving`, `serving_report`). Unset
-flags take the device's defaults: the seed benchmark on a GPU, a small run that ends in seconds on the CPU path.
+The default mode times one returning user's request per scenario and history length (`measure.run`, `report`;
+`--profile` splits each into its host phases, `phases`); `--throughput` serves a Zipf stream of returning users
+open-loop (`throughput`); `--serve` sends that stream through the serving layer at rising rates, in process and over
+HTTP, prefetch off and on (`serving`, `serving_report`); `--ladder` tells what token-bucket ladders cost (`ladder`).
+Unset flags take the device's defaults: the seed benchmark on a GPU, a small run that ends in seconds on the CPU path.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from layerflow.bench import report, serving, serving_report, throughput
+from layerflow.bench import ladder, report, serving, serving_report, throughput
 from layerflow.bench.environment import device_name
 from layerflow.bench.measure import run
 from layerflow.bench.scenarios import DEFAULT_SCENARIOS, SCENARIOS
@@ -22,8 +23,9 @@ from layerflow.bench.serving import ServingSettings
 from layerflow.bench.serving_load import TRANSPORTS
 from layerflow.bench.settings import CPU_DEFAULTS, GPU_DEFAULTS, Settings, parse_length, parse_lengths
 from layerflow.bench.throughput import ThroughputSettings
-from layerflow.config import SignalMode
+from layerflow.config import Config, SignalMode, load_config
 from layerflow.model.config import PRESETS
+from layerflow.runtime.engine import BATCH_BUCKETS, TOKEN_BUCKETS
 from layerflow.tier.layout import KV_CACHE_DTYPES
 
 CPU_NOTE = ("NOTE: no CUDA GPU: this ran the CPU path (tiny model, short histories, eager torch kernels, a copy "
@@ -49,12 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
                         help="what the KV pages hold (default: the config's, auto = the model's dtype); fp8_* halve "
                              "the bytes onboarded (docs/fp8.md). The default mode only: elsewhere set it in --config")
+    parser.add_argument("--token-bucket", type=int, help="the graph bucket's query tokens (default: the batch's, rounded "
+                        "up to 64); a larger one measures what padding a request costs")
     parser.add_argument("--disable-cudagraph", action="store_true", help="run the per-layer pipeline eagerly")
     parser.add_argument("--config", help="transfer YAML config (default: pools sized for the run)")
     parser.add_argument("--only-onboard", action="store_true",
                         help="skip the offload after each timed request: onboarding + block only")
     parser.add_argument("--timeline", action="store_true",
                         help="GPU only: split each layerwise request into issue / transfer / tail on the device clock")
+    parser.add_argument("--profile", action="store_true",
+                        help="host time per phase of every timed request (prepare / launch / collect and their parts)")
     parser.add_argument("--signal", choices=[m.value for m in SignalMode], help="per-layer signal (default: config)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     parser.add_argument("--out", help="write every figure as JSON here")
@@ -77,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, help="serving mode: most requests per batch (GPU: 8)")
     parser.add_argument("--max-wait-ms", type=float, default=2.0,
                         help="serving mode: how long a batch's oldest request waits for the batch to fill")
+    parser.add_argument("--ladder", action="store_true",
+                        help="ladder mode: what token-bucket ladders cost (buckets, graphs, attention configurations, "
+                             "buffer and workspace bytes), nothing timed")
+    parser.add_argument("--ladder-steps", type=lambda t: tuple(int(s) for s in t.split(",") if s.strip()),
+                        default=(1, 2, 4, 8), help="ladder mode: token sizes per power of two, e.g. 1,4,8")
+    parser.add_argument("--sms", type=int, help="ladder mode: size the attention workspaces for this many SMs "
+                        "(default: the device's; 132 on an H200)")
 
 
 def _picker(args: argparse.Namespace, defaults: dict[str, object]) -> Callable[[str], object]:
@@ -102,8 +115,9 @@ def settings_from_args(args: argparse.Namespace, device: torch.device) -> Settin
                     num_candidates=pick("num_candidates"), batch_size=args.batch_size,
                     timed_iters=pick("timed_iters"), warmup_iters=pick("warmup_iters"), scenarios=scenarios,
                     use_cuda_graph=not args.disable_cudagraph, only_onboard=args.only_onboard,
-                    timeline=args.timeline, signal=_signal(args), config_path=args.config, seed=args.seed,
-                    max_attn_len=args.max_attn_len, kv_cache_dtype=args.kv_cache_dtype)
+                    timeline=args.timeline, profile=args.profile, signal=_signal(args), config_path=args.config,
+                    seed=args.seed, max_attn_len=args.max_attn_len, token_bucket=args.token_bucket,
+                    kv_cache_dtype=args.kv_cache_dtype)
 
 
 def throughput_settings_from_args(args: argparse.Namespace, device: torch.device) -> ThroughputSettings:
@@ -146,11 +160,27 @@ def _publish(args: argparse.Namespace, cpu_path: bool, table: str, write_json: C
         plot(Path(args.plot))
 
 
+def _ladder(args: argparse.Namespace, device: torch.device) -> None:
+    """The ladders' costs for the GPU's model (hstu-bench unless --preset: the CPU path's tiny model has no Triton
+    attention to size)."""
+    preset = args.preset or GPU_DEFAULTS["preset"]
+    page_size = (load_config(args.config) if args.config else Config()).page_size
+    costs = [ladder.ladder_cost(PRESETS[preset], page_size, BATCH_BUCKETS, steps, TOKEN_BUCKETS[0], TOKEN_BUCKETS[-1],
+                                device, args.sms) for steps in args.ladder_steps]
+    _publish(args, False, ladder.markdown(preset, costs, device, args.sms),
+             lambda path: ladder.write_json(preset, costs, device, args.sms, path))
+
+
 def main(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu_path = device.type != "cuda"
     if args.kv_cache_dtype is not None and (args.serve or args.throughput):
         raise ValueError("--kv-cache-dtype: the default mode only; set kv_cache_dtype in the --config file instead")
+    if args.profile and (args.serve or args.throughput or args.ladder):
+        raise ValueError("--profile times the requests of the default mode, not --throughput, --serve or --ladder")
+    if args.ladder:
+        _ladder(args, device)
+        return
     if args.serve:
         serve = serving_settings_from_args(args, device)
     elif args.throughput:

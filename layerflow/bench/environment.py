@@ -3,7 +3,8 @@
 `results_header(device)` gives the two keys each results file starts with: "command", the exact command line
 (`sys.orig_argv`: the interpreter, its flags and the script, as typed), and "environment": the device (the GPU's name,
 or the CPU path), the versions of torch, CUDA (torch's build and the driver), triton, cuda-bindings and Python, the
-platform string and the UTC date. The host's name is never written.
+platform string, the host clock the wall and per-phase figures are read from, and the UTC date. The host's name is
+never written.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import platform
 import shlex
 import sys
+import time
 from datetime import datetime, timezone
 from importlib import metadata
 
@@ -37,9 +39,10 @@ def _version(package: str) -> str | None:
 
 def environment(device: torch.device | str) -> dict[str, object]:
     """The device and the software the figures were measured with (the keys of the committed inference results,
-    plus "cuda_driver" and "date")."""
+    plus "cuda_driver", "host_clock" and "date")."""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    clock = time.get_clock_info("perf_counter")
     return {
         "device": device_name(device),
         "cpu_path": not cuda,
@@ -50,6 +53,7 @@ def environment(device: torch.device | str) -> dict[str, object]:
         "cuda_bindings": _version("cuda-bindings") or _version("cuda-python"),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "host_clock": f"perf_counter: {clock.implementation}, resolution {clock.resolution:g} s",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from layerflow.bench.clocks import Clock, CudaClock, HostClock
 from layerflow.bench.copy_timing import Marks, TimedCudaCopyEngine
+from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer, TransferTimer
 from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.scenarios import Context, Measured, Scenario
@@ -134,6 +135,10 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(bucket.max_batch,), token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine:
         engine.warmup()
+        phases = None
+        if settings.profile:
+            phases = PhaseTimer()
+            phases.attach(engine)
         for index, seq_len in enumerate(settings.seq_lens):
             progress.set_postfix_str(f"{seq_len} tokens, layerwise {'on' if config.enable_layerwise else 'off'}")
             users = [index * settings.batch_size + b for b in range(settings.batch_size)]
@@ -144,7 +149,7 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
             reference = as_scores(engine.score(workload.requests))
             copy.skip_offloads = settings.only_onboard
             ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters, settings.timed_iters,
-                          timeline, progress, reference)
+                          timeline, progress, reference, phases)
             for scenario in scenarios:
                 results.measured.append(scenario.measure(ctx))
             copy.skip_offloads = False

@@ -8,6 +8,7 @@ from typing import Callable
 
 from layerflow.bench.environment import device_name, results_header
 from layerflow.bench.measure import Results
+from layerflow.bench.phases import PHASES, row_names
 from layerflow.bench.scenarios import SCENARIOS
 from layerflow.tier.layout import KVLayout
 
@@ -75,7 +76,8 @@ def markdown(results: Results) -> str:
     if _seed_comparable(results):
         main += [(f"seed {SCENARIOS[n].label} ms", _seed(n)) for n in ("gpu_hit", "cpu_hit", "cpu_hit_layerwise")]
     parts = [f"### {where}: {s.preset} model, BS={s.batch_size}, {s.append_len} appended, {s.num_candidates} "
-             f"candidates, CUDA graphs {'on' if s.use_cuda_graph and not results.cpu_path else 'off'}"
+             f"candidates, {s.query_tokens}-token bucket, "
+             f"CUDA graphs {'on' if s.use_cuda_graph and not results.cpu_path else 'off'}"
              f"{', only onboarding (no offload)' if s.only_onboard else ''}",
              f"Latency request in -> scores on the host, median (p90) over {s.timed_iters} timed iterations."
              + (f" Seed columns: the seed's published medians on its {SEED_GPU}." if _seed_comparable(results)
@@ -114,7 +116,37 @@ def markdown(results: Results) -> str:
     if others:
         parts += ["", _table(lens, [("seq_len", _length)]
                              + [(f"{SCENARIOS[n].label} ms", _latency(results, n)) for n in others])]
-    return "\n".join(parts)
+    return "\n".join(parts + _phase_tables(results))
+
+
+def _phase_label(name: str) -> str:
+    step, _, part = name.partition(".")
+    return f"{step}: {part}" if part else name
+
+
+def _phase_tables(results: Results) -> list[str]:
+    """Per scenario that was profiled (`--profile`): host ms per phase and history length, median (p90)."""
+    profiled = [n for n in SCENARIOS if any(m.scenario == n and m.phases for m in results.measured)]
+    if not profiled:
+        return []
+    lens = list(results.settings.seq_lens)
+
+    def cell(scenario: str, seq_len: int) -> Callable[[str], str]:
+        def text(name: str) -> str:
+            m = results.get(scenario, seq_len)
+            if m is None or m.phases is None:
+                return "-"
+            return f"{m.phases[name].median:.3f} ({m.phases[name].p90:.3f})"
+        return text
+
+    parts = ["", "Host time per phase (`--profile`, host clock), ms, median (p90): "
+             + "; ".join(f"{_phase_label(n)} = {what}" for n, _, what in PHASES)
+             + "; other: the step less its parts; outside: the timed call less its three steps."]
+    for scenario in profiled:
+        columns: list[Column] = [(f"{SCENARIOS[scenario].label}: phase", _phase_label)]
+        columns += [(_length(n), cell(scenario, n)) for n in lens]
+        parts += ["", _table(row_names(), columns)]
+    return parts
 
 
 def _seed(scenario: str) -> Callable[[int], str]:
@@ -128,7 +160,7 @@ def to_dict(results: Results) -> dict:
     """Every figure of the run, after the command line and the environment (`results_header`)."""
     s = results.settings
     settings = {k: getattr(s, k) for k in ("preset", "append_len", "num_candidates", "batch_size", "timed_iters",
-                                           "warmup_iters", "use_cuda_graph", "only_onboard", "seed")}
+                                           "warmup_iters", "use_cuda_graph", "only_onboard", "profile", "seed")}
     settings |= {"seq_lens": list(s.seq_lens), "scenarios": [sc.name for sc in s.scenario_list()],
                  "query_bucket_tokens": s.query_tokens, "kv_cache_dtype": results.transfer_config.kv_cache_dtype,
                  "kv_bytes_per_token": kv_bytes_per_token(results)}

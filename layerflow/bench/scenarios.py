@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from layerflow.bench.clocks import Clock
 from layerflow.bench.eager import EagerBlock
+from layerflow.bench.phases import PhaseTimer, rows
 from layerflow.bench.probes import Timeline, TimelineMarks, TransferTimer, TransferTiming, layer_compute_ms
 from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.stats import Summary
@@ -53,6 +54,7 @@ class Measured:
     probes: Probes
     max_abs_diff: float
     reference_scale: float  # the largest |score| of the GPU hit: what max_abs_diff compares with
+    phases: dict[str, Summary] | None = None   # host ms per phase row (`--profile`), None without
 
     def timeline(self) -> dict[str, float] | None:
         """Medians of the layerwise requests' timelines (`--timeline`), None without them."""
@@ -66,6 +68,8 @@ class Measured:
         out = {"scenario": self.scenario, "seq_len": self.seq_len, "wall_ms": self.wall.to_dict(),
                "device_ms": None if self.device is None else self.device.to_dict(), "tiers": self.tiers,
                "max_abs_diff_vs_gpu_hit": self.max_abs_diff, "max_abs_score_gpu_hit": self.reference_scale}
+        if self.phases is not None:
+            out["phases_ms"] = {name: summary.to_dict() for name, summary in self.phases.items()}
         if self.probes.timelines:
             out["timeline_ms"] = self.timeline() | {
                 "layers": [Summary.of(col).median for col in zip(*(t.layer_ms for t in self.probes.timelines))]}
@@ -88,6 +92,7 @@ class Context:
     timeline: bool
     progress: tqdm
     reference_scores: list[torch.Tensor]
+    phases: PhaseTimer | None = None   # attached to `engine` (`--profile`)
 
     @property
     def reference_scale(self) -> float:
@@ -123,7 +128,7 @@ class Scenario(ABC):
 
     def measure(self, ctx: Context) -> Measured:
         engine = ctx.engine
-        walls, devices, tiers, probes, first = [], [], {}, Probes(), None
+        walls, devices, tiers, probes, first, phases = [], [], {}, Probes(), None, []
         for i in range(ctx.warmup_iters + ctx.timed_iters):
             batch = self.stage(ctx, i)
             hit = [engine.kv.tier(r.user_id) for r in batch]
@@ -131,8 +136,14 @@ class Scenario(ABC):
                 raise RuntimeError(f"{self.name}: expected every request to hit {self.tier.value}, got "
                                    f"{[t.value for t in hit]}")
             ctx.copy.forget()
+            if ctx.phases is not None:
+                ctx.phases.start()
             wall, device, scores = ctx.clock.time(self.call(ctx, batch))
             timed = i >= ctx.warmup_iters
+            if ctx.phases is not None:
+                phase_ms = ctx.phases.stop()
+                if timed:
+                    phases.append(rows(phase_ms, wall))
             if timed:
                 walls.append(wall)
                 if device is not None:
@@ -144,7 +155,8 @@ class Scenario(ABC):
             ctx.progress.update()
         diff = max(float((a - b).abs().max()) for a, b in zip(first, ctx.reference_scores))
         return Measured(self.name, ctx.workload.seq_len, Summary.of(walls), Summary.of(devices) if devices else None,
-                        tiers, probes, diff, ctx.reference_scale)
+                        tiers, probes, diff, ctx.reference_scale,
+                        {name: Summary.of([p[name] for p in phases]) for name in phases[0]} if phases else None)
 
 
 class GpuHit(Scenario):

@@ -65,6 +65,8 @@ class Settings:
     seed: int = 0
     max_attn_len: int | None = None   # overrides the preset's sliding window (0: none)
     kv_cache_dtype: str | None = None   # overrides the config's kv_cache_dtype
+    profile: bool = False   # host time per phase of every timed request (bench.phases)
+    token_bucket: int | None = None   # the graph bucket's tokens; None: the batch's query tokens rounded up to 64
 
     def __post_init__(self) -> None:
         check_settings(self, ("append_len", "num_candidates", "batch_size", "timed_iters"))
@@ -79,6 +81,9 @@ class Settings:
             raise ValueError(f"warmup_iters={self.warmup_iters!r}: must be >= 0")
         if self.timeline and (self.batch_size != 1 or "cpu_hit_layerwise" not in self.scenarios):
             raise ValueError(f"timeline=True: needs batch_size=1 (got {self.batch_size}) and cpu_hit_layerwise")
+        tokens = self.batch_size * (self.append_len + self.num_candidates)
+        if self.token_bucket is not None and self.token_bucket < tokens:
+            raise ValueError(f"token_bucket={self.token_bucket!r}: the batch has {tokens} query tokens")
         check_lengths("seq_lens", self.seq_lens, self.append_len, self.num_candidates, self.model, self.preset)
 
     @property
@@ -88,7 +93,10 @@ class Settings:
 
     @property
     def query_tokens(self) -> int:
-        """The graph bucket of the benchmark's request: appended + candidates of the whole batch, rounded to 64."""
+        """The graph bucket of the benchmark's request: `token_bucket`, else appended + candidates of the whole batch
+        rounded up to 64 (a larger `token_bucket` measures what padding a request costs)."""
+        if self.token_bucket is not None:
+            return self.token_bucket
         return -(-self.batch_size * (self.append_len + self.num_candidates) // 64) * 64
 
     def scenario_list(self) -> list[Scenario]:

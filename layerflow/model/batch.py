@@ -12,7 +12,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -22,6 +22,30 @@ from layerflow.model.config import HSTUConfig
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64)
+
+
+def _outside_vocabulary(config: HSTUConfig, ids: np.ndarray) -> bool:
+    """Whether any int64 id is negative or past the vocabulary: one reduction (a negative id reads as a huge
+    unsigned one)."""
+    return bool(ids.size) and int(ids.view(np.uint64).max()) >= config.item_vocab_size
+
+
+def _batch_item_ids(config: HSTUConfig, names: list, appended: Sequence, candidates: Sequence) \
+        -> tuple[np.ndarray, np.ndarray]:
+    """Every user's appended ids and candidate ids as two int64 arrays in batch order. When every user's ids are a
+    list of plain ints (what a Request holds), the whole batch is converted and range-checked at once; otherwise, or
+    when that check fails, user by user (`_item_ids`), so the error names the user and the id."""
+    lists = [*appended, *candidates]
+    if all(type(ids) is list for ids in lists) and set(map(type, chain.from_iterable(lists))) <= {int}:
+        try:
+            ids = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=sum(map(len, lists)))
+        except OverflowError:
+            ids = None
+        if ids is not None and not _outside_vocabulary(config, ids):
+            split = sum(map(len, appended))
+            return ids[:split], ids[split:]
+    return tuple(np.concatenate([np.zeros(0, np.int64), *[_item_ids(config, b, kind, i) for b, i in zip(names, lists)]])
+                 for kind, lists in (("appended", appended), ("candidate", candidates)))
 
 
 def _item_ids(config: HSTUConfig, user: object, kind: str, ids: Sequence[object]) -> np.ndarray:
@@ -36,7 +60,7 @@ def _item_ids(config: HSTUConfig, user: object, kind: str, ids: Sequence[object]
             arr = np.array(ids, dtype=np.int64)
         except OverflowError:
             arr = None
-    if arr is not None and not (arr.size and (int(arr.min()) < 0 or int(arr.max()) >= config.item_vocab_size)):
+    if arr is not None and not _outside_vocabulary(config, arr):
         return arr
     values = []
     for item in ids:
@@ -112,14 +136,13 @@ class JaggedBatch:
                     f"user {b}: total length {total} (cached {c} + appended {len(a)} + candidates {len(k)}) "
                     f"exceeds max_seq_len={config.max_seq_len}"
                 )
-        arrays = {kind: [_item_ids(config, b, kind, ids) for b, ids in zip(names, lists)]
-                  for kind, lists in (("appended", appended), ("candidate", candidates))}
+        appended_ids, candidate_ids = _batch_item_ids(config, names, appended, candidates)
         return cls(
             cached_lens=list(cached_lens),
             appended_lens=[len(a) for a in appended],
             candidate_lens=[len(k) for k in candidates],
-            appended_ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *arrays["appended"]])),
-            candidate_ids=torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *arrays["candidate"]])),
+            appended_ids=torch.from_numpy(appended_ids),
+            candidate_ids=torch.from_numpy(candidate_ids),
         )
 
     @property
@@ -151,18 +174,31 @@ class JaggedBatch:
     def candidate_offsets(self) -> torch.Tensor:
         return _offsets(self.candidate_lens)
 
+    def pack_query(self, ids: np.ndarray, positions: np.ndarray, candidate_rows: np.ndarray) -> int:
+        """Write the query tokens in jagged order (per user its appended tokens, then its candidates) to the fronts of
+        `ids` and `positions`, and each candidate's query row to the front of `candidate_rows`; returns the number of
+        query tokens. A few slices per user and nothing the size of the batch in between: the runtime packs its
+        buffers with it per request."""
+        appended, candidates = self.appended_ids.numpy(), self.candidate_ids.numpy()
+        row = first_appended = first_candidate = 0
+        for cached, a, k in zip(self.cached_lens, self.appended_lens, self.candidate_lens):
+            ids[row:row + a] = appended[first_appended:first_appended + a]
+            ids[row + a:row + a + k] = candidates[first_candidate:first_candidate + k]
+            positions[row:row + a] = np.arange(cached, cached + a)
+            positions[row + a:row + a + k] = cached + a
+            candidate_rows[first_candidate:first_candidate + k] = np.arange(row + a, row + a + k)
+            row, first_appended, first_candidate = row + a + k, first_appended + a, first_candidate + k
+        return row
+
     def query_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(item ids, positions, is-candidate flags) of the query tokens in jagged order, per user appended then
-        candidates: numpy, computed without a per-user loop (the runtime packs them into its buffers per request)."""
-        appended = np.asarray(self.appended_lens, dtype=np.int64)
-        query = appended + np.asarray(self.candidate_lens, dtype=np.int64)
-        user = np.repeat(np.arange(self.batch_size), query)
-        j = np.arange(int(query.sum()), dtype=np.int64) - (np.cumsum(query) - query)[user]
-        is_candidate = j >= appended[user]
-        ids = np.empty(j.size, dtype=np.int64)
-        ids[~is_candidate] = self.appended_ids.numpy()  # both lists are in jagged order already
-        ids[is_candidate] = self.candidate_ids.numpy()
-        positions = np.asarray(self.cached_lens, dtype=np.int64)[user] + np.minimum(j, appended[user])
+        candidates (`pack_query`), as fresh int64 / bool arrays."""
+        total = sum(self.query_lens)
+        ids, positions = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+        rows = np.empty(len(self.candidate_ids), dtype=np.int64)
+        self.pack_query(ids, positions, rows)
+        is_candidate = np.zeros(total, dtype=bool)
+        is_candidate[rows] = True
         return ids, positions, is_candidate
 
     def query_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ pinned host buffer and reaches the device in a single copy; the scores come back
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -14,6 +15,22 @@ import torch
 from layerflow.model.batch import JaggedBatch
 from layerflow.model.config import HSTUConfig
 from layerflow.model.reference import batch_n
+
+
+def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
+    """Token capacities from `smallest` to `largest` (powers of two, `smallest` >= `steps`): in each octave [p, 2p),
+    `steps` evenly spaced sizes p + i * p / steps. A request of n > `smallest` tokens then fits a size below
+    n * (1 + 1 / steps): at most 12.5% padding with the default 8, where powers of two alone pad up to 100%."""
+    for name, value in (("smallest", smallest), ("largest", largest), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
+            raise ValueError(f"{name}={value!r}: must be a positive power of two")
+    if not steps <= smallest <= largest:
+        raise ValueError(f"smallest={smallest}, largest={largest}, steps={steps}: need steps <= smallest <= largest")
+    sizes, p = [], smallest
+    while p < largest:
+        sizes += range(p, 2 * p, p // steps)
+        p *= 2
+    return (*sizes, largest)
 
 
 @dataclass(frozen=True, order=True)
@@ -38,14 +55,15 @@ class BatchBuffers:
         total = sum(sizes.values())
         pin = device.type == "cuda"
         self._host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
-        self._host_np = self._host.numpy()
         self._device = torch.zeros(total, dtype=torch.int32, device=device)
-        self._slices: dict[str, slice] = {}
+        slices: dict[str, slice] = {}
         start = 0
         for name, n in sizes.items():
-            self._slices[name] = slice(start, start + n)
+            slices[name] = slice(start, start + n)
             start += n
-        view = {name: self._device[s] for name, s in self._slices.items()}
+        self._staged = {name: self._host.numpy()[s] for name, s in slices.items()}   # numpy views of the host slab
+        self._table = self._staged["page_table"].reshape(b, max_pages)
+        view = {name: self._device[s] for name, s in slices.items()}
         self.q_offsets = view["q_offsets"]
         self.history_lens = view["history_lens"]
         self.appended_lens = view["appended_lens"]
@@ -67,32 +85,31 @@ class BatchBuffers:
             self.outputs = torch.zeros(t, e, dtype=model.dtype, device=device)
             self._outputs_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
 
-    def _put(self, name: str, values: np.ndarray) -> None:
-        s = self._slices[name]
-        self._host_np[s.start:s.start + len(values)] = values
-        self._host_np[s.start + len(values):s.stop] = 0
+    def _put(self, name: str, values: np.ndarray | list[int], tail: int = 0) -> None:
+        """`values` at the front of the slab's `name` slice, `tail` after them."""
+        staged = self._staged[name]
+        staged[:len(values)] = values
+        staged[len(values):] = tail
 
     def fill(self, batch: JaggedBatch, page_rows: list[tuple[int, ...]]) -> None:
         """Write a batch (and each user's GPU pages) into the static tensors: one host->device copy."""
-        n = batch.batch_size
-        q_offsets = batch.query_offsets.numpy()
-        self._put("q_offsets", np.concatenate([q_offsets, np.full(self.bucket.max_batch - n, q_offsets[-1])]))
-        self._put("history_lens", np.asarray(batch.history_lens))
-        self._put("appended_lens", np.asarray(batch.appended_lens))
-        table = self._host_np[self._slices["page_table"]].reshape(self.bucket.max_batch, self.max_pages)
-        table.fill(0)  # page 0 is valid: a kernel reading past a user's pages cannot fault
+        q_offsets = list(accumulate(batch.query_lens, initial=0))
+        self._put("q_offsets", q_offsets, tail=q_offsets[-1])   # users past the batch own no tokens
+        self._put("history_lens", batch.history_lens)
+        self._put("appended_lens", batch.appended_lens)
+        self._table.fill(0)  # page 0 is valid: a kernel reading past a user's pages cannot fault
         for b, pages in enumerate(page_rows):
-            table[b, :len(pages)] = pages
-        ids, positions, is_candidate = batch.query_arrays()
-        self._put("ids", ids)
-        self._put("positions", positions)
-        self._put("candidate_rows", np.flatnonzero(is_candidate))
+            self._table[b, :len(pages)] = pages
+        staged = self._staged
+        self.num_tokens = batch.pack_query(staged["ids"], staged["positions"], staged["candidate_rows"])
+        self.num_candidates = len(batch.candidate_ids)
+        for name in ("ids", "positions"):
+            staged[name][self.num_tokens:] = 0
+        staged["candidate_rows"][self.num_candidates:] = 0
         self._put("candidate_ids", batch.candidate_ids.numpy())
         if self.inv_n is not None:
             n = batch_n(self.model, batch.cached_lens, batch.query_lens)
             self._put("inv_n", np.array([1.0 / n], dtype=np.float32).view(np.int32))
-        self.num_candidates = int(batch.candidate_ids.numel())
-        self.num_tokens = int(sum(batch.query_lens))
         if batch.query_x is not None:
             self._x_host[:self.num_tokens].copy_(batch.query_x)
             self.x.copy_(self._x_host, non_blocking=True)

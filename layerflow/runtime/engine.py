@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from layerflow.config import Config
 from layerflow.model.batch import JaggedBatch
 from layerflow.model.weights import HSTUWeights
-from layerflow.runtime.buffers import BatchBuffers, Bucket
+from layerflow.runtime.buffers import BatchBuffers, Bucket, token_ladder
 from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
@@ -40,7 +42,16 @@ from layerflow.transfer.signals.base import LayerSignals
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8)
-TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+# Powers of two (a request may pad by up to 100%) until the H200 has measured the finer ladder, token_ladder(64, 2048):
+# at most 12.5% padding, for 7x the graphs and attention workspaces (docs/performance.md, "Bucket ladder").
+TOKEN_BUCKETS = token_ladder(64, 2048, steps=1)
+
+
+def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Bucket sizes, sorted and distinct; ValueError naming `name` for an empty list or a size that is not positive."""
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
+        raise ValueError(f"{name}={sizes!r}: expected positive integers")
+    return tuple(sorted(set(sizes)))
 
 
 def _next_power_of_2(n: int, floor: int) -> int:
@@ -58,9 +69,9 @@ class TokenOutputs:
 def _per_request(batch: JaggedBatch, results: torch.Tensor) -> list:
     """Split a batch's results: candidate scores per request, or (embeddings in) TokenOutputs per request."""
     if batch.query_x is None:
-        offsets = batch.candidate_offsets.tolist()
+        offsets = list(accumulate(batch.candidate_lens, initial=0))
         return [results[offsets[b]:offsets[b + 1]] for b in range(batch.batch_size)]
-    offsets = batch.query_offsets.tolist()
+    offsets = list(accumulate(batch.query_lens, initial=0))
     return [TokenOutputs(results[offsets[b]:offsets[b] + a], results[offsets[b] + a:offsets[b + 1]])
             for b, a in enumerate(batch.appended_lens)]
 
@@ -93,7 +104,8 @@ class Engine:
     moves while this one computes), `launch` (one batch on the device at a time) and `collect` (its scores). Every step
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
-    the engine closes it at `close()`.
+    the engine closes it at `close()`. The captured shapes are every size of `batch_buckets` with every size of
+    `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
@@ -104,6 +116,8 @@ class Engine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         check_config(self.config, self.device)
+        self._batch_sizes = _sizes("batch_buckets", batch_buckets)
+        self._token_sizes = _sizes("token_buckets", token_buckets)
         self.weights = weights.to(self.device)
         model = weights.config
         self.layout = KVLayout.for_hstu(model, self.config.page_size, self.config.kv_cache_dtype)
@@ -125,7 +139,7 @@ class Engine:
         kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages, kv_dtype) if cuda \
             else ReferenceKernels(self.weights, kv_dtype)
         self.pipeline = LayerPipeline(self.weights, gpu.kv, kernels)
-        self.buckets = sorted(Bucket(b, t) for b in batch_buckets for t in token_buckets)
+        self.buckets = sorted(Bucket(b, t) for b in self._batch_sizes for t in self._token_sizes)
         self._buffers: dict[Bucket, BatchBuffers] = {}
         self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
         self.no_wait = NoWait()
@@ -258,11 +272,12 @@ class Engine:
         return self._buffers[bucket]
 
     def _bucket(self, batch_size: int, num_tokens: int) -> Bucket:
-        """The smallest captured bucket that fits, else a power-of-two one run eagerly (e.g. a long miss): powers of
-        two keep the buffers and attention workspaces such batches create to a few sizes."""
-        fitting = [b for b in self.buckets if b.fits(batch_size, num_tokens)]
-        if fitting:
-            return min(fitting, key=lambda b: (b.max_tokens, b.max_batch))
+        """The smallest captured bucket that fits (the buckets are every batch size with every token size, so that is
+        the smallest of each), else a power-of-two one run eagerly (e.g. a long miss): powers of two keep the buffers
+        and attention workspaces such batches create to a few sizes."""
+        b, t = bisect_left(self._batch_sizes, batch_size), bisect_left(self._token_sizes, num_tokens)
+        if b < len(self._batch_sizes) and t < len(self._token_sizes):
+            return Bucket(self._batch_sizes[b], self._token_sizes[t])
         return Bucket(_next_power_of_2(batch_size, 1), _next_power_of_2(num_tokens, 64))
 
     def _launch(self, plan: BatchPlan) -> Flight:

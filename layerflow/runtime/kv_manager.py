@@ -164,7 +164,7 @@ class KVManager:
             entry = self.users.get(r.user_id)
             keep = tier is not Tier.NONE
             cached.append(len(entry.history) if keep else 0)
-            new = r.new_x if embeddings else list(r.items)
+            new = r.new_x if embeddings else r.items
             if keep or entry is None or not len(entry.history):
                 appended.append(new)
             elif embeddings:
@@ -174,7 +174,7 @@ class KVManager:
         users = [r.user_id for r in requests]
         if embeddings:
             return JaggedBatch.from_embeddings(self.config, cached, appended, [r.candidates_x for r in requests], users)
-        return JaggedBatch.from_lists(self.config, cached, appended, [list(r.candidates) for r in requests], users)
+        return JaggedBatch.from_lists(self.config, cached, appended, [r.candidates for r in requests], users)
 
     def _new_history(self) -> History:
         if self.config.embedding_tables:
@@ -242,10 +242,10 @@ class KVManager:
             self.below.truncate(r.user_id, 0)
         batch = plan.batch
         if batch.query_x is None:
-            ao = batch.appended_offsets
-            entry.history.extend(batch.appended_ids[int(ao[b]):int(ao[b + 1])].tolist())
+            start = sum(batch.appended_lens[:b])
+            entry.history.extend(batch.appended_ids.numpy()[start:start + batch.appended_lens[b]].tolist())
         else:
-            start = int(batch.query_offsets[b])
+            start = sum(batch.query_lens[:b])
             entry.history.extend(batch.query_x[start:start + batch.appended_lens[b]])
         try:
             self._offload(r.user_id, entry, plan.page_rows[b])

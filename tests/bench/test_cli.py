@@ -31,11 +31,12 @@ def test_unset_flags_take_the_device_defaults():
 
 def test_bench_command_on_cpu_says_it_ran_the_cpu_path(capsys, tmp_path):
     main(parse("--seq-lens", "64", "--timed-iters", "1", "--warmup-iters", "0", "--scenarios", "gpu_hit,cpu_hit",
-               "--device", "cpu", "--out", str(tmp_path / "b.json")))
+               "--device", "cpu", "--profile", "--out", str(tmp_path / "b.json")))
     out = capsys.readouterr().out
-    assert "ran the CPU path" in out and "| 64 |" in out
+    assert "ran the CPU path" in out and "| 64 |" in out and "| GPU hit: phase | 64 |" in out
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["settings"]["preset"] == "tiny" and data["environment"]["cpu_path"] is True
+    assert data["settings"]["profile"] is True
 
 
 def test_timeline_needs_a_gpu():
@@ -53,3 +54,9 @@ def test_throughput_command_on_cpu_serves_the_stream_twice(capsys, tmp_path):
     assert all(r["num_requests"] == 6 and sum(r["tiers"].values()) == 6 for r in data["runs"])
     assert data["settings"]["history_len"] == 32 and data["environment"]["cpu_path"] is True
     assert data["command"] and data["table"].startswith("### Throughput on CPU")
+
+
+def test_profile_is_refused_outside_the_default_mode():
+    for mode in ("--throughput", "--serve"):
+        with pytest.raises(ValueError, match="--profile"):
+            main(parse(mode, "--profile", "--device", "cpu"))

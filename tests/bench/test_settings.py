@@ -39,3 +39,6 @@ def test_query_tokens_round_the_batch_up_to_the_graph_bucket():
     s = small_settings(batch_size=3)  # 3 x (4 appended + 8 candidates) = 36 tokens
     assert isinstance(s, Settings) and s.query_tokens == 64
     assert small_settings(batch_size=6).query_tokens == 128
+    assert small_settings(batch_size=3, token_bucket=512).query_tokens == 512   # a padded bucket, on request
+    with pytest.raises(ValueError, match="token_bucket=35: the batch has 36 query tokens"):
+        small_settings(batch_size=3, token_bucket=35)

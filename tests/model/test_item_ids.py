@@ -55,3 +55,16 @@ def test_an_int_enum_out_of_vocabulary_is_named_by_its_value():
 
     with pytest.raises(ValueError, match=r"candidate item id 11 out of vocabulary"):
         pack([1], [Far.AWAY])
+
+
+def test_a_bad_id_in_a_batch_of_plain_ints_names_its_user():
+    lists = dict(cached_lens=[0, 0, 0], appended=[[1, 2], [3], [4]], candidates=[[5], [6, 7], [8]],
+                 user_ids=[11, 12, 13])
+    batch = JaggedBatch.from_lists(CONFIG, **lists)   # converted and checked at once
+    assert batch.appended_ids.tolist() == [1, 2, 3, 4] and batch.candidate_ids.tolist() == [5, 6, 7, 8]
+    lists["candidates"][2] = [10]
+    with pytest.raises(ValueError, match=r"user 13: candidate item id 10 out of vocabulary"):
+        JaggedBatch.from_lists(CONFIG, **lists)
+    lists["candidates"][2], lists["appended"][1] = [8], [3, -4]
+    with pytest.raises(ValueError, match=r"user 12: appended item id -4 out of vocabulary"):
+        JaggedBatch.from_lists(CONFIG, **lists)

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -221,3 +222,14 @@ def test_query_arrays_follow_the_jagged_order(small_config):
     tok_ids, tok_pos = batch.query_tokens()
     assert tok_ids.tolist() == want_ids and tok_pos.tolist() == want_pos
     assert batch.candidate_mask().tolist() == want_cand
+
+
+def test_pack_query_writes_the_jagged_order_into_the_fronts_of_larger_arrays(small_config):
+    cached, appended, cands = [5, 0, 7], [[1, 2], [3], []], [[7], [], [8, 9]]
+    batch = JaggedBatch.from_lists(small_config, cached, appended, cands)
+    ids, positions, is_candidate = batch.query_arrays()
+    out = [np.full(16, -1, dtype=np.int32) for _ in range(3)]
+    assert batch.pack_query(*out) == len(ids) == 6
+    assert out[0][:6].tolist() == ids.tolist() and out[1][:6].tolist() == positions.tolist()
+    assert out[2][:3].tolist() == np.flatnonzero(is_candidate).tolist() == [2, 4, 5]
+    assert set(out[0][6:]) == set(out[1][6:]) == set(out[2][3:]) == {-1}   # nothing written past the batch

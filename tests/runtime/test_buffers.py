@@ -1,0 +1,26 @@
+"""A bucket's buffers on the CPU path: `fill` writes the batch and clears whatever a larger batch left behind."""
+
+import torch
+
+from layerflow.model import HSTUConfig
+from layerflow.model.batch import JaggedBatch
+from layerflow.runtime.buffers import BatchBuffers, Bucket
+
+CONFIG = HSTUConfig(num_layers=1, num_heads=1, dqk=8, dv=8, embedding_dim=8, max_seq_len=256, dtype=torch.float32,
+                    item_vocab_size=100, position_table_size=256)
+
+
+def test_fill_writes_the_batch_and_clears_what_a_larger_one_left():
+    bufs = BatchBuffers(Bucket(4, 64), 8, torch.device("cpu"), CONFIG)
+    big = JaggedBatch.from_lists(CONFIG, [3, 40, 0], [[1, 2], [3, 4, 5], [6]], [[7, 8], [9], [10, 11, 12]])
+    bufs.fill(big, [(1, 2), (3, 4, 5, 6), (7,)])
+    small = JaggedBatch.from_lists(CONFIG, [10], [[20]], [[30, 31]])
+    bufs.fill(small, [(5,)])
+    assert (bufs.num_tokens, bufs.num_candidates) == (3, 2)
+    assert bufs.q_offsets.tolist() == [0, 3, 3, 3, 3]          # users past the batch own no tokens
+    assert bufs.history_lens.tolist() == [11, 0, 0, 0] and bufs.appended_lens.tolist() == [1, 0, 0, 0]
+    assert bufs.page_table.tolist() == [[5] + [0] * 7] + [[0] * 8] * 3
+    assert bufs.ids.tolist() == [20, 30, 31] + [0] * 61
+    assert bufs.positions.tolist() == [10, 11, 11] + [0] * 61
+    assert bufs.candidate_rows.tolist() == [1, 2] + [0] * 62
+    assert bufs.candidate_ids.tolist() == [30, 31] + [0] * 62
