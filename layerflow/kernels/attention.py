@@ -4,9 +4,8 @@ HSTU has no softmax, so the output over the history is a plain sum of per-chunk 
 chunk of one user's history for one block of its queries and one head, writes an fp32 partial, and a second kernel
 adds the partials in split order (deterministic). Splitting is what fills a 132-SM GPU at batch size 1.
 
-Every length, offset and page index is read from device tensors and the grid is sized from the capacity given at
-construction; programs past the batch exit at once. One compiled kernel and one captured graph therefore serve any
-lengths up to the capacity.
+Lengths, offsets and page indices are read from device tensors, the grid is sized from the capacity and programs
+past the batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity.
 
 The mask is the model's (layerflow.model.mask): token ids with the contextual shift and the target clamp, the window
 W and the contextual rows are compile-time options, and a program reads only the history keys its rows may see, so

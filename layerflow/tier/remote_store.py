@@ -1,11 +1,10 @@
 """The seam for a KV store below the host that several hosts share, and the protocol every such store follows.
 
-Per user a store keeps one value per host block (every layer group's bytes of the block, group after group) written
-under a version, and a manifest (layerflow.tier.remote_manifest) that names them. A backend (Redis now; a Mooncake
-store can follow) gives four primitives: read a manifest, fetch blocks (pipelined, in block order), put blocks under a
-version (unnamed: they expire unless a manifest comes to name them) and swap a manifest atomically (only if the
-current one is still the one read; the blocks the new one names are kept, the old one's others expire after a grace
-period, so a reader of the old manifest still finishes). `RemoteStore` builds the rest on them, once:
+Per user a store keeps one value per host block written under a version, and a manifest (tier/remote_manifest.py)
+that names them. A backend (Redis now; Mooncake can follow) gives four primitives: read a manifest, fetch blocks
+(pipelined, in order), put blocks under a version (they expire unless a manifest names them) and swap a manifest
+atomically (only if the current one is still the one read; the old one's other blocks expire after a grace period,
+so its readers still finish). `RemoteStore` builds the rest on them, once:
 
 - Reads (`lookup`, then `load`) never see a torn copy: blocks are written before the manifest that names them, never
   rewritten under a version, and checked against the manifest's checksums as they land. A missing, truncated or
@@ -14,10 +13,8 @@ period, so a reader of the old manifest still finishes). `RemoteStore` builds th
   writes are bounded (jobs and bytes held); a full queue refuses the write, and a newer write of a user replaces one
   still queued. A new version uploads only the blocks changed since the version this host's copy mirrors (the one it
   last committed or read), when that one is still current; else every block.
-- After `truncate` or `evict` this store never serves the older copy (lookups cap or hide the user until the job has
-  run), and a write of the user still in flight is not committed (it may have read blocks the host has rewritten).
-- Faults (unreachable, slow past the timeout, out of memory, refused) end the call as a miss and start an `Outage`:
-  logged once with the reason, calls answered at once while it backs off, logged again when a call works again.
+- After `truncate` or `evict` the older copy is never served and a write of the user in flight is not committed.
+- Faults (unreachable, timeout, out of memory, refused) are a miss and start an `Outage` (logged once, backed off).
 """
 
 from __future__ import annotations

@@ -185,37 +185,53 @@ def test_server_killed_while_a_batch_waits_recomputes_it_at_once_then_falls_back
         assert len(falls) == 1
 
 
-def test_engine_reconnects_to_a_restarted_server(weights, tmp_path):
-    run_dir = tmp_path / "run"
-    server_config = make_config(tmp_path, "srv", ssd_cache_gb=0.0, ssd_cache_dir=None)
-    first = spawn_server(server_config, run_dir)
-    second = None
-    try:
-        config = make_config(tmp_path, "eng", server_socket=str(first.socket_path), ssd_cache_gb=0.0,
-                             ssd_cache_dir=None)
-        with Engine(weights, config, device="cpu") as engine:
-            engine.score([Request(1, list(range(40)), [])])
-            engine.kv.wait_offloads()
-            first.kill()
-            deadline = time.monotonic() + 5
-            while engine.kv.below.client.connected and time.monotonic() < deadline:
-                time.sleep(0.01)
-            second = spawn_server(server_config, run_dir)
-            engine.kv.evict_from_gpu(1)
-            scores = engine.score([Request(1, [3], [4, 5])])[0]  # reconnected; the new server holds nothing: a miss
-            assert isinstance(engine.kv.below, RemoteTier) and engine.kv.below.client.connected
-            ref = full_forward(weights, [list(range(40)) + [3]], [[4, 5]]).scores
-            assert torch.allclose(scores, ref, atol=1e-5, rtol=1e-5)
-            engine.kv.wait_offloads()
-            engine.kv.evict_from_gpu(1)
-            assert engine.kv.tier(1) is Tier.HOST  # and the next visit is a host hit on the new server
-            engine.kv.drop(1)
-            assert engine.kv.tier(1) is Tier.NONE and engine.kv.below.client.lookup(1) == ("none", 0)
-    finally:
-        if first.alive():
-            first.kill()
-        if second is not None:
-            second.stop()
+class Restartable:
+    """A transfer server in one run directory that a test kills and starts again; `config` points an engine at it."""
+
+    def __init__(self, tmp_path) -> None:
+        self.run_dir = tmp_path / "run"
+        self.server_config = make_config(tmp_path, "srv", ssd_cache_gb=0.0, ssd_cache_dir=None)
+        self.servers = [spawn_server(self.server_config, self.run_dir)]
+        self.config = make_config(tmp_path, "eng", server_socket=str(self.servers[0].socket_path), ssd_cache_gb=0.0,
+                                  ssd_cache_dir=None)
+
+    def kill(self) -> None:
+        self.servers[-1].kill()
+
+    def restart(self) -> None:
+        self.servers.append(spawn_server(self.server_config, self.run_dir))
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+@pytest.fixture
+def restartable(tmp_path):
+    servers = Restartable(tmp_path)
+    yield servers
+    servers.stop()
+
+
+def test_engine_reconnects_to_a_restarted_server(weights, restartable):
+    with Engine(weights, restartable.config, device="cpu") as engine:
+        engine.score([Request(1, list(range(40)), [])])
+        engine.kv.wait_offloads()
+        restartable.kill()
+        deadline = time.monotonic() + 5
+        while engine.kv.below.client.connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        restartable.restart()
+        engine.kv.evict_from_gpu(1)
+        scores = engine.score([Request(1, [3], [4, 5])])[0]  # reconnected; the new server holds nothing: a miss
+        assert isinstance(engine.kv.below, RemoteTier) and engine.kv.below.client.connected
+        ref = full_forward(weights, [list(range(40)) + [3]], [[4, 5]]).scores
+        assert torch.allclose(scores, ref, atol=1e-5, rtol=1e-5)
+        engine.kv.wait_offloads()
+        engine.kv.evict_from_gpu(1)
+        assert engine.kv.tier(1) is Tier.HOST  # and the next visit is a host hit on the new server
+        engine.kv.drop(1)
+        assert engine.kv.tier(1) is Tier.NONE and engine.kv.below.client.lookup(1) == ("none", 0)
 
 
 def test_config_and_pool_checks():
@@ -301,32 +317,21 @@ def test_a_hung_server_never_writes_into_pages_another_user_was_given(weights, t
         assert engine.kv.quarantined_pages == 0                    # given back once the server answered
 
 
-def test_the_engine_switches_back_to_a_server_that_returns_after_a_fallback(weights, tmp_path, caplog):
+def test_the_engine_switches_back_to_a_server_that_returns_after_a_fallback(weights, restartable, caplog):
     """Issue 16.11: after falling back to an in-process tier, the engine retries the server's socket with backoff
     and, once it answers, serves from it again (both logged)."""
-    caplog.set_level(logging.WARNING, logger="layerflow.runtime.engine")
-    run_dir = tmp_path / "run"
-    server_config = make_config(tmp_path, "srv", ssd_cache_gb=0.0, ssd_cache_dir=None)
-    first = spawn_server(server_config, run_dir)
-    second = None
-    try:
-        config = make_config(tmp_path, "eng", server_socket=str(first.socket_path), ssd_cache_gb=0.0,
-                             ssd_cache_dir=None)
-        with Engine(weights, config, device="cpu") as engine:
-            engine.score([Request(1, list(range(40)), [])])
-            first.kill()
-            engine.score([Request(2, list(range(30)), [])])          # the server is gone: in-process from now on
-            assert isinstance(engine.kv.below, InProcessTier)
-            second = spawn_server(server_config, run_dir)
-            time.sleep(1.1)                                           # the first retry comes after a second
-            scores = engine.score([Request(1, [3], [4, 5])])[0]
-            assert isinstance(engine.kv.below, RemoteTier) and engine.kv.below.client.connected
-            ref = full_forward(weights, [list(range(40)) + [3]], [[4, 5]]).scores
-            assert torch.allclose(scores, ref, atol=1e-5, rtol=1e-5)
-        messages = [r.getMessage() for r in caplog.records]
-        assert any("serving from an in-process host tier" in m for m in messages)
-        assert any("transfer server is back" in m for m in messages)
-    finally:
-        for server in (first, second):
-            if server is not None:
-                server.stop()
+    caplog.set_level(logging.WARNING, logger="layerflow.runtime")
+    with Engine(weights, restartable.config, device="cpu") as engine:
+        engine.score([Request(1, list(range(40)), [])])
+        restartable.kill()
+        engine.score([Request(2, list(range(30)), [])])          # the server is gone: in-process from now on
+        assert isinstance(engine.kv.below, InProcessTier)
+        restartable.restart()
+        time.sleep(1.1)                                           # the first retry comes after a second
+        scores = engine.score([Request(1, [3], [4, 5])])[0]
+        assert isinstance(engine.kv.below, RemoteTier) and engine.kv.below.client.connected
+        ref = full_forward(weights, [list(range(40)) + [3]], [[4, 5]]).scores
+        assert torch.allclose(scores, ref, atol=1e-5, rtol=1e-5)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("serving from an in-process host tier" in m for m in messages)
+    assert any("transfer server is back" in m for m in messages)
