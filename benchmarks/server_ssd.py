@@ -55,7 +55,7 @@ def in_process(layout, kv, user_blocks: int, reps: int, cuda: bool) -> list[floa
     host = HostKVPool(layout, num_blocks=user_blocks)
     for t in host.blocks:
         t.view(torch.uint8).random_()
-    engine = make_engine(kv[0].is_cuda)
+    engine = make_engine(kv[0].device.index if kv[0].is_cuda else None)
     signals = make_signals(SignalMode.EVENTFD, layout.num_layers, 4, 60.0)
     blocks, pages = list(range(user_blocks)), list(range(user_blocks))
     times = []
@@ -117,11 +117,11 @@ def ssd_hits(layout, kv, shm, user_blocks: int, reps: int, ssd_dir: str) -> tupl
     client = TransferClient(server.socket_path, server.token_path, layout, kv, shm=shm)
     src, dst = list(range(user_blocks)), list(range(user_blocks, 2 * user_blocks))
     try:
-        client.offload("A", src).result(120)
-        client.offload("B", src).result(120)
+        client.offload("A", user_blocks * layout.page_size, src).result(120)
+        client.offload("B", user_blocks * layout.page_size, src).result(120)
         times = []
         for _ in range(reps):
-            client.offload("F", src).result(120)  # evicts the LRU of A/B to SSD
+            client.offload("F", user_blocks * layout.page_size, src).result(120)  # evicts the LRU of A/B to SSD
             client.drop("F")  # room on the host, so the read below evicts nothing
             user = "A" if client.lookup("A")[0] == "ssd" else "B"
             assert client.lookup(user)[0] == "ssd"
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     server = spawn_server(Config(cpu_cache_gb=(user_blocks + 0.5) * layout.page_bytes / 2**30))
     client = TransferClient(server.socket_path, server.token_path, layout, kv, shm=shm)
     try:
-        client.offload("user", list(range(user_blocks))).result(120)
+        client.offload("user", user_blocks * layout.page_size, list(range(user_blocks))).result(120)
         remote = through_server(client, "user", list(range(user_blocks, 2 * user_blocks)), args.reps)
         exact = same_bytes(kv, list(range(user_blocks, 2 * user_blocks)), list(range(user_blocks)))
     finally:

@@ -10,6 +10,7 @@ TransferError whose cause is `NotResident` naming the users, and new requests fa
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import os
@@ -21,6 +22,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from layerflow.config import Config
@@ -154,20 +156,38 @@ class TransferClient:
                      counter_id=handle.counter_id, layerwise=layerwise)
         return handle, pending.future
 
-    def offload(self, user, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0) -> Future:
+    def offload(self, user, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0,
+                history: Sequence[int] | None = None) -> Future:
         """Copy `user`'s first `tokens` tokens from `gpu_pages` to the server's host pool; the future completes when
         they are there. The server copies only the pages its copy does not hold yet. Its copy stream cannot see this
-        process's streams, so pending CUDA work is synchronized first."""
+        process's streams, so pending CUDA work is synchronized first. `history` (one item id per token) goes with
+        the copy, so another client of the server can `adopt` the user."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= len(gpu_pages) * \
                 self.layout.page_size:
             raise ValueError(f"tokens={tokens!r}: expected 1..{len(gpu_pages) * self.layout.page_size} "
                              f"({len(gpu_pages)} pages)")
+        payload = b""
+        if history is not None:
+            if len(history) != tokens:
+                raise ValueError(f"history of {len(history)} items for tokens={tokens}")
+            payload = np.asarray(history, dtype="<i8").tobytes()
         if self._kv_layers[0].is_cuda:
             torch.cuda.current_stream(self._kv_layers[0].device).synchronize()
         pending = _Pending([user], None)
-        self._submit(Op.OFFLOAD, pending, user=user, tokens=tokens, gpu_pages=[int(p) for p in gpu_pages],
+        self._submit(Op.OFFLOAD, pending, payload, user=user, tokens=tokens, gpu_pages=[int(p) for p in gpu_pages],
                      valid_from=int(valid_from))
         return pending.future
+
+    def adopt(self, user) -> tuple[int, list[int]] | None:
+        """`(tokens, item history)` of a user another client offloaded to the server, or None if it holds none."""
+        result = self._call(Op.ADOPT, user=user)
+        tokens, encoded = result.get("tokens"), result.get("history")
+        if not tokens:
+            return None
+        history = np.frombuffer(base64.b64decode(encoded, validate=True), dtype="<i8")
+        if len(history) != tokens:
+            raise ProtocolError(f"adopt of user {user!r}: {len(history)} history items for tokens={tokens}")
+        return tokens, history.tolist()
 
     def lookup(self, user) -> tuple[str, int]:
         """("host" | "ssd" | "none", valid tokens) of `user` on the server."""
@@ -210,7 +230,7 @@ class TransferClient:
         oldest = min((p.sent for p in self._pending.values()), default=None)
         return oldest is None or time.monotonic() - oldest <= self.timeout_s
 
-    def _submit(self, op: Op, pending: _Pending, **fields) -> None:
+    def _submit(self, op: Op, pending: _Pending, payload: bytes = b"", **fields) -> None:
         req = next(self._ids)
         with self._lock:
             sock, responsive = self._sock, self._responsive()
@@ -222,7 +242,7 @@ class TransferClient:
             self._finish(pending, NotResident(pending.users, why))
             return
         try:
-            protocol.send(sock, op, req=req, **fields)
+            protocol.send(sock, op, payload=payload, req=req, **fields)
         except OSError as e:
             with self._lock:
                 self._pending.pop(req, None)

@@ -3,6 +3,8 @@ it (answered with ERROR), never a crash of the client's thread or a key the serv
 
 from __future__ import annotations
 
+import numpy as np
+
 from layerflow.server import protocol
 
 MAX_USER_KEY = 256   # characters of a string user id
@@ -22,6 +24,15 @@ def count_of(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
         raise ValueError(f"{name}={value!r}: must be a non-negative integer")
     return value
+
+
+def history_of(payload: bytes, tokens: int) -> np.ndarray | None:
+    """An OFFLOAD's item history: none (empty payload) or exactly one little-endian int64 per token."""
+    if not payload:
+        return None
+    if len(payload) != 8 * tokens:
+        raise ValueError(f"history: {len(payload)} bytes for tokens={tokens} (8 bytes, one int64, per token)")
+    return np.frombuffer(payload, dtype="<i8")
 
 
 def page_list(pages: object) -> list[int]:

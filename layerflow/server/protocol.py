@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-VERSION = 4  # 4: the server tracks each user's valid tokens (OFFLOAD/LOOKUP carry tokens; TRUNCATE, EVICT, USAGE)
+VERSION = 5  # 4: the server tracks each user's valid tokens (OFFLOAD/LOOKUP carry tokens; TRUNCATE, EVICT, USAGE);
+             # 5: a CUDA pool names its GPU by PCI bus id, not by the client's ordinal; OFFLOAD
+             # carries the history, ADOPT hands a user to another client
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit of fds per message
 _LEN = struct.Struct("<I")
@@ -29,7 +31,9 @@ class Op(str, Enum):
     COUNTER_SET = "counter_set"  # counter_id, layers, counters, rank + one eventfd per layer
     REGISTER_POOL = "register_pool"  # the client's per-layer KV tensors (memfd or CUDA IPC)
     ONBOARD = "onboard"  # req, loads=[[user, gpu_pages], ...], counter_id, layerwise: one counter for all users
-    OFFLOAD = "offload"  # req, user, tokens, gpu_pages: the server copies the pages its host copy does not hold yet
+    OFFLOAD = "offload"  # req, user, tokens, gpu_pages (+ payload: the history's item ids, int64): the server copies
+                         # the pages its host copy does not hold yet
+    ADOPT = "adopt"  # req, user -> DONE tokens, history (base64 int64 item ids): a user another client offloaded
     LOOKUP = "lookup"  # req, user -> DONE tier ("host" | "ssd" | "none"), tokens
     TRUNCATE = "truncate"  # req, user, tokens: only the first `tokens` tokens of the user's copies stay valid
     EVICT = "evict"  # req, user: move the host copy down to SSD

@@ -13,6 +13,7 @@ without CUDA refuses a CUDA pool before reading its payload.
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from layerflow.tier.layout import KVLayout, LayerGroup
 CPU_KIND = "memfd"
 CUDA_KIND = "cuda_ipc"
 IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
+PCI_BUS_ID_BYTES = 32  # [domain]:[bus]:[device].[function] needs 13 with its NUL
+PCI_BUS_ID = re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 4096
 MAX_PAGES = 2**31 - 1
@@ -165,8 +168,25 @@ def _export_cuda(head: dict, layers: Sequence[torch.Tensor]) -> Export:
                 bases[base] = len(handles)
                 handles.append(ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES))
             rows.append([bases[base], pointer - base, t.numel() * t.element_size()])
-    fields = {**head, "kind": CUDA_KIND, "device": device, "handles": len(handles), "layers": rows}
+        bus_id = check(rt.cudaDeviceGetPCIBusId(PCI_BUS_ID_BYTES, device), "cudaDeviceGetPCIBusId")
+    fields = {**head, "kind": CUDA_KIND, "pci_bus_id": bus_id.split(b"\0", 1)[0].decode(), "handles": len(handles),
+              "layers": rows}
     return Export(fields, payload=b"".join(handles))
+
+
+def device_of_bus_id(bus_id: object) -> int:
+    """The server's ordinal of the client's GPU. Ordinals differ between processes (CUDA_VISIBLE_DEVICES pins each
+    engine process to its GPU as its cuda:0), the PCI bus id does not."""
+    from cuda.bindings import runtime as rt
+
+    from layerflow.transfer.cuda_api import check
+
+    if not isinstance(bus_id, str) or not PCI_BUS_ID.fullmatch(bus_id):
+        raise ValueError(f"pci_bus_id={bus_id!r}: expected a PCI bus id like '0000:1b:00.0'")
+    try:
+        return int(check(rt.cudaDeviceGetByPCIBusId(bus_id.encode()), "cudaDeviceGetByPCIBusId"))
+    except Exception as e:  # noqa: BLE001 - the reason names the id; the registration is refused with it
+        raise ValueError(f"pci_bus_id={bus_id!r}: not a GPU this server sees ({e})") from None
 
 
 def _import_cuda(fields: dict, payload: bytes, layout: KVLayout, num_pages: int) -> ClientPool:
@@ -175,7 +195,7 @@ def _import_cuda(fields: dict, payload: bytes, layout: KVLayout, num_pages: int)
 
     from layerflow.transfer.cuda_api import check
 
-    device = int_field(fields, "device", 0, torch.cuda.device_count() - 1)
+    device = device_of_bus_id(fields.get("pci_bus_id"))
     count = int_field(fields, "handles", 1, MAX_LAYERS)
     if len(payload) != count * IPC_HANDLE_BYTES:
         raise ValueError(f"payload of {len(payload)} bytes for {count} IPC handles of {IPC_HANDLE_BYTES} bytes")

@@ -19,6 +19,7 @@ from layerflow.config import Config
 from layerflow.server.client import TransferClient
 from layerflow.server.handoff import HandoffError
 from layerflow.server.launcher import ServerHandle, spawn_server
+from layerflow.server.protocol import ProtocolError
 from layerflow.server.shm import SharedMemory
 from layerflow.tier.base import KVTier, Load, Onboarding, Tier, TierUsage, settle
 from layerflow.tier.layout import KVLayout
@@ -94,6 +95,15 @@ class RemoteTier(KVTier):
             self._unreachable = False
         return Tier(where) if held >= tokens else Tier.NONE
 
+    def adopt(self, user: int) -> tuple[int, list[int]] | None:
+        """A user another engine of this host offloaded to the server; a server that does not answer, or answers
+        garbage, holds none (the user is a miss)."""
+        try:
+            return self.client.adopt(user)
+        except (TransferError, ProtocolError, ValueError) as e:
+            log.warning("adopting user %s from the transfer server failed: %s", user, e)
+            return None
+
     def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
         handle, done = self.client.onboard_many([(load.user, load.gpu_pages, load.first_page) for load in loads],
                                                 layerwise)
@@ -101,12 +111,13 @@ class RemoteTier(KVTier):
 
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0,
                 history: Sequence[int] | None = None) -> Transfer:
-        """The server copies the pages from the first one its copy does not hold yet (a server keeps no remote
-        copies: `history` is not sent)."""
+        """The server copies the pages from the first one its copy does not hold yet; `history` goes with them (the
+        server keeps it for the other engines of the host, which `adopt` the user)."""
         if user in self._offloads:  # reap the previous one first: its failure must be seen before this one lands
             settle(self._offloads[user])
             self.reap()
-        transfer = _FutureTransfer(self.client.offload(user, tokens, gpu_pages, valid_from), self.client.timeout_s)
+        transfer = _FutureTransfer(self.client.offload(user, tokens, gpu_pages, valid_from, history),
+                                   self.client.timeout_s)
         self._offloads[user] = transfer
         return transfer
 

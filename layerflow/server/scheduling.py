@@ -16,6 +16,7 @@ from layerflow.server.handoff import Session
 from layerflow.server.protocol import Op
 from layerflow.server.registration import ClientPool
 from layerflow.tier.copies import GroupCopier
+from layerflow.transfer.signals.notifier import EventNotifier
 
 
 class Lane(enum.Enum):
@@ -42,6 +43,7 @@ class Client:
         self.session = session
         self.pool: ClientPool | None = None
         self.copier: GroupCopier | None = None
+        self.notifier: EventNotifier | None = None   # the notifier of the pool's GPU (None: a shared-memory pool)
         self.send_lock = threading.Lock()
         self._lanes: dict[Lane, FifoWorker] = {}   # started on first use: an idle client costs one thread
 

@@ -15,6 +15,7 @@ onboard never reads blocks an offload is still writing, a drop never frees them.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import os
@@ -22,12 +23,14 @@ import socket
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
+
 
 from layerflow.config import Config
 from layerflow.server import protocol
 from layerflow.server.auth import PeerCred, check_peer, make_private_dir
-from layerflow.server.fields import count_of, page_list, parse_loads, user_of, users_of
+from layerflow.server.fields import count_of, history_of, page_list, parse_loads, user_of, users_of
 from layerflow.server.handoff import HandoffError, server_handoff
 from layerflow.server.listener import SOCKET_FILE, listen
 from layerflow.server.protocol import Op, ProtocolError
@@ -48,11 +51,12 @@ log = logging.getLogger(__name__)
 MAX_CLIENTS = 64       # connections served at once; one more is told so and closed (each costs threads and fds)
 
 
-def make_engine(cuda: bool) -> CopyEngine:
-    """The CUDA engine for a client pool on the GPU, the CPU thread engine for one in shared memory."""
-    if cuda:
+def make_engine(device: int | None) -> CopyEngine:
+    """The CUDA engine of GPU `device` for client pools there, the CPU thread engine (None) for pools in shared
+    memory."""
+    if device is not None:
         from layerflow.transfer.cuda_copy import CudaCopyEngine
-        return CudaCopyEngine()
+        return CudaCopyEngine(device=device)
     from layerflow.transfer.thread_copy import ThreadCopyEngine
     return ThreadCopyEngine()
 
@@ -66,10 +70,11 @@ class TransferServer:
         self.run_dir = make_private_dir(run_dir)
         self._listener, self.socket_path, self.token_path, self._token = listen(self.run_dir, socket_name)
         self._peer_check = peer_check
-        self._lock = threading.Lock()  # the host cache's creation and the copy engines
-        self._cuda = torch.cuda.is_available()
-        self._engines: dict[bool, CopyEngine] = {}  # keyed by "the client pool is on CUDA"
-        self._notifier = EventNotifier("layerflow-server-notifier") if self._cuda else None
+        self._lock = threading.Lock()  # the host cache's creation, the copy engines and the notifiers
+        # One copy engine (its own streams) per GPU that client pools live on, None for shared-memory pools, and one
+        # notifier per GPU: a CUDA event belongs to one device, so a client's signals follow its own GPU's copies.
+        self._engines: dict[int | None, CopyEngine] = {}
+        self._notifiers: dict[int, EventNotifier] = {}
         self.layout: KVLayout | None = None
         self.cache: HostCache | None = None
         self._host_shm: SharedMemory | None = None
@@ -82,6 +87,7 @@ class TransferServer:
             Op.ONBOARD: self._onboard,
             Op.OFFLOAD: self._offload,
             Op.LOOKUP: self._lookup,
+            Op.ADOPT: self._adopt,
             Op.TRUNCATE: self._truncate,
             Op.EVICT: self._evict,
             Op.DROP: self._drop,
@@ -124,8 +130,8 @@ class TransferServer:
             thread.join(timeout=5)
         for engine in self._engines.values():
             engine.close()
-        if self._notifier is not None:
-            self._notifier.stop()
+        for notifier in self._notifiers.values():
+            notifier.stop()
         if self.cache is not None and self.cache.ssd is not None:
             self.cache.ssd.close()
         if self._host_shm is not None:
@@ -173,12 +179,15 @@ class TransferServer:
             msg.close_fds()
             client.send(Op.NACK, reason=f"pool registration refused: {e}")
             return
-        cuda = pool.layers[0].is_cuda
+        device = pool.layers[0].device.index if pool.layers[0].is_cuda else None
         with self._lock:
-            if cuda not in self._engines:
-                self._engines[cuda] = make_engine(cuda)
+            if device not in self._engines:
+                self._engines[device] = make_engine(device)
+            if device is not None and device not in self._notifiers:
+                self._notifiers[device] = EventNotifier(f"layerflow-server-notifier-{device}", device)
         client.pool = pool
-        client.copier = GroupCopier(self._engines[cuda], self.layout, pool.layers, self.cache.host.blocks,
+        client.notifier = self._notifiers.get(device)
+        client.copier = GroupCopier(self._engines[device], self.layout, pool.layers, self.cache.host.blocks,
                                     self.config.transfer_timeout_s)
         client.send(Op.ACK)
 
@@ -190,17 +199,17 @@ class TransferServer:
             return
         num_blocks = self.config.blocks("cpu_cache_gb", layout.page_bytes)
         shm = SharedMemory(num_blocks * layout.page_bytes, name="layerflow-host-kv")
-        if self._cuda:
+        if torch.cuda.is_available():   # portable: pinned for the copy engines of every GPU, not just the first
             from cuda.bindings import runtime as rt
 
             from layerflow.transfer.cuda_api import check
-            check(rt.cudaHostRegister(shm.tensor.data_ptr(), shm.size, rt.cudaHostRegisterDefault),
+            check(rt.cudaHostRegister(shm.tensor.data_ptr(), shm.size, rt.cudaHostRegisterPortable),
                   "cudaHostRegister")
         ssd = None
         if self.config.ssd_cache_gb > 0:
             ssd = SsdStore(self.config.ssd_cache_dirs, int(self.config.ssd_cache_gb * 2**30), layout.page_bytes,
                            io_threads=self.config.ssd_io_threads)
-        self.cache = HostCache(HostKVPool(layout, buffer=shm.tensor), ssd)
+        self.cache = HostCache(HostKVPool(layout, buffer=shm.tensor), ssd, keep_histories=True)
         self._host_shm = shm
         self.layout = layout
         log.info("host pool: %d blocks of %d bytes in shared memory%s", num_blocks, layout.page_bytes,
@@ -268,7 +277,7 @@ class TransferServer:
             counter = msg["counter_id"]
             if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < client.session.counters:
                 raise ValueError(f"counter_id={counter!r} outside [0, {client.session.counters})")
-            signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), self._notifier)
+            signal = ClientSignal(client.session.fds[counter], bool(msg["layerwise"]), client.notifier)
             pinned = self.cache.pin_for_onboard([(user, first, len(pages)) for user, pages, first in loads])
             copies = OnboardCopies(self.cache, client.copier, pinned, [pages for _, pages, _ in loads], signal)
 
@@ -317,7 +326,8 @@ class TransferServer:
             if not 0 < n <= len(gpu_pages):
                 raise ValueError(f"offload of user {user!r}: tokens={tokens!r} need more than the "
                                  f"{len(gpu_pages)} pages sent")
-            slot = self.cache.begin_offload(user, tokens, count_of(msg.get("valid_from", 0), "valid_from"))
+            slot = self.cache.begin_offload(user, tokens, count_of(msg.get("valid_from", 0), "valid_from"),
+                                            history_of(msg.payload, tokens))
             try:
                 transfers = client.copier.copy(gpu_pages[slot.first:n], slot.blocks[slot.first:n], to_gpu=False)
             except BaseException:
@@ -343,6 +353,16 @@ class TransferServer:
         def issue() -> Finish:
             tier, tokens = self.cache.lookup(user_of(msg["user"]))
             return Finish(lambda: {"tier": tier.value, "tokens": tokens})
+
+        self._request(client, msg, issue)
+
+    def _adopt(self, client: Client, msg: protocol.Message) -> None:
+        """A user another client offloaded, with its history, so this client's engine can serve it (tokens 0: none)."""
+        def issue() -> Finish:
+            adopted = self.cache.adopt(user_of(msg["user"]))
+            tokens, history = adopted if adopted is not None else (0, [])
+            encoded = base64.b64encode(np.asarray(history, dtype="<i8").tobytes()).decode()
+            return Finish(lambda: {"tokens": tokens, "history": encoded})
 
         self._request(client, msg, issue)
 

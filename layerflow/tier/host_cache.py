@@ -80,17 +80,20 @@ class HostCache:
     docstring; `remote_write` is `write_through` or `on_evict`."""
 
     def __init__(self, host: HostKVPool, ssd: SsdStore | None = None, remote: RemoteStore | None = None,
-                 remote_write: str = WRITE_THROUGH) -> None:
+                 remote_write: str = WRITE_THROUGH, keep_histories: bool = False) -> None:
+        """`keep_histories`: keep each host copy's item history even without a remote store, so another engine can
+        `adopt` the user from this host (the transfer server's cache, shared by the engines of one host)."""
         if remote_write not in REMOTE_WRITES:
             raise ValueError(f"remote_write={remote_write!r}: expected one of {list(REMOTE_WRITES)}")
         self.host, self.ssd, self.remote, self.remote_write = host, ssd, remote, remote_write
+        self.keep_histories = keep_histories or remote is not None
         self.page_size = host.page_size
         self._views = tensor_block_views(host.blocks)
         self._lock = threading.RLock()   # a remote write released from inside a call that holds it
         self._host_tokens: dict[User, int] = {}
         self._ssd_tokens: dict[str, int] = {}   # keyed as the SSD store names users: str(user)
         self._remote_tokens: dict[str, int] = {}   # tokens of a remote copy that matches this host's history
-        self._histories: dict[User, np.ndarray] = {}   # item ids of the host copy's tokens (for remote writes)
+        self._histories: dict[User, np.ndarray] = {}   # item ids of the host copy's tokens (remote writes, adopt)
         self._history_keys: dict[str, tuple[int, int]] = {}   # the history a remote copy must have been made from
         self._first_changed: dict[User, int] = {}   # lowest host block rewritten since the last remote write
 
@@ -110,8 +113,13 @@ class HostCache:
         return (Tier.REMOTE, held) if held else (Tier.NONE, 0)
 
     def adopt(self, user: User) -> tuple[int, list[int]] | None:
-        """`(tokens, item history)` of the remote copy of a user this host does not know yet (None: no usable copy),
-        so its KV manager can take the user over; from now on only a copy of that history is served."""
+        """`(tokens, item history)` of a user the asking KV manager does not know yet (None: no usable copy), so it
+        can take the user over: the host copy's, when this cache keeps histories and holds one (another engine of
+        this host offloaded it), else the remote copy's; from then on only a copy of that history is served."""
+        with self._lock:
+            history, tokens = self._histories.get(user), self._host_tokens.get(user, 0)
+            if user in self.host and tokens and history is not None and len(history) >= tokens:
+                return tokens, history[:tokens].tolist()
         copy = self.remote.lookup(user) if self.remote is not None else None
         if copy is None:
             return None
@@ -233,10 +241,12 @@ class HostCache:
             self._drop_ssd(user)
             if self.remote is not None:
                 self._first_changed[user] = min(self._first_changed.get(user, first), first)
+            if self.keep_histories:
                 self._histories.pop(user, None)
                 if history is not None:
                     self._histories[user] = np.asarray(history, dtype=np.int64)
-                    self._history_keys[str(user)] = history_key(self._histories[user])
+                    if self.remote is not None:
+                        self._history_keys[str(user)] = history_key(self._histories[user])
             return OffloadSlot(blocks, first)
 
     def end_offload(self, user: User, ok: bool) -> None:
@@ -261,11 +271,11 @@ class HostCache:
                               (self._remote_tokens, str(user))):
                 if key in held:
                     held[key] = min(held[key], tokens)
+            if user in self._histories:
+                self._histories[user] = self._histories[user][:tokens]
             if self.remote is None:
                 return
             self._first_changed[user] = min(self._first_changed.get(user, tokens), tokens // self.page_size)
-            if user in self._histories:
-                self._histories[user] = self._histories[user][:tokens]
             known = self._history_keys.get(str(user))
             if known is not None and known[0] > tokens:
                 # the prefix's key needs its items: without the host copy's, no remote copy is served until the next

@@ -141,6 +141,9 @@ class CudaCopyEngine(CopyEngine):
         return self._issue(job, self.d2h_stream, to_gpu=False)
 
     def _issue(self, job: CopyJob, stream: int, to_gpu: bool) -> CudaTransfer:
+        # The engine's device is made current on the issuing thread: its events (and a notifier's) are created there,
+        # and one process (the transfer server) drives an engine per GPU from shared threads.
+        cuda_api.set_device(self.device)
         transfer = CudaTransfer(job, self._pool)
         layer = 0
         try:

@@ -23,7 +23,7 @@ from layerflow.server.auth import TOKEN_FILE, AuthError, make_private_dir, read_
 from layerflow.server.handoff import client_handoff, server_handoff
 from layerflow.server.launcher import READY
 from layerflow.server.protocol import Op
-from layerflow.server.registration import export_pool, import_pool, layout_to_dict
+from layerflow.server.registration import device_of_bus_id, export_pool, import_pool, layout_to_dict
 from layerflow.server.shm import pool_bytes
 from layerflow.tier.layout import KVLayout, LayerGroup
 
@@ -314,6 +314,13 @@ def test_a_cuda_pool_is_mapped_in_another_process_from_raw_ipc_handles(tmp_path)
     assert not pool.kv[0].any()   # the other process wrote into this one's memory
 
 
+@pytest.mark.parametrize("bus_id", [None, 0, "../../dev/nvidia0", "0000:1b:00.0; rm", "0000:1b:00.9"])
+def test_a_cuda_pool_naming_no_pci_bus_id_is_refused_naming_the_field(bus_id):
+    """Checked before any CUDA call (on a GPU server, import_pool reaches this check for a CUDA pool)."""
+    with pytest.raises(ValueError, match="pci_bus_id="):
+        device_of_bus_id(bus_id)
+
+
 def test_a_client_of_a_socket_where_no_server_runs_is_told_so(tmp_path):
     from layerflow.server import TransferClient
 
@@ -346,6 +353,36 @@ def test_a_request_without_its_req_field_is_refused_and_the_client_keeps_being_s
         assert replies[0].op is Op.DONE
         assert replies[1].op is Op.DONE and (replies[1]["tier"], replies[1]["tokens"]) == ("host", 4)
         assert replies[2].op is Op.ERROR and "user=[1]" in replies[2]["reason"]
+    finally:
+        sock.close()
+        shm.close()
+        for fd in grid[0]:
+            os.close(fd)
+
+
+def test_an_offloads_history_of_the_wrong_size_is_refused_and_a_right_one_is_adopted(cpu_server):
+    """OFFLOAD's payload is one int64 item id per token or nothing; ADOPT hands the history back, base64."""
+    import base64
+
+    import numpy as np
+
+    sock, grid = connected(cpu_server)
+    shm, kv = shared_cpu_pool(LAYOUT, 4)
+    try:
+        export = export_pool(LAYOUT, kv, shm)
+        protocol.send(sock, Op.REGISTER_POOL, fds=export.fds, payload=export.payload, **export.fields)
+        assert protocol.recv(sock).op is Op.ACK
+        protocol.send(sock, Op.OFFLOAD, payload=b"12345", req=1, user=3, tokens=4, gpu_pages=[0])
+        reply = protocol.recv(sock)
+        assert reply.op is Op.ERROR and "history: 5 bytes for tokens=4" in reply["reason"]
+        history = np.array([7, 2**40, 0, 9], dtype="<i8")
+        protocol.send(sock, Op.OFFLOAD, payload=history.tobytes(), req=2, user=3, tokens=4, gpu_pages=[0])
+        assert protocol.recv(sock).op is Op.DONE
+        for req, user, tokens, items in ((3, 3, 4, history.tolist()), (4, 5, 0, [])):
+            protocol.send(sock, Op.ADOPT, req=req, user=user)
+            reply = protocol.recv(sock)
+            assert reply.op is Op.DONE and reply["tokens"] == tokens
+            assert np.frombuffer(base64.b64decode(reply["history"]), dtype="<i8").tolist() == items
     finally:
         sock.close()
         shm.close()

@@ -321,7 +321,7 @@ def test_copy_failure_mid_transfer_poisons_remaining_layers(server, monkeypatch)
     from tests.faults import FaultyThreadCopyEngine
 
     engine = FaultyThreadCopyEngine()
-    monkeypatch.setattr(server_module, "make_engine", lambda cuda: engine)
+    monkeypatch.setattr(server_module, "make_engine", lambda device: engine)
     client, kv = make_client(server)
     client.offload("alice", 8, [0, 1]).result(10)
     engine.fail_at_layer = 1
@@ -437,7 +437,7 @@ def gated(server, monkeypatch):
 
     gate = OffloadGate()
     engine = FaultyThreadCopyEngine(before_layer=gate)
-    monkeypatch.setattr(server_module, "make_engine", lambda cuda: engine)
+    monkeypatch.setattr(server_module, "make_engine", lambda device: engine)
     client, kv = make_client(server, seed=5)
     yield gate, client, kv
     gate.open.set()

@@ -1,4 +1,5 @@
-"""GPU: two client processes share one transfer server; onboarding is byte-exact and signalled layer by layer."""
+"""GPU: two client processes share one transfer server, on one GPU or on two; onboarding is byte-exact and signalled
+layer by layer."""
 
 import json
 import os
@@ -30,12 +31,13 @@ def user_pages(rank: int) -> list[int]:
     return [p for p in range(rank, 64, 2)][:24]
 
 
-def client_main(rank: int, socket_path: str, token_path: str) -> None:
-    """One inference process: offload its own user, then onboard both users into other pages and check them."""
+def client_main(rank: int, socket_path: str, token_path: str, device: int = 0) -> None:
+    """One inference process on GPU `device`: offload its own user, then onboard both users into other pages and
+    check them."""
     from layerflow.tier.gpu_pool import GpuKVPool
     from layerflow.server import TransferClient
 
-    pool = GpuKVPool(LAYOUT, NUM_PAGES, device="cuda")
+    pool = GpuKVPool(LAYOUT, NUM_PAGES, device=f"cuda:{device}")
     for dst, src in zip(pool.kv, pool_data(rank)):
         dst.copy_(src)
     client = TransferClient(socket_path, token_path, LAYOUT, pool.kv, rank=rank, num_counters=2)
@@ -53,7 +55,7 @@ def client_main(rank: int, socket_path: str, token_path: str) -> None:
         dst = list(range(64, 64 + len(user_pages(owner))))
         for t in pool.kv:
             t[dst] = 0
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         handle = client.onboard(f"user{owner}", dst, layerwise=layerwise)
         order = []
         for layer in range(LAYOUT.num_layers):
@@ -70,8 +72,17 @@ def client_main(rank: int, socket_path: str, token_path: str) -> None:
     print(json.dumps(report), flush=True)
 
 
+def two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
 @pytest.mark.gpu
-def test_two_client_processes_onboard_byte_exact_in_layer_order(tmp_path):
+@pytest.mark.parametrize("devices", [
+    pytest.param((0, 0), id="one_gpu"),
+    pytest.param((0, 1), id="two_gpus", marks=pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")),
+])
+def test_two_client_processes_onboard_byte_exact_in_layer_order(tmp_path, devices):
+    """The server opens each pool's IPC handles on its own GPU and copies with that GPU's streams and events."""
     from layerflow.server import spawn_server
 
     server = spawn_server(Config(cpu_cache_gb=0.25), tmp_path / "run")
@@ -80,7 +91,7 @@ def test_two_client_processes_onboard_byte_exact_in_layer_order(tmp_path):
         procs = [subprocess.Popen(
             [sys.executable, "-c",
              f"from tests.server.test_server_gpu import client_main; client_main({rank}, {str(server.socket_path)!r}, "
-             f"{str(server.token_path)!r})"],
+             f"{str(server.token_path)!r}, {devices[rank]})"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         outs = [p.communicate(timeout=300) for p in procs]
     finally:

@@ -20,9 +20,10 @@ Callback = Callable[[BaseException | None], None]
 class EventNotifier:
     """`submit(stream, callback)`: `callback(error)` runs on the notifier thread once `stream`'s queued work is done."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: int | None = None) -> None:
+        """`device`: the GPU whose streams `submit` is given (default: this thread's current one)."""
         self._events = cuda_api.EventPool()
-        self._device = cuda_api.current_device()
+        self._device = cuda_api.current_device() if device is None else device
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
