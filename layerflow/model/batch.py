@@ -24,6 +24,24 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64)
 
 
+# Per float dtype: the integer view of its bits, the mask that drops the sign, and the smallest masked value that is
+# inf or nan (every exponent bit set).
+_NONFINITE_BITS = {torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+                   torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
+                   torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+                   torch.float16: (torch.int16, 0x7FFF, 0x7C00)}
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """`torch.isfinite(x).all()` for a float tensor, by one mask and one max over its bits in numpy for a CPU tensor
+    of a common float dtype: torch's CPU isfinite on bfloat16 costs ~0.6 ms for one request's 320 x 512 rows."""
+    bits = _NONFINITE_BITS.get(x.dtype)
+    if bits is None or x.device.type != "cpu" or not x.numel():
+        return bool(torch.isfinite(x).all())
+    view, mask, first_nonfinite = bits
+    return int((x.detach().view(view).numpy() & mask).max()) < first_nonfinite
+
+
 def _outside_vocabulary(config: HSTUConfig, ids: np.ndarray) -> bool:
     """Whether any int64 id is negative or past the vocabulary: one reduction (a negative id reads as a huge
     unsigned one)."""
@@ -101,7 +119,7 @@ class JaggedBatch:
                 if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != config.embedding_dim:
                     shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                     raise ValueError(f"user {b}: {kind} embeddings {shape}: expected [n, {config.embedding_dim}]")
-                if not x.dtype.is_floating_point or not torch.isfinite(x).all():
+                if not x.dtype.is_floating_point or not _all_finite(x):
                     raise ValueError(f"user {b}: {kind} embeddings must be finite floats, got {x.dtype}")
             if c + len(a) + len(k) > config.max_seq_len:
                 raise ValueError(f"user {b}: total length {c + len(a) + len(k)} (cached {c} + appended {len(a)} + "
