@@ -25,7 +25,6 @@ from layerflow.bench.workload import Workload
 from layerflow.config import Config
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
-from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 
 
