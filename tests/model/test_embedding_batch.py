@@ -39,3 +39,16 @@ def test_a_non_finite_embedding_names_its_user_and_kind(dtype):
         JaggedBatch.from_embeddings(CONFIG, [0, 0], [rows, rows], [rows, bad], user_ids=[8, 9])
     batch = JaggedBatch.from_embeddings(CONFIG, [0], [rows], [rows.t().contiguous().t()], user_ids=[8])
     assert batch.query_x.dtype == torch.bfloat16 and batch.query_x.shape == (6, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_query_rows_are_the_users_rows_in_batch_order(dtype):
+    config = HSTUConfig(num_layers=1, num_heads=1, dqk=8, dv=8, embedding_dim=4, max_seq_len=64, dtype=dtype,
+                        item_vocab_size=0, position_table_size=0, family="stu")
+    gen = torch.Generator().manual_seed(1)
+    appended = [torch.randn(2, 4, generator=gen), torch.randn(0, 4, generator=gen).to(dtype)]
+    candidates = [torch.randn(4, 3, generator=gen).t().to(torch.float64), torch.randn(5, 4, generator=gen)]
+    batch = JaggedBatch.from_embeddings(config, [0, 3], appended, candidates)
+    expected = torch.cat([t.to(dtype) for t in (appended[0], candidates[0], appended[1], candidates[1])])
+    assert batch.query_x.dtype == dtype
+    assert torch.equal(batch.query_x.view(torch.uint8), expected.view(torch.uint8))
