@@ -24,6 +24,46 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64)
 
 
+# Per float dtype: the integer view of its bits, the mask that drops the sign, and the smallest masked value that is
+# inf or nan (every exponent bit set).
+_NONFINITE_BITS = {torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+                   torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
+                   torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+                   torch.float16: (torch.int16, 0x7FFF, 0x7C00)}
+
+
+def float_bits(x: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU float tensor's bits (None for a dtype without one, or a GPU tensor): numpy copies and
+    reductions run on one thread, where torch's CPU ops on a request's rows wake its thread pool."""
+    bits = _NONFINITE_BITS.get(x.dtype)
+    if bits is None or x.device.type != "cpu":
+        return None
+    return x.detach().view(bits[0]).numpy()
+
+
+def _concat_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.cat(rows)` of CPU [n, width] tensors of `dtype`, copied by numpy where the dtype allows."""
+    out = torch.empty(sum(len(r) for r in rows), width, dtype=dtype)
+    out_bits = float_bits(out)
+    if out_bits is None:
+        return torch.cat(rows, out=out) if rows else out
+    start = 0
+    for r in rows:
+        out_bits[start:start + len(r)] = float_bits(r)
+        start += len(r)
+    return out
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """`torch.isfinite(x).all()` for a float tensor, by one mask and one max over its bits in numpy for a CPU tensor
+    of a common float dtype: torch's CPU isfinite on bfloat16 costs ~0.6 ms for one request's 320 x 512 rows."""
+    bits = float_bits(x)
+    if bits is None or not bits.size:
+        return bool(torch.isfinite(x).all())
+    _, mask, first_nonfinite = _NONFINITE_BITS[x.dtype]
+    return int((bits & mask).max()) < first_nonfinite
+
+
 def _outside_vocabulary(config: HSTUConfig, ids: np.ndarray) -> bool:
     """Whether any int64 id is negative or past the vocabulary: one reduction (a negative id reads as a huge
     unsigned one)."""
@@ -101,13 +141,13 @@ class JaggedBatch:
                 if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != config.embedding_dim:
                     shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                     raise ValueError(f"user {b}: {kind} embeddings {shape}: expected [n, {config.embedding_dim}]")
-                if not x.dtype.is_floating_point or not torch.isfinite(x).all():
+                if not x.dtype.is_floating_point or not _all_finite(x):
                     raise ValueError(f"user {b}: {kind} embeddings must be finite floats, got {x.dtype}")
             if c + len(a) + len(k) > config.max_seq_len:
                 raise ValueError(f"user {b}: total length {c + len(a) + len(k)} (cached {c} + appended {len(a)} + "
                                  f"candidates {len(k)}) exceeds max_seq_len={config.max_seq_len}")
             rows += [a.to("cpu", config.dtype), k.to("cpu", config.dtype)]
-        x = torch.cat(rows) if rows else torch.zeros(0, config.embedding_dim, dtype=config.dtype)
+        x = _concat_rows(rows, config.embedding_dim, config.dtype)
         return cls(cached_lens=list(cached_lens), appended_lens=[len(a) for a in appended],
                    candidate_lens=[len(k) for k in candidates],
                    appended_ids=torch.zeros(sum(len(a) for a in appended), dtype=torch.int64),

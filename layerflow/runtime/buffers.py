@@ -12,7 +12,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from layerflow.model.batch import JaggedBatch
+from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
 from layerflow.model.reference import batch_n
 
@@ -82,6 +82,7 @@ class BatchBuffers:
             e = model.embedding_dim
             self.x = torch.zeros(t, e, dtype=model.dtype, device=device)
             self._x_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
+            self._x_bits = float_bits(self._x_host)
             self.outputs = torch.zeros(t, e, dtype=model.dtype, device=device)
             self._outputs_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
 
@@ -111,7 +112,11 @@ class BatchBuffers:
             n = batch_n(self.model, batch.cached_lens, batch.query_lens)
             self._put("inv_n", np.array([1.0 / n], dtype=np.float32).view(np.int32))
         if batch.query_x is not None:
-            self._x_host[:self.num_tokens].copy_(batch.query_x)
+            rows = float_bits(batch.query_x) if batch.query_x.dtype == self._x_host.dtype else None
+            if self._x_bits is None or rows is None:
+                self._x_host[:self.num_tokens].copy_(batch.query_x)
+            else:   # one thread's memcpy: torch's copy of a request's rows wakes its CPU thread pool
+                self._x_bits[:self.num_tokens] = rows
             self.x.copy_(self._x_host, non_blocking=True)
         self._device.copy_(self._host, non_blocking=True)
 
