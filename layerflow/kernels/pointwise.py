@@ -1,4 +1,9 @@
-"""Fused `u * LayerNorm(a)`: the HSTU output gate, one read of u and a and one write instead of three kernels."""
+"""The layer's normalisations as one pass each: LayerNorm of the input, and the output gate u * Norm(a).
+
+Norm is a LayerNorm over the row or a group norm with one group (and one scalar weight and bias) per head; both in
+fp32, rounded to a's dtype like the model (layerflow.model.family). The gate can also write the stu family's whole
+output-projection input [u, a, u * Norm(a)], so neither a concatenation nor a separate multiply reads the rows again.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +11,87 @@ import torch
 import triton
 import triton.language as tl
 
+_NORM, _GATED, _CONCAT = 0, 1, 2   # what the kernel writes: Norm(a), u * Norm(a), [u, a, u * Norm(a)]
+
 
 @triton.jit
-def _gated_layer_norm_kernel(u_ptr, a_ptr, w_ptr, b_ptr, out_ptr, u_stride, eps, E: tl.constexpr,
-                             E_P2: tl.constexpr):
+def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, eps, GROUPS: tl.constexpr,
+                 G: tl.constexpr, GROUPS_P2: tl.constexpr, G_P2: tl.constexpr, PER_GROUP: tl.constexpr,
+                 WRITE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    row = token * E
-    e = tl.arange(0, E_P2)
-    ok = e < E
-    a = tl.load(a_ptr + row + e, mask=ok, other=0.0).to(tl.float32)
-    mean = tl.sum(a, axis=0) / E
-    centered = tl.where(ok, a - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / E + eps)
-    w = tl.load(w_ptr + e, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + e, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + token * u_stride + e, mask=ok, other=0.0).to(tl.float32)
-    normed = (centered * rstd * w + b).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row + e, (u * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    g = tl.arange(0, GROUPS_P2)[:, None]
+    d = tl.arange(0, G_P2)[None, :]
+    ok = (g < GROUPS) & (d < G)
+    e = g * G + d
+    raw = tl.load(a_ptr + token * (GROUPS * G) + e, mask=ok, other=0.0)
+    a = raw.to(tl.float32)
+    mean = tl.sum(a, axis=1) / G
+    centered = tl.where(ok, a - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / G + eps)
+    if PER_GROUP:
+        affine = g + d * 0
+    else:
+        affine = e
+    w = tl.load(w_ptr + affine, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + affine, mask=ok, other=0.0).to(tl.float32)
+    normed = (centered * rstd[:, None] * w + b).to(out_ptr.dtype.element_ty)
+    row = out_ptr + token * out_stride
+    if WRITE == 0:
+        tl.store(row + e, normed, mask=ok)
+    else:
+        u = tl.load(u_ptr + token * u_stride + e, mask=ok, other=0.0)
+        gated = (u.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if WRITE == 1:
+            tl.store(row + e, gated, mask=ok)
+        else:
+            tl.store(row + e, u, mask=ok)
+            tl.store(row + GROUPS * G + e, raw, mask=ok)
+            tl.store(row + 2 * GROUPS * G + e, gated, mask=ok)
+
+
+def _launch(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, groups: int,
+            u: torch.Tensor | None, write: int, out: torch.Tensor | None) -> torch.Tensor:
+    tokens, width = a.shape
+    if groups < 1 or width % groups:
+        raise ValueError(f"groups={groups}: must be >= 1 and divide the row width {width}")
+    affine = (width,) if groups == 1 else (groups,)
+    if weight.shape != affine or bias.shape != affine:
+        raise ValueError(f"weight/bias shapes {tuple(weight.shape)}/{tuple(bias.shape)}: expected {list(affine)}")
+    blocks = 3 if write == _CONCAT else 1
+    if out is None:
+        out = torch.empty(tokens, blocks * width, dtype=a.dtype, device=a.device)
+    elif out.shape != (tokens, blocks * width) or out.stride(1) != 1 or out.dtype != a.dtype:
+        raise ValueError(f"out {out.dtype} shape {tuple(out.shape)}: expected {a.dtype} [{tokens}, {blocks * width}] "
+                         f"rows with unit column stride")
+    if tokens:
+        g = width // groups
+        _norm_kernel[(tokens,)](a, weight, bias, a if u is None else u, out, 0 if u is None else u.stride(0),
+                                out.stride(0), eps, GROUPS=groups, G=g, GROUPS_P2=triton.next_power_of_2(groups),
+                                G_P2=triton.next_power_of_2(g), PER_GROUP=groups > 1, WRITE=write, num_warps=4)
+    return out
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm over the last dim of a contiguous [T, E] x, in fp32, rounded to x's dtype: one kernel instead of the
+    dtype casts around torch's."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x shape {tuple(x.shape)} strides {x.stride()}: expected a contiguous [T, E]")
+    return _launch(x, weight, bias, eps, 1, None, _NORM, out)
 
 
 def gated_layer_norm(u: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """u * LayerNorm(a) over the last dim of [T, E] tensors; LayerNorm in fp32, rounded to a's dtype like the model.
+                     out: torch.Tensor | None = None, *, groups: int = 1, concat: bool = False) -> torch.Tensor:
+    """u * Norm(a) over [T, E] tensors; with `concat`, the [T, 3E] rows [u, a, u * Norm(a)].
 
-    `u` may be a column slice of a wider tensor (the u part of the fused uvqk projection): rows of any stride.
+    Norm: LayerNorm (groups=1, weight and bias [E]) or a norm of each of `groups` equal column groups, scaled and
+    shifted by that group's scalar (weight and bias [groups]). `u` may be a column slice of a wider tensor (the u part
+    of the fused uvqk projection): rows of any stride.
     """
-    if u.shape != a.shape or u.dim() != 2 or u.stride(1) != 1 or not a.is_contiguous():
-        raise ValueError(f"u/a shapes {tuple(u.shape)}/{tuple(a.shape)}: expected [T, E], a contiguous, u rows "
-                         f"with unit column stride")
-    if weight.shape != (a.shape[1],) or bias.shape != (a.shape[1],):
-        raise ValueError(f"weight/bias shapes {tuple(weight.shape)}/{tuple(bias.shape)}: expected [{a.shape[1]}]")
-    out = torch.empty_like(a) if out is None else out
-    if a.shape[0]:
-        _gated_layer_norm_kernel[(a.shape[0],)](u, a, weight, bias, out, u.stride(0), eps, E=a.shape[1],
-                                                E_P2=triton.next_power_of_2(a.shape[1]), num_warps=4)
-    return out
+    if u.shape != a.shape or u.dim() != 2 or u.stride(1) != 1 or not a.is_contiguous() or u.dtype != a.dtype:
+        raise ValueError(f"u/a {u.dtype}/{a.dtype} shapes {tuple(u.shape)}/{tuple(a.shape)}: expected one dtype, "
+                         f"[T, E], a contiguous, u rows with unit column stride")
+    return _launch(a, weight, bias, eps, groups, u, _CONCAT if concat else _GATED, out)
 
 
 def gated_layer_norm_reference(u: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

@@ -67,22 +67,32 @@ class LayerFamily(ABC):
     def input_projection(self, layer: LayerWeights,
                          x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, E] -> u [T, H*dv] (activated), v [T, H, dv], q [T, H, dqk], k [T, H, dqk]: views of one tensor."""
+        return self.project(layer, layer_norm(x, layer.ln_in_weight, layer.ln_in_bias, self.config.layer_norm_eps))
+
+    def project(self, layer: LayerWeights,
+                normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`input_projection` from LayerNorm(x) on: one GEMM with the bias in its epilogue, activated in place."""
         c = self.config
         h, dv, dqk = c.num_heads, c.dv, c.dqk
-        uvqk = self._activate(layer_norm(x, layer.ln_in_weight, layer.ln_in_bias, c.layer_norm_eps)
-                              @ layer.uvqk_weight + layer.uvqk_bias)
+        uvqk = torch.addmm(layer.uvqk_bias, normed, layer.uvqk_weight)
+        self._activate_(uvqk)
         u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
     def output(self, layer: LayerWeights, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x + Y @ W_out, with attn [T, H, dv] (or [T, H*dv]) the attention output."""
-        flat = attn.reshape(attn.shape[0], -1).to(x.dtype)
+        """x + Y @ W_out (the residual in the GEMM's epilogue), with attn [T, H, dv] (or [T, H*dv]) the attention
+        output."""
+        return torch.addmm(x, self.output_input(layer, u, attn), layer.out_weight)
+
+    def output_input(self, layer: LayerWeights, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Y, the output projection's input, from u and the attention output."""
+        flat = attn.reshape(attn.shape[0], -1).to(u.dtype)
         normed = self._norm(flat, layer.ln_attn_weight, layer.ln_attn_bias, self.config.layer_norm_eps)
-        return x + self._output_input(u, flat, u * normed) @ layer.out_weight
+        return self._output_input(u, flat, u * normed)
 
     @abstractmethod
-    def _activate(self, uvqk: torch.Tensor) -> torch.Tensor:
-        """The activation applied to the fused projection, returned as one [T, uvqk_dim] tensor."""
+    def _activate_(self, uvqk: torch.Tensor) -> None:
+        """The activation of the fused projection [T, uvqk_dim], applied in place."""
 
     @abstractmethod
     def _output_input(self, u: torch.Tensor, attn: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
@@ -93,8 +103,8 @@ class HSTULayer(LayerFamily):
     name = "hstu"
     output_blocks = 1
 
-    def _activate(self, uvqk: torch.Tensor) -> torch.Tensor:
-        return F.silu(uvqk)
+    def _activate_(self, uvqk: torch.Tensor) -> None:
+        F.silu(uvqk, inplace=True)
 
     def _output_input(self, u: torch.Tensor, attn: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
         return gated
@@ -104,9 +114,8 @@ class STULayer(LayerFamily):
     name = "stu"
     output_blocks = 3
 
-    def _activate(self, uvqk: torch.Tensor) -> torch.Tensor:
-        u_width = self.config.num_heads * self.config.dv
-        return torch.cat([F.silu(uvqk[:, :u_width]), uvqk[:, u_width:]], dim=1)
+    def _activate_(self, uvqk: torch.Tensor) -> None:
+        F.silu(uvqk[:, :self.config.num_heads * self.config.dv], inplace=True)
 
     def _output_input(self, u: torch.Tensor, attn: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
         return torch.cat([u, attn, gated], dim=1)

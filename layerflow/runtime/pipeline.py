@@ -3,7 +3,9 @@
 The wait comes after the input projection (which reads no KV) and before the KV append (which writes into the page
 an onboarding may still be filling), so each layer's copy overlaps as much compute as the data allows. The same
 `forward` runs eagerly or under CUDA-graph capture; it never synchronises with the host. The layer math is the model
-family's (`weights.family`); the hstu family with a LayerNorm gate uses the fused gate kernel.
+family's (`weights.family`). On the GPU a layer outside attention is five kernels: the input LayerNorm, the uvqk GEMM
+with its bias in the epilogue, the activation in place, the output gate writing the projection's whole input, and the
+output GEMM adding the residual in its epilogue (the running rows are updated in place, so no copy or add runs).
 """
 
 from __future__ import annotations
@@ -14,23 +16,27 @@ import torch
 
 from layerflow.kernels.attention import PagedAttention
 from layerflow.kernels.kv_append import kv_append
-from layerflow.kernels.pointwise import gated_layer_norm
+from layerflow.kernels.pointwise import gated_layer_norm, layer_norm
 from layerflow.kernels.reference import kv_append_reference, paged_attention_reference
 from layerflow.model.embedding import candidate_scores, embed
+from layerflow.model.family import layer_norm as layer_norm_reference
 from layerflow.model.weights import HSTUWeights, LayerWeights
 from layerflow.runtime.buffers import BatchBuffers
 from layerflow.runtime.waits import LayerWait
 
 
 class LayerKernels(Protocol):
-    """The kernels of a layer: append the new tokens' K/V to their pages, attend over the pages."""
+    """The kernels of a layer: the input LayerNorm, append the new tokens' K/V to their pages, attend over the pages,
+    the output projection's input Y from u and the attention output (the family's `output_input`)."""
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
 
     def append(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, bufs: BatchBuffers) -> None: ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                bufs: BatchBuffers, out: torch.Tensor) -> None: ...
 
-    fused_gate: bool   # the hstu family's u * LayerNorm(attn) runs as one kernel
+    def output_input(self, layer: LayerWeights, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
 
 
 class TritonKernels:
@@ -39,7 +45,8 @@ class TritonKernels:
 
     def __init__(self, weights: HSTUWeights, page_size: int, max_pages: int, kv_dtype: torch.dtype | None = None):
         self.config, self.page_size, self.max_pages, self.kv_dtype = weights.config, page_size, max_pages, kv_dtype
-        self.fused_gate = self.config.family == "hstu" and self.config.output_norm == "layer"
+        self._gate_groups = 1 if self.config.output_norm == "layer" else self.config.num_heads
+        self._concat = weights.family.output_blocks == 3   # the stu family's Y = [u, attn, u * Norm(attn)]
         self._attention: dict[tuple[int, int], PagedAttention] = {}
 
     def _for(self, bufs: BatchBuffers) -> PagedAttention:
@@ -50,6 +57,9 @@ class TritonKernels:
                                                             kv_dtype=self.kv_dtype)
         return self._attention[key]
 
+    def layer_norm(self, x, weight, bias):
+        return layer_norm(x, weight, bias, self.config.layer_norm_eps)
+
     def append(self, k, v, kv_cache, bufs):
         kv_append(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens,
                   self.kv_dtype)
@@ -58,15 +68,20 @@ class TritonKernels:
         self._for(bufs).run(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
                             bufs.appended_lens, out, inv_n=bufs.inv_n)
 
+    def output_input(self, layer, u, attn):
+        return gated_layer_norm(u, attn.view(attn.shape[0], -1), layer.ln_attn_weight, layer.ln_attn_bias,
+                                self.config.layer_norm_eps, groups=self._gate_groups, concat=self._concat)
+
 
 class ReferenceKernels:
     """The torch references: the CPU path (they read lengths on the host, which a CPU does anyway); `kv_dtype` as
     for TritonKernels."""
 
-    fused_gate = False
-
     def __init__(self, weights: HSTUWeights, kv_dtype: torch.dtype | None = None):
-        self.config, self.kv_dtype = weights.config, kv_dtype
+        self.config, self.family, self.kv_dtype = weights.config, weights.family, kv_dtype
+
+    def layer_norm(self, x, weight, bias):
+        return layer_norm_reference(x, weight, bias, self.config.layer_norm_eps)
 
     def append(self, k, v, kv_cache, bufs):
         kv_append_reference(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens,
@@ -77,6 +92,9 @@ class ReferenceKernels:
                                   bufs.appended_lens, out, alpha=self.config.alpha, inv_n=bufs.inv_n,
                                   max_seq_len=None if bufs.inv_n is not None else self.config.max_seq_len,
                                   mask=self.config.mask_rule, kv_dtype=self.kv_dtype)
+
+    def output_input(self, layer, u, attn):
+        return self.family.output_input(layer, u, attn)
 
 
 class LayerPipeline:
@@ -92,21 +110,17 @@ class LayerPipeline:
         family, tables = w.family, w.config.embedding_tables
         x = embed(w, bufs.ids, bufs.positions) if tables else bufs.x
         for layer, lw in enumerate(w.layers):
-            u, v, q, k = family.input_projection(lw, x)   # views of one [T, uvqk] tensor, read in place
+            normed = self.kernels.layer_norm(x, lw.ln_in_weight, lw.ln_in_bias)
+            u, v, q, k = family.project(lw, normed)   # views of one [T, uvqk] tensor, read in place
             wait.layer(layer)
             kv = self.kv_layers[layer]
             self.kernels.append(k, v, kv, bufs)
             attn = torch.empty(v.shape, dtype=v.dtype, device=v.device)   # rows past the batch stay unused
             self.kernels.attend(q, k, v, kv, bufs, attn)
-            x = self._output(lw, x, u, attn)
+            y = self.kernels.output_input(lw, u, attn)
+            # x + Y @ W_out with the residual read by the GEMM; the caller's input rows (bufs.x) are left as they are.
+            x = x.addmm_(y, lw.out_weight) if tables or layer else torch.addmm(x, y, lw.out_weight)
         if tables:
             bufs.scores.copy_(candidate_scores(w, x[bufs.candidate_rows], bufs.candidate_ids))
         else:
             bufs.outputs.copy_(x)
-
-    def _output(self, lw: LayerWeights, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        if self.kernels.fused_gate:
-            gated = gated_layer_norm(u, attn.view(attn.shape[0], -1), lw.ln_attn_weight, lw.ln_attn_bias,
-                                     self.weights.config.layer_norm_eps)
-            return x + gated @ lw.out_weight
-        return self.weights.family.output(lw, x, u, attn)
