@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 
 from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
+from layerflow.kernels.gluon_attention import KERNEL_CHOICES, GluonAttention, GluonTiling
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 
 APPENDED, HEADS, DTYPE, DEVICE = 64, 4, torch.bfloat16, "cuda"
@@ -65,7 +67,8 @@ class Case:
     """One shape: inputs, a pool with `rotations` disjoint page sets, and the graph that runs over all of them."""
 
     def __init__(self, batch: int, history: int, candidates: int, head_dim: int, page_size: int,
-                 tiling: AttentionTiling | None) -> None:
+                 tiling: AttentionTiling | None, kernel: str = "auto",
+                 gluon_tiling: GluonTiling | None = None) -> None:
         self.batch, self.history, self.candidates, self.head_dim = batch, history, candidates, head_dim
         self.hist_len = history + APPENDED
         pages = -(-self.hist_len // page_size)
@@ -83,7 +86,9 @@ class Case:
         self.app_lens = torch.full((batch,), APPENDED, device=dev, dtype=torch.int32)
         self.out = torch.empty_like(self.q)
         self.attn = PagedAttention(batch, tokens, pages, HEADS, head_dim, page_size, DTYPE, dev, head_dim ** -0.5,
-                                   16384 + 512, tiling=tiling)
+                                   16384 + 512, tiling=tiling, kernel=kernel)
+        if gluon_tiling is not None and self.attn.gluon is not None:
+            self.attn.gluon = GluonAttention(gluon_tiling)
 
     def run(self, rotation: int) -> None:
         self.attn.run(self.q, self.k, self.v, self.pool, self.tables[rotation], self.offsets, self.hist_lens,
@@ -108,8 +113,10 @@ class Case:
 def attention_row(case: Case, copy_bw: float, iters: int, reference: bool) -> dict:
     ms = case.time_ms(iters)
     bw = case.kv_bytes / (ms * 1e-3)
+    gluon = case.attn.gluon
     row = dict(batch=case.batch, history=case.history, appended=APPENDED, candidates=case.candidates,
                head_dim=case.head_dim, heads=HEADS, num_splits=case.attn.num_splits,
+               kernel="gluon" if gluon else "triton", gluon_tiling=asdict(gluon.tiling) if gluon else None,
                tiling=asdict(case.attn.tiling), rotations=case.rotations, time_us=ms * 1e3,
                kv_bytes=case.kv_bytes, kv_tb_s=bw / 1e12, copy_ratio=bw / copy_bw,
                tflops=case.flops() / (ms * 1e-3) / 1e12)
@@ -151,14 +158,43 @@ SWEEP = {
 }
 
 
+def gluon_tiling(text: str) -> GluonTiling:
+    """'32x3' -> GluonTiling(block_n=32, stages=3)."""
+    try:
+        block_n, stages = (int(part) for part in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: expected KEYSxSTAGES, e.g. 32x3") from None
+    return GluonTiling(block_n=block_n, stages=stages)
+
+
+def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: argparse.Namespace,
+               tiling: AttentionTiling | None, kernel: str, g_tiling: GluonTiling | None, copy_bw: float) -> dict:
+    """One timed row, or the failure (with its traceback printed) as the row: a kernel that does not compile on
+    this GPU is a result too."""
+    try:
+        case = Case(batch, history, candidates, head_dim, args.page_size, tiling, kernel, g_tiling)
+        row = attention_row(case, copy_bw, args.iters, not args.no_reference)
+        print(markdown([row]).splitlines()[-1], flush=True)
+    except Exception as error:
+        traceback.print_exc()
+        row = dict(batch=batch, history=history, candidates=candidates, head_dim=head_dim, kernel=kernel,
+                   gluon_tiling=asdict(g_tiling) if g_tiling else None, error=str(error)[:2000])
+        print(f"# {kernel} {g_tiling}: {type(error).__name__}", flush=True)
+    torch.cuda.empty_cache()
+    return row
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| BS | history | cand | D | splits | time (us) | KV TB/s | / copy | TFLOP/s | torch ref (us) "
+    lines = ["| kernel | BS | history | cand | D | splits | time (us) | KV TB/s | / copy | TFLOP/s | torch ref (us) "
              "| speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = f"{r['reference_us']:.0f} | {r['speedup']:.1f}x" if "reference_us" in r else "- | -"
-        lines.append(f"| {r['batch']} | {r['history']} | {r['candidates']} | {r['head_dim']} | {r['num_splits']} | "
-                     f"{r['time_us']:.1f} | {r['kv_tb_s']:.2f} | {r['copy_ratio']:.2f} | {r['tflops']:.0f} | {ref} |")
+        gluon = r.get("gluon_tiling")
+        kernel = f"gluon {gluon['block_n']}x{gluon['stages']}" if gluon else r.get("kernel", "triton")
+        lines.append(f"| {kernel} | {r['batch']} | {r['history']} | {r['candidates']} | {r['head_dim']} | "
+                     f"{r['num_splits']} | {r['time_us']:.1f} | {r['kv_tb_s']:.2f} | {r['copy_ratio']:.2f} | "
+                     f"{r['tflops']:.0f} | {ref} |")
     return "\n".join(lines)
 
 
@@ -174,6 +210,10 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tiling sweep")
     parser.add_argument("--no-gate", action="store_true", help="skip the fused u * LayerNorm(a) benchmark")
+    parser.add_argument("--kernel", nargs="+", choices=KERNEL_CHOICES, default=["auto"],
+                        help="attention kernel(s) to time (PagedAttention's kernel argument)")
+    parser.add_argument("--gluon-tiling", nargs="+", type=gluon_tiling, default=[None],
+                        help="Gluon tilings KEYSxSTAGES to time with --kernel gluon (default: the library's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
@@ -215,13 +255,11 @@ def main() -> None:
     for d in args.head_dim:
         for bs in args.batch:
             for cand in args.candidates:
-                for hist in args.history:
-                    tiling = chosen.get((d, cand))
-                    row = attention_row(Case(bs, hist, cand, d, args.page_size, tiling), copy_bw, args.iters,
-                                        not args.no_reference)
-                    result["rows"].append(row)
-                    save()
-                    print(markdown([row]).splitlines()[-1], flush=True)
+                for hist, kernel in ((h, k) for h in args.history for k in args.kernel):
+                    for g_tiling in args.gluon_tiling if kernel == "gluon" else [None]:
+                        row = kernel_row(bs, hist, cand, d, args, chosen.get((d, cand)), kernel, g_tiling, copy_bw)
+                        result["rows"].append(row)
+                        save()
                 torch.cuda.empty_cache()
     if not args.no_gate:
         result["gate"] = gate_rows(args.iters)
@@ -231,7 +269,7 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - started
     save()
     print()
-    print(markdown(result["rows"]))
+    print(markdown([r for r in result["rows"] if "error" not in r]))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from layerflow.kernels.fp8 import decode, kernel_code, tile_scales
+from layerflow.kernels.gluon_attention import select_kernel
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.model.config import HSTUConfig
 from layerflow.model.mask import MaskRule
@@ -249,13 +250,14 @@ class PagedAttention:
     and replayed for any batch within the capacity. `mask` holds the model's mask options (target-aware candidates
     only: their keys are never in the pages). `max_seq_len` is the N of the constant 1/N rule, used when `run` is
     given no 1/N tensor. `kv_dtype` None: the cache holds `dtype`; an fp8 dtype: the cache holds uint8 pages of codes
-    and scale rows (layerflow.tier.layout), dequantised as they are read.
+    and scale rows (layerflow.tier.layout), dequantised as they are read. `kernel`: layerflow.kernels.gluon_attention
+    .select_kernel's choice of the Hopper Gluon kernel over the `tl` one.
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, kernel: str | None = None) -> None:
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("max_pages_per_user", max_pages_per_user), ("num_heads", num_heads),
                             ("max_seq_len", max_seq_len)):
@@ -287,6 +289,8 @@ class PagedAttention:
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
         self.query_slots = (max_tokens + max_batch * (tiling.block_m - 1)) // tiling.block_m
         self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
+        self.gluon = select_kernel(kernel, self.device, dtype, kv_dtype, head_dim, tiling.block_m, mask.max_attn_len,
+                                   mask.contextual_len)
         self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32,
                                      device=self.device) if self.num_splits > 1 else None)
 
@@ -379,7 +383,7 @@ class PagedAttention:
         split_stride = self.max_tokens * self.num_heads * self.head_dim
         precision = "ieee" if self.dtype == torch.float32 else None
         grid = (self.num_splits, self.query_slots, self.num_heads)
-        _paged_attention_kernel[grid](
+        (self.gluon or _paged_attention_kernel)[grid](
             q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, inv_n, dst,
             q.stride(0), k.stride(0), v.stride(0), page_table.stride(0), split_stride, self.max_batch, self.alpha,
             H=self.num_heads, D=self.head_dim, PAGE=self.page_size,

@@ -1,0 +1,260 @@
+"""Paged HSTU attention on Hopper in Gluon: wgmma for both dots, K/V tiles gathered through the page table by async
+copies into a multi-stage shared-memory ring.
+
+It computes what attention.py's `tl` kernel computes for the default mask (causal history, target-aware candidates,
+no window, no contextual prefix) over a bf16/fp16 cache, with the same program grid (split, query block, head) and
+the same split-K partial layout, so the `tl` kernel's split reduction sums its partials. Each program keeps its
+query block in shared memory; per history tile S = Q K^T and O += SiLU(alpha S) V run on the tensor cores while the
+next STAGES - 1 tiles are in flight. A candidate's own key (not in the pages) is one more diagonal tile of the
+block's K/V rows, run by split 0 through the same loop, so no scalar dot product is needed at the end.
+
+`GluonAttention` is launched with the `tl` kernel's arguments (`launcher[grid](...)`), so PagedAttention swaps one
+for the other in a single call; `select_kernel` decides which one a PagedAttention uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+
+KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
+KERNEL_CHOICES = ("auto", "gluon", "triton")
+GLUON_DTYPES = (torch.bfloat16, torch.float16)
+SHARED_MEMORY_BYTES = 227 * 1024
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@dataclass(frozen=True)
+class GluonTiling:
+    """The Gluon kernel's own launch knobs (the query block and split count are PagedAttention's): keys per tile and
+    how many tiles the shared-memory ring holds (STAGES - 1 are loading while one is computed)."""
+
+    block_n: int = 32
+    stages: int = 3
+
+
+def default_gluon_tiling(head_dim: int) -> GluonTiling:
+    """64-key tiles where three of them fit beside the query block, else 32-key tiles, three deep."""
+    return GluonTiling(block_n=64 if head_dim <= 128 else 32, stages=3)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
+                num_warps: gl.constexpr):
+    """(user, query block of that user) of a program slot, as the `tl` kernel numbers them; user == max_batch past
+    the batch."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    users = gl.arange(0, BATCH_P2, layout=layout)
+    valid = users < max_batch
+    starts = gl.load(q_offsets_ptr + users, mask=valid, other=0)
+    ends = gl.load(q_offsets_ptr + users + 1, mask=valid, other=0)
+    blocks = gl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    inclusive = gl.associative_scan(blocks, 0, _add)
+    user = gl.sum((valid & (inclusive <= slot)).to(gl.int32), axis=0)
+    first = gl.sum(gl.where(users == user, inclusive - blocks, 0), axis=0)
+    return user, slot - first
+
+
+@gluon.jit
+def _issue_tile(k_buf, v_buf, tile, num_hist, num_tiles, lo, hi, page_row, cache_h, k_ptr, v_ptr, k_stride,
+                v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Start copying tile `tile`'s K and V rows into (k_buf, v_buf) and commit one async-copy group (empty past the
+    last tile, so the group count stays one per tile). Tiles below num_hist are history keys lo + tile * BLOCK_N ..,
+    read through the page table; the rest are the block's own (candidate) K/V rows. Rows out of range are zeroed."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    if tile < num_hist:
+        n = lo + tile * BLOCK_N + rows
+        key_ok = n < hi
+        page = gl.load(page_row + n // PAGE, mask=key_ok, other=0)
+        row_at = page.to(gl.int64) * (2 * ROWS * H * D) + ((n % PAGE) * (H * D)).to(gl.int64)
+        ptrs = cache_h + row_at[:, None] + cols[None, :]
+        async_copy.async_copy_global_to_shared(k_buf, ptrs, mask=key_ok[:, None])
+        async_copy.async_copy_global_to_shared(v_buf, ptrs + ROWS * H * D, mask=key_ok[:, None])
+    elif tile < num_tiles:
+        j = row0 + (tile - num_hist) * BLOCK_N + rows
+        token = (q_start + j).to(gl.int64)
+        row_ok = j < q_len
+        head_cols = head * D + cols[None, :]
+        async_copy.async_copy_global_to_shared(k_buf, k_ptr + token[:, None] * k_stride + head_cols,
+                                               mask=row_ok[:, None])
+        async_copy.async_copy_global_to_shared(v_buf, v_ptr + token[:, None] * v_stride + head_cols,
+                                               mask=row_ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _gluon_attention_kernel(
+    q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
+    dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
+    H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr,
+    ROWS: gl.constexpr, num_warps: gl.constexpr,
+):
+    split = gl.program_id(0)
+    head = gl.program_id(2)
+    user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
+    if user >= max_batch:
+        return
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    # [rows, D] global tiles: 16-byte vectors along D, warps stacked along the rows.
+    cols_per_warp: gl.constexpr = 32 if D // 8 >= 32 else D // 8
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_per_warp, cols_per_warp], [num_warps, 1],
+                                                 [1, 0])
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    q_start = gl.load(q_offsets_ptr + user)
+    q_len = gl.load(q_offsets_ptr + user + 1) - q_start
+    hist = gl.load(history_lens_ptr + user)
+    appended = gl.load(appended_lens_ptr + user)
+    row0 = block * BLOCK_M
+    last = gl.minimum(row0 + BLOCK_M, q_len) - 1
+    # The `tl` kernel's split of [0, hist) for the default mask: chunks of whole tiles, the block's last row
+    # bounding what any of its rows sees.
+    kv_end = gl.minimum(hist, hist - appended + last + 1)
+    chunk = gl.cdiv(gl.cdiv(hist, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, kv_end)
+    num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    num_self = gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
+    num_tiles = num_hist + num_self
+
+    # The query block, once, into shared memory (wgmma's A operand).
+    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_layout))
+    d_cols = gl.arange(0, D, layout=gl.SliceLayout(0, load_layout))
+    q_token = (q_start + row0 + q_rows).to(gl.int64)
+    q_tile = gl.load(q_ptr + q_token[:, None] * q_stride + head * D + d_cols[None, :],
+                     mask=(row0 + q_rows < q_len)[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+
+    # Which keys each row sees: history key n < hist_end (causal for appended rows, all history for candidates,
+    # n < hi for the split); in a self tile, local key c + tile offset == the row's own index, candidates only.
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    j = row0 + r
+    history_row = j < appended
+    hist_end = gl.minimum(gl.where(history_row, hist - appended + j + 1, hist), hi)
+    self_end = gl.where(~history_row & (j < q_len), r + 1, r)
+    key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    page_row = page_table_ptr + user * page_table_stride
+    cache_h = cache_ptr + head * D
+    for t in gl.static_range(STAGES - 1):
+        _issue_tile(k_ring.index(t), v_ring.index(t), t, num_hist, num_tiles, lo, hi, page_row, cache_h, k_ptr,
+                    v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    for tile in range(num_tiles):
+        # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        fence_async_shared()
+        ahead = tile + STAGES - 1
+        _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, num_hist, num_tiles, lo,
+                    hi, page_row, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
+                    PAGE, ROWS, BLOCK_N, load_layout)
+        k_tile = k_ring.index(tile % STAGES)
+        s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
+        is_self = tile >= num_hist
+        key = gl.where(is_self, (tile - num_hist) * BLOCK_N, lo + tile * BLOCK_N) + key_cols
+        key_lo = gl.where(is_self, r, 0)
+        key_hi = gl.where(is_self, self_end, hist_end)
+        seen = (key[None, :] >= key_lo[:, None]) & (key[None, :] < key_hi[:, None])
+        p = gl.where(seen, s / (1.0 + gl.exp2(-LOG2E * s)), 0.0)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
+    async_copy.wait_group(0)
+
+    if INV_N_PER_USER:
+        inv_n = gl.load(inv_n_ptr + user)
+    else:
+        inv_n = gl.load(inv_n_ptr)
+    o_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    o_token = (q_start + row0 + o_rows).to(gl.int64)
+    dst = dst_ptr + split.to(gl.int64) * split_stride + o_token[:, None] * (H * D) + head * D + o_cols[None, :]
+    gl.store(dst, (acc * inv_n).to(dst_ptr.dtype.element_ty), mask=(row0 + o_rows < q_len)[:, None])
+
+
+def shared_memory_bytes(block_m: int, head_dim: int, tiling: GluonTiling, itemsize: int = 2) -> int:
+    """The query block plus the K/V ring, plus 16 KiB of slack for the compiler's layout-conversion scratch."""
+    return (block_m + 2 * tiling.stages * tiling.block_n) * head_dim * itemsize + 16 * 1024
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int,
+                       block_m: int, window: int, contextual: int, tiling: GluonTiling) -> str | None:
+    """Why the Gluon kernel cannot serve this attention (None when it can)."""
+    if dtype not in GLUON_DTYPES or kv_dtype is not None:
+        return f"dtype={dtype}, kv_dtype={kv_dtype}: the Gluon kernel needs a bf16/fp16 cache"
+    if window or contextual:
+        return f"max_attn_len={window}, contextual_len={contextual}: the Gluon kernel serves the default mask only"
+    if block_m not in (64, 128) or head_dim not in (64, 128, 256):
+        return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
+    if tiling.block_n not in (32, 64) or tiling.stages < 2:
+        return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
+    if shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
+        return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return f"device {device}: the Gluon kernel needs a CUDA sm_90 GPU"
+    return None
+
+
+class GluonAttention:
+    """The Gluon kernel behind the `tl` kernel's launch interface: `self[grid](*args, **constexprs)` takes exactly
+    what `_paged_attention_kernel[grid]` takes and ignores the `tl`-only tiling knobs."""
+
+    def __init__(self, tiling: GluonTiling) -> None:
+        self.tiling = tiling
+
+    def __getitem__(self, grid: tuple[int, int, int]):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
+                BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
+                **tl_tiling) -> None:
+        if WINDOW or CONTEXTUAL or FP8:
+            raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the Gluon kernel serves the "
+                             "default mask over a bf16/fp16 cache only")
+        _gluon_attention_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS,
+                                      BLOCK_M=BLOCK_M, BLOCK_N=self.tiling.block_n, STAGES=self.tiling.stages,
+                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, num_warps=BLOCK_M // 16)
+
+
+def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,
+                  head_dim: int, block_m: int, window: int, contextual: int,
+                  tiling: GluonTiling | None = None) -> GluonAttention | None:
+    """The Gluon launcher, or None for the `tl` kernel.
+
+    `choice` (else the LAYERFLOW_ATTENTION_KERNEL variable, else "auto"): "auto" takes Gluon where it can run,
+    "gluon" insists on it (ValueError naming why it cannot), "triton" never takes it.
+    """
+    choice = choice or os.environ.get(KERNEL_ENV) or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernel={choice!r}: expected one of {KERNEL_CHOICES} (argument or ${KERNEL_ENV})")
+    if choice == "triton":
+        return None
+    tiling = tiling or default_gluon_tiling(head_dim)
+    reason = unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
+    if reason is None:
+        return GluonAttention(tiling)
+    if choice == "gluon":
+        raise ValueError(f"kernel='gluon': {reason}")
+    return None

@@ -1,0 +1,97 @@
+"""The Gluon attention kernel on an H200 against the `tl` kernel and the fp32 torch reference: ragged batches with
+0-history users, 0 and 256 candidates, BS 1 and 8, every head dim, and one CUDA graph replayed across lengths."""
+
+import pytest
+import torch
+
+from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
+from layerflow.kernels.gluon_attention import GluonAttention, GluonTiling
+from tests.kernels.cuda_graph import captured, replay_on
+from tests.kernels.paged_batch import PagedBatch, make_paged_batch
+
+pytestmark = pytest.mark.gpu
+
+H, PAGE, MAX_SEQ_LEN = 4, 32, 16384 + 512
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def appended_batch(history, appended, candidates, head_dim, dtype, **capacity) -> PagedBatch:
+    batch = make_paged_batch(history, appended, candidates, num_heads=H, head_dim=head_dim, page_size=PAGE,
+                             dtype=dtype, device="cuda", **capacity)
+    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
+    return batch
+
+
+def run(batch: PagedBatch, kernel: str, head_dim: int, dtype: torch.dtype, tiling: GluonTiling | None = None):
+    users = batch.page_table.shape[0]
+    tokens = batch.q.shape[0]
+    attn = PagedAttention(users, tokens, batch.page_table.shape[1], H, head_dim, PAGE, dtype, "cuda",
+                          head_dim ** -0.5, MAX_SEQ_LEN, tiling=default_tiling(head_dim, dtype, tokens // users),
+                          kernel=kernel)
+    assert (attn.gluon is not None) == (kernel == "gluon")
+    if tiling is not None:
+        attn.gluon = GluonAttention(tiling)
+    return attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(batch.q))
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor, total: int) -> float:
+    out, expected = out[:total].float(), expected[:total].float()
+    assert torch.isfinite(out).all()
+    return float((out - expected).norm() / expected.norm())
+
+
+def check(batch: PagedBatch, head_dim: int, dtype: torch.dtype, tiling: GluonTiling | None = None) -> None:
+    f32 = [t.float() for t in (batch.q, batch.k, batch.v, batch.kv_cache)]
+    expected = paged_attention_reference(*f32, *batch.lengths, torch.zeros_like(f32[0]), alpha=head_dim ** -0.5,
+                                         max_seq_len=MAX_SEQ_LEN)
+    gluon = run(batch, "gluon", head_dim, dtype, tiling)
+    tl = run(batch, "triton", head_dim, dtype)
+    total = batch.total_tokens
+    assert relative_error(gluon, expected, total) < TOLERANCE[dtype]
+    assert relative_error(gluon, tl, total) < TOLERANCE[dtype]
+
+
+SMALL = ([0, 300, 2, 1500 + 64, 64], [0, 17, 2, 64, 64], [256, 3, 4, 0, 1])
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16),
+                                             (128, torch.float16)])
+def test_small_ragged_batch_matches_tl_and_reference(head_dim, dtype):
+    check(appended_batch(*SMALL, head_dim, dtype), head_dim, dtype)
+
+
+@pytest.mark.parametrize("history", [[16384], [2048, 16384, 0, 8192, 3000, 12000, 6000, 10000]],
+                         ids=["bs1-16k", "bs8-0-16k"])
+@pytest.mark.parametrize("candidates", [0, 256])
+def test_real_sizes_match_tl_and_reference(history, candidates):
+    n = len(history)
+    check(appended_batch([h + 64 for h in history], [64] * n, [candidates] * n, 256, torch.bfloat16), 256,
+          torch.bfloat16)
+
+
+@pytest.mark.parametrize("tiling", [GluonTiling(32, 2), GluonTiling(32, 4), GluonTiling(64, 2)],
+                         ids=["32x2", "32x4", "64x2"])
+def test_other_tilings_compute_the_same(tiling):
+    check(appended_batch([4096 + 64, 700], [64, 64], [256, 0], 128, torch.bfloat16), 128, torch.bfloat16, tiling)
+
+
+def test_one_graph_replays_any_lengths_like_eager():
+    max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
+    cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),
+             ([0, 300], [0, 17], [256, 3])]
+
+    def batch_of(case) -> PagedBatch:
+        pages = sum(-(-h // PAGE) for h in case[0])
+        return appended_batch(*case, 256, torch.bfloat16, max_batch=max_batch, max_tokens=max_tokens,
+                              max_pages_per_user=max_pages, spare_pages=num_pages - pages)
+
+    attn = PagedAttention(max_batch, max_tokens, max_pages, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5,
+                          MAX_SEQ_LEN, kernel="gluon")
+    static = batch_of(cases[0])
+    static_out = torch.zeros_like(static.q)
+    graph = captured(lambda: attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out))
+    for case in cases:
+        fresh = batch_of(case)
+        replay_on(graph, static, fresh, static_out)
+        eager = attn.run(fresh.q, fresh.k, fresh.v, fresh.kv_cache, *fresh.lengths, torch.zeros_like(fresh.q))
+        assert torch.equal(static_out[:fresh.total_tokens], eager[:fresh.total_tokens]), f"replay != eager: {case}"

@@ -1,0 +1,75 @@
+"""Which attention kernel a PagedAttention runs: the Gluon kernel's shape rules, the argument and the environment
+variable, and the `tl` fallback wherever Gluon cannot run (this CPU)."""
+
+import pytest
+import torch
+
+from layerflow.kernels import PagedAttention
+from layerflow.kernels.gluon_attention import (KERNEL_ENV, GluonAttention, GluonTiling, select_kernel,
+                                               shared_memory_bytes, unsupported_reason)
+
+CPU = torch.device("cpu")
+
+
+def attention(**kwargs) -> PagedAttention:
+    return PagedAttention(2, 64, 4, 2, 64, 16, torch.float32, "cpu", 0.125, 128, **kwargs)
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, words", [
+    (torch.float32, None, 128, 64, 0, 0, GluonTiling(), "bf16/fp16"),
+    (torch.bfloat16, torch.float8_e4m3fn, 128, 64, 0, 0, GluonTiling(), "bf16/fp16"),
+    (torch.bfloat16, None, 128, 64, 512, 0, GluonTiling(), "default mask"),
+    (torch.float16, None, 128, 64, 0, 3, GluonTiling(), "default mask"),
+    (torch.bfloat16, None, 128, 32, 0, 0, GluonTiling(), "block_m=32"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_n=16), "block_n"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=1), "stages"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
+])
+def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
+                                                        tiling, words):
+    reason = unsupported_reason(CPU, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
+    assert reason is not None and words in reason
+
+
+def test_shared_memory_counts_the_query_block_and_the_ring():
+    assert shared_memory_bytes(128, 256, GluonTiling(block_n=32, stages=3)) == (128 + 192) * 512 + 16384
+
+
+def test_auto_and_triton_take_the_tl_kernel_on_the_cpu(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert attention().gluon is None
+    assert attention(kernel="triton").gluon is None
+    assert select_kernel("auto", CPU, torch.bfloat16, None, 128, 64, 0, 0) is None
+
+
+def test_forcing_gluon_where_it_cannot_run_says_why(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    with pytest.raises(ValueError, match="kernel='gluon'.*bf16/fp16"):
+        attention(kernel="gluon")
+    with pytest.raises(ValueError, match="sm_90"):
+        select_kernel("gluon", CPU, torch.bfloat16, None, 128, 64, 0, 0)
+
+
+def test_the_environment_variable_chooses_when_the_argument_does_not(monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV, "gluon")
+    with pytest.raises(ValueError, match="kernel='gluon'"):
+        attention()
+    assert attention(kernel="triton").gluon is None
+    monkeypatch.setenv(KERNEL_ENV, "triton")
+    assert attention().gluon is None
+
+
+def test_an_unknown_kernel_name_is_refused(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    with pytest.raises(ValueError, match="kernel='cutlass'"):
+        attention(kernel="cutlass")
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        attention()
+
+
+def test_the_gluon_launcher_refuses_the_masks_it_does_not_compute():
+    with pytest.raises(ValueError, match="WINDOW=512"):
+        GluonAttention(GluonTiling())[(1, 1, 1)](H=1, D=64, PAGE=16, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=64,
+                                                 INV_N_PER_USER=False, ROWS=16, WINDOW=512, CONTEXTUAL=0, FP8=0)
