@@ -25,6 +25,7 @@ import torch
 
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
+from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.stats import percentile
 from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
                                         stream_engine)
@@ -32,7 +33,6 @@ from layerflow.config import Config
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
 from layerflow.runtime.engine import Engine
-from layerflow.serving.async_engine import AsyncEngine
 from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
 
@@ -179,14 +179,16 @@ def _runs_of_one_engine(settings: ServingSettings, weights: HSTUWeights, prefetc
     with stream_engine(workload, weights, serving_config(settings, prefetch), device) as engine:
         load_users(engine, workload, visits, rng)
         calibration = calibration or calibrate(engine, workload, visits, device)
-        serving = AsyncEngine(engine)
+        serving = TimedAsyncEngine(engine)
         server = BackgroundServer(serving) if "http" in settings.transports else None
         try:
             for transport in settings.transports:
                 for rate in settings.rates:
                     arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
+                    serving.reset()
                     records = over_http(server.url, arrivals) if transport == "http" else in_process(serving, arrivals)
-                    runs.append(summarize(records, rate, transport, prefetch, engine.layout, calibration))
+                    runs.append(summarize(records, rate, transport, prefetch, engine.layout, calibration)
+                                | {"scheduler": serving.timeline()})
                     _progress(runs[-1])
                     for u in visits:   # the server is idle: every request was answered
                         engine.kv.truncate(u, workload.history_len)

@@ -24,6 +24,25 @@ def _errors(run: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(run["errors"].items())) or "-"
 
 
+PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")
+
+
+def scheduler_table(runs: list[dict]) -> list[str]:
+    """Per run: the share of its wall time the scheduler thread spent in each phase (layerflow.bench.serving_timeline),
+    the rest, the collects that waited for the device, and the mean batch prepared idle / ahead."""
+    rows = ["| transport | prefetch | offered/s | " + " | ".join(PHASES) + " | other | collect waits | "
+            "mean prepared (idle / ahead) |", "|---" * (len(PHASES) + 6) + "|"]
+    for r in runs:
+        t = r.get("scheduler")
+        if t is None or t["wall_s"] <= 0:
+            continue
+        shares = [t["phases"].get(p, {"s": 0.0})["s"] / t["wall_s"] for p in PHASES]
+        rows.append(f"| {r['transport']} | {'on' if r['prefetch'] else 'off'} | {r['offered_rate']:g} | "
+                    + " | ".join(f"{x:.2f}" for x in shares) + f" | {max(0.0, 1 - sum(shares)):.2f} | "
+                    f"{t['collect_waits']} | {t['mean_prepared']:.2f} / {t['mean_prepared_ahead']:.2f} |")
+    return rows
+
+
 def markdown(settings: ServingSettings, results: dict, where: str) -> str:
     w, cal, b = settings.workload, results["calibration"], results["bound"]
     head = (f"### Serving on {where}: {w.preset} model, {w.num_users} users (Zipf {w.zipf}), GPU pool for "
@@ -42,7 +61,9 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
             f"GB/s bulk = {copy} req/s; GPU: batches of {b['full_batch']} GPU hits = "
             f"{b['gpu_rate']:.1f} req/s). GPU-hit batch ms by size: {gpu_ms}. Busy fractions are estimates from "
             f"these measured figures, not hardware counters.")
-    return "\n".join([head, "", *rows, "", foot])
+    scheduler = ("Scheduler thread, share of each run's wall time per phase (host clock; see "
+                 "layerflow/bench/serving_timeline.py for the phases):")
+    return "\n".join([head, "", *rows, "", foot, "", scheduler, "", *scheduler_table(results["runs"])])
 
 
 def to_dict(settings: ServingSettings, results: dict, device: torch.device) -> dict:

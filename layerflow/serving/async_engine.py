@@ -3,10 +3,12 @@
 The scheduler is the only caller of the engine's steps. Its rules, in the order it applies them:
 - Batches come from the queue (layerflow.serving.queue: arrival order, one request per user, busy users skipped,
   capped in requests and query tokens, held back up to `serve_max_wait_ms` to fill).
-- Prefetch (`serve_prefetch`): right after batch N is launched, the next batch is prepared (its KV placed and its
-  onboarding started) from what is queued at that moment, so its copies run while N computes; it is launched once N
-  is collected. If the GPU pool cannot hold it beside N (PoolExhausted), it goes back to the head of the queue and is
-  prepared after N is collected: at most one batch is prepared ahead, and only when the pool holds it.
+- Prefetch (`serve_prefetch`): while batch N computes, the scheduler keeps admitting requests and prepares batch N+1
+  (its KV placed, its onboarding issued on the copy engine) as soon as the queue holds a full batch, or at once when
+  N onboards nothing (the copy engine is free), or when N has computed (polled, never waited for): so batches grow
+  with the load and N+1's copies run while N computes. N+1 is launched once N is collected. If the GPU pool cannot
+  hold N+1 beside N (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at
+  most one batch is prepared ahead, and only when the pool holds it.
 - Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
   when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
   other requests go back to the head of the queue, in order. A launched request is answered with its scores.
@@ -27,10 +29,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from layerflow.runtime.engine import Engine, Flight
-from layerflow.runtime.kv_manager import BatchPlan
+from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingError, error_kind
+from layerflow.serving.flights import DeviceMark, InFlight, Prepared
 from layerflow.serving.metrics import ServingMetrics
 from layerflow.serving.queue import Pending, RequestQueue
 from layerflow.tier.allocator import PoolExhausted
@@ -39,6 +41,7 @@ from layerflow.tier.base import Tier
 log = logging.getLogger(__name__)
 
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
+POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
 
 
 @dataclass(frozen=True)
@@ -51,20 +54,6 @@ class Scored:
     latency_ms: float
     batch_size: int
     cached_tokens: int
-
-
-@dataclass
-class _Prepared:
-    plan: BatchPlan
-    batch: list[Pending]
-    started: float
-    onboard_bytes: int
-
-
-@dataclass
-class _InFlight:
-    flight: Flight
-    prepared: _Prepared
 
 
 def _start(pending: Pending) -> None:
@@ -95,8 +84,8 @@ class AsyncEngine:
         max_batch = min(config.serve_max_batch_size, max(b.max_batch for b in engine.buckets))
         max_tokens = max(b.max_tokens for b in engine.buckets)
         self.queue = RequestQueue(config.serve_max_queue, max_batch, max_tokens, config.serve_max_wait_ms / 1e3)
-        self._flight: _InFlight | None = None
-        self._prepared: _Prepared | None = None
+        self._flight: InFlight | None = None
+        self._prepared: Prepared | None = None
         self._retry: list[Pending] = []
         self._deferred = False       # the prefetch did not fit beside the batch in flight: wait for its collect
         self._sampled = 0.0
@@ -157,7 +146,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            if self._retry:
+            if self._retry and self._flight is None:   # retries run alone: after the batch in flight
                 batch, self._retry = self._retry, []
                 self._retry_alone(batch)
             elif self._flight is None and self._prepared is not None:
@@ -168,12 +157,30 @@ class AsyncEngine:
                     return
                 if taken:
                     self._prepare(taken, prefetch=False)
+            elif self.prefetch and self._prepared is None and not self._deferred and not self._retry:
+                self._prefetch_or_poll()
             else:
-                if self.prefetch and self._prepared is None and not self._deferred:
-                    taken = self._take(wait=False)
-                    if taken:
-                        self._prepare(taken, prefetch=True)
                 self._collect()
+
+    def _prefetch_or_poll(self) -> None:
+        """Batch N is in flight and nothing is prepared behind it: prepare N+1 if it is due (see the module
+        docstring), collect N once it has computed, else pause until a request arrives or the next poll."""
+        due = self._next_is_due(self._flight)
+        taken = self._take(wait=False, full_only=not due)
+        if taken:
+            self._prepare(taken, prefetch=True)
+        elif due and self._flight.computed():
+            self._collect()
+        else:
+            self._pause()
+
+    def _next_is_due(self, in_flight: InFlight) -> bool:
+        """Prepare a partial next batch now? Only while waiting for more requests would idle the copy engine or the
+        GPU: the batch in flight onboards nothing, or has computed."""
+        return not in_flight.prepared.onboards() or in_flight.computed()
+
+    def _pause(self) -> None:
+        self.queue.wait_for_put(POLL_S)
 
     def _busy(self) -> set[int]:
         """Users the next batch must skip: in flight, prepared, or waiting for a retry."""
@@ -184,8 +191,8 @@ class AsyncEngine:
             batches.append(self._prepared.batch)
         return {p.user for batch in batches for p in batch}
 
-    def _take(self, wait: bool) -> list[Pending] | None:
-        taken = self.queue.take(self._busy(), wait)
+    def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
+        taken = self.queue.take(self._busy(), wait, full_only)
         if taken is None:
             return None
         self._expire(taken.expired)
@@ -223,7 +230,7 @@ class AsyncEngine:
                       if tier in (Tier.HOST, Tier.SSD)) * layout.page_bytes
         placed = sum(tier is not Tier.GPU for tier in plan.tiers)
         self.metrics.batch_prepared(prefetch, onboard, max(0, resident + placed - len(gpu)))
-        self._prepared = _Prepared(plan, batch, time.monotonic(), onboard)
+        self._prepared = Prepared(plan, batch, onboard)
 
     def _split(self, batch: list[Pending], prefetch: bool, error: Exception) -> None:
         """A batch refused as a whole: the request alone gets the error; else the first half is tried again and the
@@ -253,7 +260,7 @@ class AsyncEngine:
             self.metrics.failed_batches.inc()
             self._retry.extend(prepared.batch)
             return
-        self._flight = _InFlight(flight, prepared)
+        self._flight = InFlight(flight, prepared, DeviceMark(self.engine.device))
 
     def _collect(self) -> None:
         in_flight, self._flight = self._flight, None

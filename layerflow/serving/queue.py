@@ -110,17 +110,20 @@ class RequestQueue:
             items, self._items = list(self._items), deque()
             return items
 
-    def take(self, busy: set[int], wait: bool) -> Taken | None:
+    def take(self, busy: set[int], wait: bool, full_only: bool = False) -> Taken | None:
         """The next batch (see the module docstring) and the requests that expired or were cancelled meanwhile.
 
-        Without `wait`, whatever batch can be formed now (maybe empty). With `wait`, block until a batch is ready or
-        something expired; None once the queue is closed and empty. A closed queue's batches are ready at once.
+        Without `wait`, whatever batch can be formed now (maybe empty; with `full_only`, empty unless it is full).
+        With `wait`, block until a batch is ready or something expired; None once the queue is closed and empty. A
+        closed queue's batches are ready at once.
         """
         with self._cond:
             while True:
                 now = time.monotonic()
                 expired = self._remove_expired(now)
                 batch, full = self._eligible(busy)
+                if full_only and not full:
+                    batch = []
                 ready = bool(batch) and (full or self._closed or now - batch[0].arrived >= self.max_wait_s)
                 if ready or not wait:
                     for p in batch:
@@ -131,6 +134,12 @@ class RequestQueue:
                 if self._closed and not self._items:
                     return None
                 self._cond.wait(self._wake_in(now, batch))
+
+    def wait_for_put(self, timeout_s: float) -> None:
+        """Block until a request is put or requeued, the queue closes, or `timeout_s` passes (the scheduler's pause
+        while a batch computes and nothing is ready to prepare)."""
+        with self._cond:
+            self._cond.wait(timeout_s)
 
     def _eligible(self, busy: set[int]) -> tuple[list[Pending], bool]:
         """The batch that can be formed now, and whether it is full (in requests, or the next one's tokens)."""

@@ -9,10 +9,15 @@ import torch
 from layerflow.bench.cli import main, serving_settings_from_args
 from layerflow.bench.serving import Calibration, ServingSettings, bound, summarize
 from layerflow.bench.serving_load import Record
+from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.throughput import ThroughputSettings
 from layerflow.cli import build_parser
+from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
+from layerflow.runtime.engine import Engine
+from layerflow.runtime.request import Request
 from layerflow.tier.layout import KVLayout
+from tests.serving.helpers import MODEL, WAIT_S, config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -46,6 +51,21 @@ def test_bad_serving_settings_are_refused():
         ServingSettings(workload(), (1.0,), ("grpc",))
     with pytest.raises(ValueError, match="gpu_users=2 < batch_size=4"):
         ServingSettings(workload(batch_size=4), (1.0,))
+
+
+def test_the_scheduler_timeline_counts_each_step_once_within_the_wall_time():
+    with Engine(HSTUWeights.init(MODEL, seed=0), config()) as engine, TimedAsyncEngine(engine) as serving:
+        serving.submit(Request(1, [2, 3], [4])).result(WAIT_S)
+        serving.reset()
+        for user in (1, 2, 3):
+            serving.submit(Request(user, [5], [6, 7])).result(WAIT_S)
+        timeline = serving.timeline()
+    phases = timeline["phases"]
+    assert {name: phases[name]["calls"] for name in ("prepare", "launch", "collect", "answer")} == \
+        {"prepare": 3, "launch": 3, "collect": 3, "answer": 3}
+    assert "prepare ahead" not in phases and timeline["mean_prepared"] == 1.0
+    assert sum(p["s"] for p in phases.values()) <= timeline["wall_s"]
+    assert phases["idle"]["s"] > 0 and timeline["collect_waits"] == 0
 
 
 def test_a_runs_figures_on_known_records():

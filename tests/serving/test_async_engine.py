@@ -238,3 +238,76 @@ def test_submit_refuses_bad_arguments(weights):
             serving.submit(Request(1, [1], [2]), deadline_s=0)
         with pytest.raises(ValueError, match="expected a layerflow Request"):
             serving.submit({"user_id": 1})
+
+
+class DueOnRequest(AsyncEngine):
+    """An AsyncEngine whose batch in flight counts as still onboarding and computing until `due` is set, so a test
+    sees what the scheduler does while a batch occupies the device (on the CPU every batch has computed at launch)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.due = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _next_is_due(self, in_flight) -> bool:
+        return self.due.is_set() and super()._next_is_due(in_flight)
+
+    def close(self) -> None:
+        self.due.set()   # a failed test must not leave a batch in flight forever
+        super().close()
+
+
+def in_flight_and_polling(engine: HeldEngine, serving: DueOnRequest) -> object:
+    first = serving.submit(Request(1, [3], [4]))
+    wait_until(lambda: len(engine.launched) == 1, "the first batch launched")
+    return first
+
+
+def test_while_a_batch_computes_the_next_one_is_prepared_once_it_is_full(weights):
+    with HeldEngine(weights, config(serve_max_batch_size=2)) as engine, DueOnRequest(engine) as serving:
+        first = in_flight_and_polling(engine, serving)
+        second = serving.submit(Request(2, [5], [6]))
+        time.sleep(0.05)                                    # the scheduler polls meanwhile
+        assert serving.metrics.prefetched._value.get() == 0 and len(serving.queue) == 1
+        third = serving.submit(Request(3, [7], [8]))      # now a full batch is queued: prepared behind the first
+        wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the full batch prepared ahead")
+        assert len(serving.queue) == 0
+        serving.due.set()
+        assert all(f.result(WAIT_S).batch_size == n for f, n in ((first, 1), (second, 2), (third, 2)))
+        assert [[r.user_id for r in b] for b in engine.launched] == [[1], [2, 3]]
+
+
+def test_a_partial_next_batch_is_prepared_once_the_one_in_flight_is_due_without_another_arrival(weights):
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, DueOnRequest(engine) as serving:
+        engine.collect_gate.close()
+        first = in_flight_and_polling(engine, serving)
+        second = serving.submit(Request(2, [5], [6]))
+        time.sleep(0.05)
+        assert serving.metrics.prefetched._value.get() == 0
+        serving.due.set()                                   # noticed by polling: nothing else wakes the scheduler
+        wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the partial batch prepared ahead")
+        assert engine.collect_gate.entered.wait(WAIT_S) and not first.done()
+        engine.collect_gate.open()
+        assert first.result(WAIT_S).batch_size == 1 and second.result(WAIT_S).batch_size == 1
+        assert [[r.user_id for r in b] for b in engine.launched] == [[1], [2]]
+
+
+class FailingPrepare(HeldEngine):
+    """A HeldEngine whose `prepare` raises for a batch holding a user of `failing` (e.g. a tier that cannot read)."""
+
+    failing: set[int] = set()
+
+    def prepare(self, requests):
+        if any(r.user_id in self.failing for r in requests):
+            raise RuntimeError("injected prepare failure")
+        return super().prepare(requests)
+
+
+def test_a_batch_that_fails_to_prepare_behind_one_in_flight_is_retried_alone_after_it(weights):
+    with FailingPrepare(weights, config(serve_max_batch_size=2)) as engine, AsyncEngine(engine) as serving:
+        engine.failing = {2}
+        futures = behind_a_blocker(engine, serving, [Request(2, [5], [6]), Request(3, [7], [8])])
+        with pytest.raises(RuntimeError, match="injected prepare failure"):
+            futures[0].result(WAIT_S)
+        assert futures[1].result(WAIT_S).batch_size == 1
+        assert serving.metrics.failed_batches._value.get() == 1
+        assert [[r.user_id for r in b] for b in engine.launched] == [[99], [3]]

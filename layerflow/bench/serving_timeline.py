@@ -1,0 +1,91 @@
+"""Where the serving scheduler's time goes: an AsyncEngine whose scheduler steps are timed (host clock), for the
+serving benchmark.
+
+Each step's time is exclusive (a step called inside another, e.g. answering requests inside a collect, is counted
+once, as itself), so the phases of a run add up to the scheduler thread's busy time; the rest of the run's wall time
+is the scheduler outside its steps (loop bookkeeping). Phases:
+- `idle`: nothing in flight, waiting for requests to fill a batch (`serve_max_wait_ms`) or to arrive at all;
+- `take`: forming a batch while another is in flight;
+- `prepare` / `prepare ahead`: `Engine.prepare` (placement, onboarding issue) with nothing in flight / behind a batch
+  in flight;
+- `launch`: `Engine.launch` (buffer fill, graph replay issue, early offload);
+- `poll`: a batch in flight, nothing ready to prepare: paused for an arrival or the next completion poll;
+- `collect`: `Engine.collect` (waits for the device when the batch has not computed yet: counted in `collect_waits`);
+- `answer`: answering the batch's requests (their futures' callbacks run here);
+- `retry`: requests retried alone after a failed batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from layerflow.serving.async_engine import AsyncEngine, Scored
+from layerflow.serving.queue import Pending
+
+
+class TimedAsyncEngine(AsyncEngine):
+    """An AsyncEngine that accounts its scheduler thread's time per phase; `reset()` starts a run, `timeline()` reads
+    it (call both while the engine is idle)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._phases: dict[str, list[float]] = {}
+        self._children: list[float] = []
+        self._sizes: dict[str, list[int]] = {"prepare": [], "prepare ahead": []}
+        self._collect_waits = 0
+        self._since = time.perf_counter()
+        super().__init__(*args, **kwargs)
+
+    def reset(self) -> None:
+        self._phases = {}
+        self._sizes = {"prepare": [], "prepare ahead": []}
+        self._collect_waits = 0
+        self._since = time.perf_counter()
+
+    def timeline(self) -> dict:
+        """Seconds and calls per phase since `reset`, the wall time, collects that waited for the device, and the
+        mean size of the batches prepared with nothing in flight and behind a batch in flight."""
+        sizes = {name: sum(s) / len(s) if s else 0.0 for name, s in self._sizes.items()}
+        return {"wall_s": time.perf_counter() - self._since, "collect_waits": self._collect_waits,
+                "phases": {name: {"s": s, "calls": int(n)} for name, (s, n) in sorted(self._phases.items())},
+                "mean_prepared": sizes["prepare"], "mean_prepared_ahead": sizes["prepare ahead"]}
+
+    def _timed(self, phase: str, step: Callable, *args):
+        self._children.append(0.0)
+        start = time.perf_counter()
+        try:
+            return step(*args)
+        finally:
+            spent = time.perf_counter() - max(start, self._since)   # a wait begun before `reset` counts from it
+            inner = self._children.pop()
+            if self._children:
+                self._children[-1] += spent
+            totals = self._phases.setdefault(phase, [0.0, 0])
+            totals[0] += spent - inner
+            totals[1] += 1
+
+    def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
+        return self._timed("idle" if wait else "take", super()._take, wait, full_only)
+
+    def _prepare(self, batch: list[Pending], prefetch: bool) -> None:
+        phase = "prepare ahead" if prefetch else "prepare"
+        if not self._children:   # the outer call of a split, not its halves
+            self._sizes[phase].append(len(batch))
+        return self._timed(phase, super()._prepare, batch, prefetch)
+
+    def _launch(self) -> None:
+        return self._timed("launch", super()._launch)
+
+    def _pause(self) -> None:
+        return self._timed("poll", super()._pause)
+
+    def _collect(self) -> None:
+        if not self._flight.computed():
+            self._collect_waits += 1
+        return self._timed("collect", super()._collect)
+
+    def _deliver(self, pending: Pending, scored: Scored) -> None:
+        return self._timed("answer", super()._deliver, pending, scored)
+
+    def _retry_alone(self, batch: list[Pending]) -> None:
+        return self._timed("retry", super()._retry_alone, batch)
