@@ -59,7 +59,7 @@ def test_the_scheduler_timeline_counts_each_step_once_within_the_wall_time():
         serving.reset()
         for user in (1, 2, 3):
             serving.submit(Request(user, [5], [6, 7])).result(WAIT_S)
-        timeline = serving.timeline()
+    timeline = serving.timeline()   # read once the scheduler has stopped: a step is recorded after it ends
     phases = timeline["phases"]
     assert {name: phases[name]["calls"] for name in ("prepare", "launch", "collect", "answer")} == \
         {"prepare": 3, "launch": 3, "collect": 3, "answer": 3}
