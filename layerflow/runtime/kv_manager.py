@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layerflow.model.batch import JaggedBatch
+from layerflow.model.batch import JaggedBatch, check_lengths
 from layerflow.model.config import HSTUConfig
 from layerflow.runtime.history import EmbeddingHistory, History, ItemHistory
 from layerflow.runtime.request import EmbeddingRequest, Request
@@ -52,7 +52,7 @@ class BatchPlan:
     """One batch's placement: the validated batch, each user's GPU pages, its tier, and the onboarding."""
 
     requests: list[Request]
-    batch: JaggedBatch
+    batch: JaggedBatch | None   # None only while `KVManager.prepare` builds the plan
     tiers: list[Tier]
     page_rows: list[tuple[int, ...]]
     onboarding: Onboarding | None = None
@@ -117,7 +117,12 @@ class KVManager:
     # ---- a batch ------------------------------------------------------------------------------
 
     def prepare(self, requests: list[Request]) -> BatchPlan:
-        """Validate the batch, place every user on the GPU and launch the onboarding; nothing changes on error."""
+        """Validate the batch, place every user on the GPU and launch the onboarding; nothing changes on error.
+
+        The onboarding is issued before the batch is packed, so the first layer's copy starts as early as possible:
+        what must be refused before any page moves (a request of the wrong kind, a batch past max_seq_len) is checked
+        on lengths first; a bad id or embedding found by the packing gives the batch's pages, pins and onboarding
+        back (`abort`) before the error propagates (an LRU user the allocation evicted stays a hit below the GPU)."""
         users = [r.user_id for r in requests]
         if len(set(users)) != len(users):
             dup = next(u for u in users if users.count(u) > 1)
@@ -125,23 +130,23 @@ class KVManager:
         self._reap_offloads()
         self._reap_quarantine()
         tiers = [self._tier_for(r) for r in requests]
-        batch = self._batch(requests, tiers)
-        plan = BatchPlan(requests, batch, tiers, [])
+        cached, appended = self._query_tokens(requests, tiers)
+        plan = BatchPlan(requests, None, tiers, [])
         pinned = []
         try:
             for u, tier in zip(users, tiers):
                 if tier is Tier.GPU:
                     self.gpu.pin(u)
                     pinned.append(u)
-            for u, tier, total in zip(users, tiers, batch.history_lens):
+            for u, tier, c, new in zip(users, tiers, cached, appended):
                 if tier is not Tier.GPU:
                     self._forget_gpu(u)
-                pages = self._allocate(u, total)
+                pages = self._allocate(u, c + len(new))
                 if tier is not Tier.GPU:
                     self.gpu.pin(u)
                     pinned.append(u)
                 plan.page_rows.append(pages)
-            self._onboard(plan)
+            self._onboard(plan, cached)
         except BaseException:
             for u in pinned:
                 self.gpu.unpin(u)
@@ -149,10 +154,16 @@ class KVManager:
                 if tier is not Tier.GPU:
                     self._forget_gpu(u)
             raise
+        try:
+            plan.batch = self._batch(requests, cached, appended)
+        except BaseException:
+            self.abort(plan)
+            raise
         return plan
 
-    def _batch(self, requests: list, tiers: list[Tier]) -> JaggedBatch:
-        """The batch's query tokens: a hit's new tokens, a miss's whole stored history followed by its new tokens."""
+    def _query_tokens(self, requests: list, tiers: list[Tier]) -> tuple[list[int], list]:
+        """Per user its cached tokens and the tokens the batch computes (a hit's new tokens, a miss's whole stored
+        history followed by its new tokens); ValueError for a request of the wrong kind or a user past max_seq_len."""
         embeddings = not self.config.embedding_tables
         kind = EmbeddingRequest if embeddings else Request
         bad = next((r for r in requests if not isinstance(r, kind)), None)
@@ -171,10 +182,19 @@ class KVManager:
                 appended.append(torch.cat([entry.history.tokens(), new.to("cpu", self.config.dtype)]))
             else:
                 appended.append(entry.history.tokens() + new)
+        candidates = [r.candidates_x if embeddings else r.candidates for r in requests]
+        check_lengths(self.config, [r.user_id for r in requests], cached, appended, candidates)
+        return cached, appended
+
+    def _batch(self, requests: list, cached: list[int], appended: list) -> JaggedBatch:
+        """The batch's query tokens packed and validated (`_query_tokens` gathered them)."""
         users = [r.user_id for r in requests]
-        if embeddings:
-            return JaggedBatch.from_embeddings(self.config, cached, appended, [r.candidates_x for r in requests], users)
-        return JaggedBatch.from_lists(self.config, cached, appended, [r.candidates for r in requests], users)
+        if not self.config.embedding_tables:
+            return JaggedBatch.from_embeddings(self.config, cached, appended, [r.candidates_x for r in requests],
+                                               users)
+        # Every list is a Request's (plain ints from its construction) or a stored history joined with one.
+        return JaggedBatch.from_lists(self.config, cached, appended, [r.candidates for r in requests], users,
+                                      plain_ints=True)
 
     def _new_history(self) -> History:
         if self.config.embedding_tables:
@@ -304,13 +324,12 @@ class KVManager:
         if user in self.gpu and not self.gpu.pin_count(user):
             self.gpu.free(user)
 
-    def _onboard(self, plan: BatchPlan) -> None:
+    def _onboard(self, plan: BatchPlan, cached_lens: list[int]) -> None:
         """One onboarding for every host/SSD hit of the batch: all users, all layer groups, one signal counter. Under
         a sliding window only the pages the step reads are copied."""
         ps = self.gpu.page_size
         loads = []
-        for b, (r, tier, cached, pages) in enumerate(zip(plan.requests, plan.tiers, plan.batch.cached_lens,
-                                                         plan.page_rows)):
+        for b, (r, tier, cached, pages) in enumerate(zip(plan.requests, plan.tiers, cached_lens, plan.page_rows)):
             if tier not in BELOW_GPU:
                 continue
             first, last = self._first_page(r, cached), -(-cached // ps)

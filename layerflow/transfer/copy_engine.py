@@ -52,7 +52,8 @@ class CopyJob:
 
     @property
     def layer_page_bytes(self) -> int:
-        return self.gpu_layers[0][0].numel() * self.gpu_layers[0].element_size()
+        layer = self.gpu_layers[0]   # contiguous (check_layout): a page is one stride of its first dimension
+        return layer.stride(0) * layer.element_size()
 
 
 def check_layout(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor) -> None:
@@ -79,8 +80,7 @@ def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, gpu_pages
     if plan.num_pages:
         # Every check works on the runs, not the pages: a contiguous user is one run, so this is O(1) for it.
         num_pages = min(layer.shape[0] for layer in gpu_layers)
-        gpu_max = int((plan.run_gpu + plan.run_len).max()) - 1
-        host_max = int((plan.run_host + plan.run_len).max()) - 1
+        gpu_max, host_max = _last_index(plan.run_gpu, plan.run_len), _last_index(plan.run_host, plan.run_len)
         if gpu_max >= num_pages:
             raise ValueError(f"gpu_pages: index {gpu_max} out of range [0, {num_pages})")
         if host_max >= host.shape[0]:
@@ -92,6 +92,13 @@ def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, gpu_pages
         raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(gpu_layers) - 1} "
                          f"exceed the signal's {signal.num_layers} layers")
     return CopyJob(gpu_layers, host, plan, signal, first_layer)
+
+
+def _last_index(starts: np.ndarray, lengths: np.ndarray) -> int:
+    """The largest index the runs [start, start + length) cover (plain int arithmetic for the common single run)."""
+    if starts.size == 1:
+        return int(starts[0]) + int(lengths[0]) - 1
+    return int((starts + lengths).max()) - 1
 
 
 def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:

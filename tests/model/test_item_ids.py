@@ -68,3 +68,18 @@ def test_a_bad_id_in_a_batch_of_plain_ints_names_its_user():
     lists["candidates"][2], lists["appended"][1] = [8], [3, -4]
     with pytest.raises(ValueError, match=r"user 12: appended item id -4 out of vocabulary"):
         JaggedBatch.from_lists(CONFIG, **lists)
+
+
+def test_plain_ints_vouched_for_skip_the_type_scan_but_not_the_vocabulary():
+    """`plain_ints` (the KV manager's batches of Request lists): the same batch; an id out of the vocabulary or past
+    int64 is still named with its user."""
+    lists = dict(cached_lens=[3, 0], appended=[[1, 2], [3]], candidates=[[5], [6, 7]], user_ids=[11, 12])
+    batch, scanned = JaggedBatch.from_lists(CONFIG, **lists, plain_ints=True), JaggedBatch.from_lists(CONFIG, **lists)
+    assert batch.appended_ids.tolist() == scanned.appended_ids.tolist() == [1, 2, 3]
+    assert batch.candidate_ids.tolist() == scanned.candidate_ids.tolist() == [5, 6, 7]
+    assert batch.cached_lens == [3, 0] and batch.candidate_lens == [1, 2]
+    for bad, match in ((10, "user 12: candidate item id 10 out of vocabulary"),
+                       (2**80, "user 12: candidate item id 1208925819614629174706176 out of vocabulary")):
+        lists["candidates"][1] = [6, bad]
+        with pytest.raises(ValueError, match=match):
+            JaggedBatch.from_lists(CONFIG, **lists, plain_ints=True)

@@ -168,6 +168,26 @@ def test_bad_request_is_a_value_error_and_the_engine_keeps_serving(weights, requ
         assert torch.allclose(scores, reference(weights, [1, 2, 3, 4], [5, 6]), atol=TOL)
 
 
+def test_a_bad_id_found_after_the_onboarding_started_gives_everything_back(weights):
+    """The onboarding is issued before the batch is packed (its first copy starts sooner), so a bad id is found with
+    the host hit's copies already running: they end, its GPU pages and pins go back, and its host copy still serves."""
+    copied = []
+    copier = FaultyThreadCopyEngine(before_layer=copied.append)
+    with make_engine(weights, copy_engine=copier) as engine:
+        history = list(range(40))
+        engine.score([Request(5, history, [])])
+        engine.kv.evict_from_gpu(5)
+        free, copied[:] = engine.kv.gpu.num_free, []
+        with pytest.raises(ValueError, match="user 5: candidate item id 500"):
+            engine.score([Request(5, [7], [CONFIG.item_vocab_size])])
+        assert copied == list(range(CONFIG.num_layers))   # the onboarding ran, every layer
+        assert engine.kv.tier(5) is Tier.HOST and 5 not in engine.kv.gpu
+        assert engine.kv.gpu.num_free == free and engine.kv.gpu.num_pinned == 0
+        assert engine.kv.users[5].history == history
+        scores = engine.score([Request(5, [7], [1, 2])])[0]
+        assert torch.allclose(scores, reference(weights, history + [7], [1, 2]), atol=TOL)
+
+
 def test_duplicate_user_in_a_batch_is_refused(weights):
     with make_engine(weights) as engine:
         with pytest.raises(ValueError, match="user 3 appears twice"):

@@ -30,6 +30,24 @@ def test_plan_runs_splits_where_either_side_breaks():
     assert plan_runs([], []).num_runs == 0
 
 
+@pytest.mark.parametrize("pages,blocks", [((7, 8, 9), [3, 4, 5]), ([0], (0,)), (tuple(range(64)), range(64)),
+                                          (tuple(range(65)), tuple(range(1, 66))), ((7, 8, 10), (3, 4, 5))])
+def test_a_short_run_of_ints_plans_like_its_arrays(pages, blocks):
+    """Short tuples and lists that are one run are recognised on the Python ints: the same plan as numpy's path."""
+    plan, arrays = plan_runs(pages, blocks), plan_runs(np.array(pages), np.array(blocks))
+    for name in ("gpu_pages", "host_blocks", "run_gpu", "run_host", "run_len"):
+        got, want = getattr(plan, name), getattr(arrays, name)
+        assert got.dtype == np.int64 and got.tolist() == want.tolist(), name
+
+
+@pytest.mark.parametrize("pages,match", [((-1, 0), "gpu_pages: negative index -1"),
+                                         ((True, False), "gpu_pages: expected a 1-D sequence of ints"),
+                                         ((2.0, 3.0), "gpu_pages: expected a 1-D sequence of ints")])
+def test_a_run_of_bad_indices_is_refused(pages, match):
+    with pytest.raises(ValueError, match=match):
+        plan_runs(pages, (0, 1))
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_thread_onboard_byte_exact(engine, placement):
     pages, blocks = PLACEMENTS[placement]
