@@ -4,7 +4,8 @@ bytes, measured in the same run as the bar.
 Per user size (hstu-bench layout: 8 layers x 4 heads x 256, bf16, 32-token pages = 1 MiB blocks), on loopback:
 - host hit: an onboarding of a host-resident user into the engine's pool (the copy engine only);
 - remote hit: the same onboarding of a user found only in Redis (fetch, checksum, host blocks, copy engine);
-- remote fetch: the store's read into host blocks alone (`RedisStore.load`: pipelined MGETs, checks, copies);
+- remote fetch: the store's read into host blocks alone (`RedisStore.load`: pipelined MGETs whose values are
+  received straight into the host blocks and checksummed as they land);
 - raw GET: the same block keys fetched with redis-py, values dropped: MGET in the store's groups with as many in
   flight on as many connections, and plain GETs one after another; the faster is the bar (goal: fetch >= 0.8 of it).
 The benchmark starts its own redis-server on a free port unless given --redis-url.

@@ -7,9 +7,9 @@ Blocks are written with a pending expiry (`pending_ttl_s`) and made persistent b
 manifest in (only if the current one is still the one the writer read, and only if every block it names exists); the
 blocks the replaced manifest named and the new one does not get `stale_ttl_s` to live, so a reader of the old
 manifest still finishes. Reads fetch groups of about `fetch_bytes` with MGET, pipelined over up to `connections`
-connections of the pool. Every call is bounded by `timeout_s`; redis-py's own retries are off (the
-store backs off itself). The password goes in through a credential provider, so no repr of the client shows it,
-and no error or log line carries it.
+connections of the pool, and receive the values straight into the host blocks (tier/redis_reply.py). Every call
+is bounded by `timeout_s`; redis-py's own retries are off (the store backs off itself). The password goes in
+through a credential provider, so no repr of the client shows it, and no error or log line carries it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from redis.retry import Retry
 
 from layerflow.tier.layout import KVLayout
 from layerflow.tier.remote_faults import RemoteFault
-from layerflow.tier.remote_manifest import Manifest
-from layerflow.tier.remote_store import RemoteStore
+from layerflow.tier.redis_reply import ReplyError, ReplyReader
 from layerflow.tier.redis_url import check_namespace, check_url, redacted_url
+from layerflow.tier.remote_manifest import Manifest, block_hasher
+from layerflow.tier.remote_store import Landed, RemoteStore
+from layerflow.tier.ssd import HostBlocks
 
 # KEYS[1] the manifest; KEYS[2 .. 1+keep] the blocks the new manifest names; the other KEYS the old one's to expire.
 # ARGV: expected current version ('' none), new version ('' delete), new body, keep, stale ttl (ms).
@@ -104,8 +106,12 @@ class RedisStore(RemoteStore):
             raise RemoteFault(f"unreachable ({self._scrub(e)})") from None
         except redis.exceptions.OutOfMemoryError as e:
             raise RemoteFault(f"out of memory ({self._scrub(e)})") from None
-        except redis.ResponseError as e:
+        except (redis.ResponseError, ReplyError) as e:
             raise RemoteFault(f"refused ({self._scrub(e)})") from None
+        except TimeoutError:   # a socket read by a ReplyReader
+            raise RemoteFault(f"no answer within {self.timeout_s} s") from None
+        except ConnectionError as e:
+            raise RemoteFault(f"unreachable ({self._scrub(e)})") from None
         except (redis.RedisError, OSError) as e:
             raise RemoteFault(f"{type(e).__name__} ({self._scrub(e)})") from None
 
@@ -135,23 +141,33 @@ class RedisStore(RemoteStore):
         manifest = Manifest.decode(body, self.fingerprint, self.page_size, self.block_bytes)
         return manifest if manifest is not None and manifest.version.encode() == version else None
 
-    def _fetch(self, user: str, manifest: Manifest, count: int) -> Iterator[tuple[int, list[bytes | None]]]:
+    def _fetch(self, user: str, manifest: Manifest, host: HostBlocks, blocks: list[int]) -> Iterator[Landed]:
         """MGETs of `blocks_per_fetch` keys pipelined over up to `connections` connections, two in flight on each
-        (sent round robin, read in order, so the server streams the next group while this one is checked)."""
-        keys = self._block_keys(user, manifest, count)
-        groups = [(s, keys[s:s + self.blocks_per_fetch]) for s in range(0, count, self.blocks_per_fetch)]
+        (sent round robin, read in order, so the server streams the next group while this one lands). Each reply is
+        read off the socket by a `ReplyReader`: the values are received straight into the host blocks and hashed
+        as they land, never held as bytes."""
+        keys = self._block_keys(user, manifest, len(blocks))
+        groups = [(s, keys[s:s + self.blocks_per_fetch]) for s in range(0, len(keys), self.blocks_per_fetch)]
         conns, clean = [], False
         try:
             with self._faults():
                 conns = [self._connections.get_connection() for _ in range(min(self.connections, len(groups)))]
+                readers = [ReplyReader(conn._sock) for conn in conns]   # connected: the pool connects what it lends
                 window = 2 * len(conns)
                 for i, (_, group) in enumerate(groups[:window]):
                     conns[i % len(conns)].send_command("MGET", *group)
-                for i, (start, _) in enumerate(groups):
-                    values = conns[i % len(conns)].read_response()
+                for i, (start, group) in enumerate(groups):
+                    reader = readers[i % len(conns)]
+                    if reader.array() != len(group):
+                        raise ReplyError(f"an MGET of {len(group)} keys answered with another number of values")
+                    landed = []
+                    for index in range(start, start + len(group)):
+                        digest = block_hasher()
+                        length = reader.bulk_into(host(blocks[index]), digest)
+                        landed.append(None if length is None else (length, digest.intdigest()))
                     if i + window < len(groups):
                         conns[(i + window) % len(conns)].send_command("MGET", *groups[i + window][1])
-                    yield start, values
+                    yield start, landed
             clean = True
         finally:
             for conn in conns:

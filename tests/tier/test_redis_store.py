@@ -171,6 +171,22 @@ def test_redis_killed_mid_read_is_a_miss_logged_once_and_the_store_recovers(redi
     assert any("recovered" in r.getMessage() for r in caplog.records)
 
 
+def test_redis_frozen_mid_read_times_out_into_a_miss_and_the_next_read_is_whole(redis_process, stores):
+    server = redis_process()
+    store = stores(server.url, fetch_bytes=LAYOUT.page_bytes, connections=1, timeout_s=0.3)
+    host, other = Host(seed=18), Host(seed=19)
+    write(store, 3, 32, host, list(range(8)))
+    store.lookup(3)
+    try:
+        with pytest.raises(Miss, match=r"failed mid-read \(no answer within 0.3 s\)"):
+            store.load(3, other.views, list(range(8)), on_group=lambda blocks: server.freeze())
+    finally:
+        server.thaw()
+    store.outage.succeeded()
+    store.load(3, other.views, list(range(8)))       # the abandoned connection's late replies are not read as these
+    assert same(host, range(8), other, range(8))
+
+
 class KilledMidWrite(RedisStore):
     """Kills the server after the first batch of blocks went out, before the manifest is swapped in."""
 
