@@ -113,24 +113,24 @@ def measure(url: str, tokens_list: list[int], reps: int, connections: int) -> li
         AllOf(tier.copier.copy(source, slot.blocks[:n], to_gpu=False)).wait(60)
         write_s = timed(lambda: (cache.end_offload(user, ok=True), store.flush(600)))
         keys = [f"bench:{store.fingerprint}:{user}:{v}:{i}" for i, v in enumerate(store.lookup(user).block_versions())]
-        per = store.blocks_per_fetch
+        per = store.blocks_per_mget
         times = {"host_hit": [], "remote_hit": [], "remote_fetch": [], "raw_mget": [], "raw_get": []}
-        for _ in range(reps):
+        for _ in range(reps):                                  # the fetch right after its bar, on the same machine load
             times["raw_mget"].append(raw_mget(url, keys, per, connections))
             times["raw_get"].append(raw_get(url, keys))
+            blocks = cache.host.pages(user)
+            store.lookup(user)
+            times["remote_fetch"].append(timed(lambda: store.load(user, views, blocks)))
             cache.evict(user)                                  # written through already: only the host copy goes
             assert tier.locate(user, tokens) is Tier.REMOTE
             times["remote_hit"].append(timed(lambda: onboard(tier, gpu, user, tokens, target)))
             assert same_pages(gpu, source, target)
             times["host_hit"].append(timed(lambda: onboard(tier, gpu, user, tokens, target)))
-            blocks = cache.host.pages(user)
-            store.lookup(user)
-            times["remote_fetch"].append(timed(lambda: store.load(user, views, blocks)))
         median = {k: statistics.median(v) for k, v in times.items()}
         bars = [min(m, g) for m, g in zip(times["raw_mget"], times["raw_get"])]
 
         def vs_bar(name: str) -> float:
-            """The median over repetitions of (bar / time): each against the bar measured right before it."""
+            """The median over repetitions of (bar / time): each against the bar of its repetition."""
             return round(statistics.median(b / t for b, t in zip(bars, times[name])), 3)
         rows.append({
             "tokens": tokens, "bytes": nbytes, "write_s": write_s,

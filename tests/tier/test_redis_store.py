@@ -82,6 +82,11 @@ def test_a_copy_round_trips_byte_exact_group_by_group(redis_url, stores):
     assert landed == [[10, 11], [12, 13]]
     assert same(host, [0, 1, 2, 3], other, [10, 11, 12, 13])
     assert store.lookup(8) is None
+    one_key_mgets = stores(redis_url, fetch_bytes=3 * LAYOUT.page_bytes, mget_bytes=1, connections=2)
+    landed, other = [], Host(seed=3)
+    one_key_mgets.load(7, other.views, [10, 11, 12, 13], on_group=landed.append)   # 4 MGETs over 2 connections
+    assert landed == [[10, 11, 12], [13]]
+    assert same(host, [0, 1, 2, 3], other, [10, 11, 12, 13])
     with pytest.raises(Miss, match="5 blocks asked, 4"):
         store.load(7, other.views, [10, 11, 12, 13, 14])
 
