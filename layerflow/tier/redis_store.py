@@ -145,8 +145,8 @@ class RedisStore(RemoteStore):
     def _fetch(self, user: str, manifest: Manifest, host: HostBlocks, blocks: list[int]) -> Iterator[Landed]:
         """MGETs of `blocks_per_mget` keys pipelined over up to `connections` connections, two in flight on each
         (sent round robin, read in order, so the server streams the next while one lands), yielded in groups of
-        `blocks_per_group`. Small MGETs keep the server's reply buffers small (it copies a value into one before
-        the socket, and that copy stays in cache); fewer, larger groups cost the consumer less per group. Each reply
+        `blocks_per_group`. Small MGETs cost the server less (it copies each reply into buffers of its own before the
+        socket, and its CPU per fetch grew with the bytes in flight); larger groups cost the consumer less. Each reply
         is read off the socket by a `ReplyReader`: the values land straight in the host blocks, hashed as they do."""
         keys = self._block_keys(user, manifest, len(blocks))
         mgets = [(s, keys[s:s + self.blocks_per_mget]) for s in range(0, len(keys), self.blocks_per_mget)]
