@@ -6,10 +6,10 @@ Keys (a namespace, the fingerprint of the model and KV layout, the user):
 Blocks are written with a pending expiry (`pending_ttl_s`) and made persistent by the one Lua script that swaps a
 manifest in (only if the current one is still the one the writer read, and only if every block it names exists); the
 blocks the replaced manifest named and the new one does not get `stale_ttl_s` to live, so a reader of the old
-manifest still finishes. Reads fetch groups of about `fetch_bytes` with MGET, pipelined over up to `connections`
-connections of the pool. Every call is bounded by `timeout_s`; redis-py's own retries are off (the
-store backs off itself). The password goes in through a credential provider, so no repr of the client shows it,
-and no error or log line carries it.
+manifest still finishes. Reads land groups of about `fetch_bytes` from MGETs of about `mget_bytes`, pipelined over
+up to `connections` connections of the pool, the values received straight into the host blocks (tier/redis_reply.py).
+Every call is bounded by `timeout_s`; redis-py's own retries are off (the store backs off itself). The password goes
+in through a credential provider, so no repr of the client shows it, and no error or log line carries it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from redis.retry import Retry
 
 from layerflow.tier.layout import KVLayout
 from layerflow.tier.remote_faults import RemoteFault
-from layerflow.tier.remote_manifest import Manifest
-from layerflow.tier.remote_store import RemoteStore
+from layerflow.tier.redis_reply import ReplyError, ReplyReader
 from layerflow.tier.redis_url import check_namespace, check_url, redacted_url
+from layerflow.tier.remote_manifest import Manifest, block_hasher
+from layerflow.tier.remote_store import Landed, RemoteStore
+from layerflow.tier.ssd import HostBlocks
 
 # KEYS[1] the manifest; KEYS[2 .. 1+keep] the blocks the new manifest names; the other KEYS the old one's to expire.
 # ARGV: expected current version ('' none), new version ('' delete), new body, keep, stale ttl (ms).
@@ -54,21 +56,22 @@ class RedisStore(RemoteStore):
 
     def __init__(self, url: str, layout: KVLayout, fingerprint: str, *, namespace: str = "layerflow",
                  password: str | None = None, timeout_s: float = 1.0, connections: int = 4,
-                 fetch_bytes: int = 4 << 20, stale_ttl_s: float = 60.0, pending_ttl_s: float = 600.0,
-                 queue_jobs: int = 32, queue_bytes: int = 1 << 30) -> None:
+                 fetch_bytes: int = 4 << 20, mget_bytes: int = 1 << 20, stale_ttl_s: float = 60.0,
+                 pending_ttl_s: float = 600.0, queue_jobs: int = 32, queue_bytes: int = 1 << 30) -> None:
         check_url(url)
         check_namespace(namespace)
         for key, value in (("timeout_s", timeout_s), ("stale_ttl_s", stale_ttl_s), ("pending_ttl_s", pending_ttl_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{key}={value!r}: must be a positive number")
-        for key, value in (("connections", connections), ("fetch_bytes", fetch_bytes)):
+        for key, value in (("connections", connections), ("fetch_bytes", fetch_bytes), ("mget_bytes", mget_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{key}={value!r}: must be a positive integer")
         self.url, self.timeout_s, self.connections = redacted_url(url), float(timeout_s), connections
         self._prefix = f"{namespace}:{fingerprint}:"
         self._secret = password
         self._stale_ms, self._pending_ms = int(stale_ttl_s * 1000), int(pending_ttl_s * 1000)
-        self.blocks_per_fetch = max(1, fetch_bytes // layout.page_bytes)
+        self.blocks_per_group = max(1, fetch_bytes // layout.page_bytes)
+        self.blocks_per_mget = min(self.blocks_per_group, max(1, mget_bytes // layout.page_bytes))
         credentials = UsernamePasswordCredentialProvider(urlsplit(url).username, password) if password else None
         self._connections = redis.BlockingConnectionPool.from_url(
             url, credential_provider=credentials, socket_timeout=self.timeout_s,
@@ -104,8 +107,12 @@ class RedisStore(RemoteStore):
             raise RemoteFault(f"unreachable ({self._scrub(e)})") from None
         except redis.exceptions.OutOfMemoryError as e:
             raise RemoteFault(f"out of memory ({self._scrub(e)})") from None
-        except redis.ResponseError as e:
+        except (redis.ResponseError, ReplyError) as e:
             raise RemoteFault(f"refused ({self._scrub(e)})") from None
+        except TimeoutError:   # a socket read by a ReplyReader
+            raise RemoteFault(f"no answer within {self.timeout_s} s") from None
+        except ConnectionError as e:
+            raise RemoteFault(f"unreachable ({self._scrub(e)})") from None
         except (redis.RedisError, OSError) as e:
             raise RemoteFault(f"{type(e).__name__} ({self._scrub(e)})") from None
 
@@ -135,23 +142,36 @@ class RedisStore(RemoteStore):
         manifest = Manifest.decode(body, self.fingerprint, self.page_size, self.block_bytes)
         return manifest if manifest is not None and manifest.version.encode() == version else None
 
-    def _fetch(self, user: str, manifest: Manifest, count: int) -> Iterator[tuple[int, list[bytes | None]]]:
-        """MGETs of `blocks_per_fetch` keys pipelined over up to `connections` connections, two in flight on each
-        (sent round robin, read in order, so the server streams the next group while this one is checked)."""
-        keys = self._block_keys(user, manifest, count)
-        groups = [(s, keys[s:s + self.blocks_per_fetch]) for s in range(0, count, self.blocks_per_fetch)]
+    def _fetch(self, user: str, manifest: Manifest, host: HostBlocks, blocks: list[int]) -> Iterator[Landed]:
+        """MGETs of `blocks_per_mget` keys pipelined over up to `connections` connections, two in flight on each
+        (sent round robin, read in order, so the server streams the next while one lands), yielded in groups of
+        `blocks_per_group`. Small MGETs cost the server less (it copies each reply into buffers of its own before the
+        socket, and its CPU per fetch grew with the bytes in flight); larger groups cost the consumer less. Each reply
+        is read off the socket by a `ReplyReader`: the values land straight in the host blocks, hashed as they do."""
+        keys = self._block_keys(user, manifest, len(blocks))
+        mgets = [(s, keys[s:s + self.blocks_per_mget]) for s in range(0, len(keys), self.blocks_per_mget)]
         conns, clean = [], False
         try:
             with self._faults():
-                conns = [self._connections.get_connection() for _ in range(min(self.connections, len(groups)))]
+                conns = [self._connections.get_connection() for _ in range(min(self.connections, len(mgets)))]
+                readers = [ReplyReader(conn._sock) for conn in conns]   # connected: the pool connects what it lends
                 window = 2 * len(conns)
-                for i, (_, group) in enumerate(groups[:window]):
+                for i, (_, group) in enumerate(mgets[:window]):
                     conns[i % len(conns)].send_command("MGET", *group)
-                for i, (start, _) in enumerate(groups):
-                    values = conns[i % len(conns)].read_response()
-                    if i + window < len(groups):
-                        conns[(i + window) % len(conns)].send_command("MGET", *groups[i + window][1])
-                    yield start, values
+                first, landed = 0, []
+                for i, (start, group) in enumerate(mgets):
+                    reader = readers[i % len(conns)]
+                    if reader.array() != len(group):
+                        raise ReplyError(f"an MGET of {len(group)} keys answered with another number of values")
+                    for index in range(start, start + len(group)):
+                        digest = block_hasher()
+                        length = reader.bulk_into(host(blocks[index]), digest)
+                        landed.append(None if length is None else (length, digest.intdigest()))
+                    if i + window < len(mgets):
+                        conns[(i + window) % len(conns)].send_command("MGET", *mgets[i + window][1])
+                    if len(landed) >= self.blocks_per_group or i == len(mgets) - 1:
+                        yield first, landed
+                        first, landed = first + len(landed), []
             clean = True
         finally:
             for conn in conns:

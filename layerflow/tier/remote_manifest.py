@@ -49,6 +49,11 @@ def block_checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def block_hasher() -> xxhash.xxh3_64:
+    """`block_checksum` fed piece by piece (`update`, then `intdigest()`): a block checked as its bytes land."""
+    return xxhash.xxh3_64()
+
+
 def history_key(history: Sequence[int] | np.ndarray) -> tuple[int, int]:
     """(length, xxh3-64 of the item ids): tells whether a copy was computed from exactly this history."""
     items = np.asarray(history, dtype="<i8")

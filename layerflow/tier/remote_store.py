@@ -41,6 +41,7 @@ WRITE_THROUGH, ON_EVICT = "write_through", "on_evict"
 REMOTE_WRITES = (WRITE_THROUGH, ON_EVICT)
 RECENT_MANIFESTS = 64
 PUT_BATCH_BYTES = 4 << 20   # blocks per round trip of a write
+Landed = tuple[int, list[tuple[int, int] | None]]   # a group of blocks `RemoteStore._fetch` landed
 
 
 @dataclass(eq=False)
@@ -110,9 +111,10 @@ class RemoteStore(ABC):
         """The user's current manifest (None: none, or one this store may not use). Raises RemoteFault."""
 
     @abstractmethod
-    def _fetch(self, user: str, manifest: Manifest, count: int) -> Iterator[tuple[int, list[bytes | None]]]:
-        """The first `count` blocks as `(first index, values)` groups in block order, fetched ahead of the consumer
-        (None: no such value). Closing the iterator early abandons the rest. Raises RemoteFault."""
+    def _fetch(self, user: str, manifest: Manifest, host: HostBlocks, blocks: list[int]) -> Iterator[Landed]:
+        """The first len(`blocks`) blocks into host `blocks`, fetched ahead, as groups in block order: the first index
+        and per block (its value's length, the `block_hasher` digest of what landed) or None (no such value); a value
+        not one block long is not landed. Closing the iterator early abandons the rest. Raises RemoteFault."""
 
     @abstractmethod
     def _put_blocks(self, user: str, version: str, blocks: Sequence[tuple[int, bytes]]) -> None:
@@ -158,7 +160,8 @@ class RemoteStore(ABC):
              on_group: Callable[[list[int]], None] | None = None) -> None:
         """The first len(`blocks`) blocks of the copy `lookup` last returned (else the current one) into host
         `blocks`, each checked; `on_group(host_blocks)` as each checked group lands, in order. Raises Miss when the
-        store is unreachable or a block is missing, short or damaged (the damaged copy is then deleted)."""
+        store is unreachable or a block is missing, short or damaged (the damaged copy is then deleted; the host
+        blocks may hold part of it, and the caller frees them)."""
         key, blocks = str(user), list(blocks)
         with self._cond:
             manifest = self._recent.pop(key, None)
@@ -171,14 +174,14 @@ class RemoteStore(ABC):
             raise Miss(f"user {key!r}: {len(blocks)} blocks asked, {manifest.num_blocks} in the remote store")
         problem = None
         try:
-            groups = self._fetch(key, manifest, len(blocks))
+            groups = self._fetch(key, manifest, host, blocks)
             try:
-                for start, values in groups:
-                    problem = self._land(manifest, host, blocks, start, values)
+                for start, landed in groups:
+                    problem = self._check(manifest, start, landed)
                     if problem is not None:
                         break
                     if on_group is not None:
-                        on_group(blocks[start:start + len(values)])
+                        on_group(blocks[start:start + len(landed)])
             finally:
                 groups.close()
         except RemoteFault as e:
@@ -193,19 +196,16 @@ class RemoteStore(ABC):
             state = self._state(key)
             state.mirrored, state.dirty = manifest.version, len(blocks)
 
-    def _land(self, manifest: Manifest, host: HostBlocks, blocks: list[int], start: int,
-              values: list[bytes | None]) -> str | None:
-        for i, value in enumerate(values, start):
-            if value is None:
+    def _check(self, manifest: Manifest, start: int, landed: list[tuple[int, int] | None]) -> str | None:
+        """What is wrong with a group of landed blocks (None: nothing)."""
+        for i, block in enumerate(landed, start):
+            if block is None:
                 return f"block {i} is missing (evicted or expired)"
-            if len(value) != self.block_bytes:
-                return f"block {i} has {len(value)} bytes, expected {self.block_bytes} (truncated)"
-            if block_checksum(value) != int(manifest.checksums[i]):
+            length, checksum = block
+            if length != self.block_bytes:
+                return f"block {i} has {length} bytes, expected {self.block_bytes} (truncated)"
+            if checksum != int(manifest.checksums[i]):
                 return f"block {i} fails its checksum"
-            data, offset = memoryview(value), 0
-            for view in host(blocks[i]):
-                view[:] = data[offset:offset + len(view)]
-                offset += len(view)
         return None
 
     def _discard(self, key: str, manifest: Manifest, problem: str) -> None:

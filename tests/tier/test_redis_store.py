@@ -82,6 +82,11 @@ def test_a_copy_round_trips_byte_exact_group_by_group(redis_url, stores):
     assert landed == [[10, 11], [12, 13]]
     assert same(host, [0, 1, 2, 3], other, [10, 11, 12, 13])
     assert store.lookup(8) is None
+    one_key_mgets = stores(redis_url, fetch_bytes=3 * LAYOUT.page_bytes, mget_bytes=1, connections=2)
+    landed, other = [], Host(seed=3)
+    one_key_mgets.load(7, other.views, [10, 11, 12, 13], on_group=landed.append)   # 4 MGETs over 2 connections
+    assert landed == [[10, 11, 12], [13]]
+    assert same(host, [0, 1, 2, 3], other, [10, 11, 12, 13])
     with pytest.raises(Miss, match="5 blocks asked, 4"):
         store.load(7, other.views, [10, 11, 12, 13, 14])
 
@@ -169,6 +174,22 @@ def test_redis_killed_mid_read_is_a_miss_logged_once_and_the_store_recovers(redi
     store.load(3, other.views, list(range(8)))
     assert same(host, range(8), other, range(8))
     assert any("recovered" in r.getMessage() for r in caplog.records)
+
+
+def test_redis_frozen_mid_read_times_out_into_a_miss_and_the_next_read_is_whole(redis_process, stores):
+    server = redis_process()
+    store = stores(server.url, fetch_bytes=LAYOUT.page_bytes, connections=1, timeout_s=0.3)
+    host, other = Host(seed=18), Host(seed=19)
+    write(store, 3, 32, host, list(range(8)))
+    store.lookup(3)
+    try:
+        with pytest.raises(Miss, match=r"failed mid-read \(no answer within 0.3 s\)"):
+            store.load(3, other.views, list(range(8)), on_group=lambda blocks: server.freeze())
+    finally:
+        server.thaw()
+    store.outage.succeeded()
+    store.load(3, other.views, list(range(8)))       # the abandoned connection's late replies are not read as these
+    assert same(host, range(8), other, range(8))
 
 
 class KilledMidWrite(RedisStore):
