@@ -30,7 +30,10 @@ class GraphRunner:
             self.pipeline.forward(bufs, NoWait())  # compile and autotune outside the capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the engine's own threads (signal notifiers, copy and serving threads) keep querying and
+        # synchronizing events while a graph is captured; in the default global mode any of those calls, from any
+        # thread of the process, invalidates the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self.pipeline.forward(bufs, wait)
         self._graphs[(bufs.bucket, type(wait))] = graph
 
