@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
@@ -30,13 +31,24 @@ SHARED_MEMORY_BYTES = 227 * 1024
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
+GLUON_VARIANTS = ("sync", "prefetch", "async")
+
+
 @dataclass(frozen=True)
 class GluonTiling:
-    """The Gluon kernel's own launch knobs (the query block and split count are PagedAttention's): keys per tile and
-    how many tiles the shared-memory ring holds (STAGES - 1 are loading while one is computed)."""
+    """The Gluon kernel's own launch knobs (the query block and split count are PagedAttention's): keys per tile,
+    how many tiles the shared-memory ring holds, and the tile loop's schedule:
+
+    - "sync": each tile's page ids are loaded just before its copies are issued, both dots run synchronously;
+    - "prefetch": the page ids of the tile issued next are loaded one iteration early, so issuing a tile's copies
+      never waits on a global load;
+    - "async": prefetch, and QK^T of tile j + 1 runs on the tensor cores while SiLU of tile j runs on the ALUs
+      (needs stages >= 3: tiles j and j + 1 are read while j + 2 loads).
+    """
 
     block_n: int = 32
     stages: int = 3
+    variant: str = "sync"
 
 
 def default_gluon_tiling(head_dim: int) -> GluonTiling:
@@ -67,18 +79,24 @@ def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
-def _issue_tile(k_buf, v_buf, tile, num_hist, num_tiles, lo, hi, page_row, cache_h, k_ptr, v_ptr, k_stride,
+def _tile_pages(page_row, tile, lo, hi, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Page ids of history tile `tile`'s rows (0 for rows past hi, so any tile number is safe to ask for)."""
+    n = lo + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    return gl.load(page_row + n // PAGE, mask=n < hi, other=0)
+
+
+@gluon.jit
+def _issue_tile(k_buf, v_buf, tile, page, num_hist, num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride,
                 v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
     """Start copying tile `tile`'s K and V rows into (k_buf, v_buf) and commit one async-copy group (empty past the
-    last tile, so the group count stays one per tile). Tiles below num_hist are history keys lo + tile * BLOCK_N ..,
-    read through the page table; the rest are the block's own (candidate) K/V rows. Rows out of range are zeroed."""
+    last tile, so the group count stays one per tile). Tiles below num_hist are history keys lo + tile * BLOCK_N ..
+    on pages `page` (_tile_pages); the rest are the block's own (candidate) K/V rows. Rows out of range are zeroed."""
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     if tile < num_hist:
         n = lo + tile * BLOCK_N + rows
         key_ok = n < hi
-        page = gl.load(page_row + n // PAGE, mask=key_ok, other=0)
         row_at = page.to(gl.int64) * (2 * ROWS * H * D) + ((n % PAGE) * (H * D)).to(gl.int64)
         ptrs = cache_h + row_at[:, None] + cols[None, :]
         async_copy.async_copy_global_to_shared(k_buf, ptrs, mask=key_ok[:, None])
@@ -96,12 +114,24 @@ def _issue_tile(k_buf, v_buf, tile, num_hist, num_tiles, lo, hi, page_row, cache
 
 
 @gluon.jit
+def _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N: gl.constexpr):
+    """SiLU(s) where a row sees the tile's key, else 0: history tiles hold keys lo + tile * BLOCK_N .. (row sees
+    key < hist_end); in a self tile local key c + tile offset == the row's own index (candidates only)."""
+    is_self = tile >= num_hist
+    key = gl.where(is_self, (tile - num_hist) * BLOCK_N, lo + tile * BLOCK_N) + key_cols
+    key_lo = gl.where(is_self, r, 0)
+    key_hi = gl.where(is_self, self_end, hist_end)
+    seen = (key[None, :] >= key_lo[:, None]) & (key[None, :] < key_hi[:, None])
+    return gl.where(seen, s / (1.0 + gl.exp2(-LOG2E * s)), 0.0)
+
+
+@gluon.jit
 def _gluon_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr,
-    ROWS: gl.constexpr, num_warps: gl.constexpr,
+    ROWS: gl.constexpr, PREFETCH: gl.constexpr, ASYNC_MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -158,29 +188,54 @@ def _gluon_attention_kernel(
     page_row = page_table_ptr + user * page_table_stride
     cache_h = cache_ptr + head * D
     for t in gl.static_range(STAGES - 1):
-        _issue_tile(k_ring.index(t), v_ring.index(t), t, num_hist, num_tiles, lo, hi, page_row, cache_h, k_ptr,
-                    v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
+        _issue_tile(k_ring.index(t), v_ring.index(t), t, _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, load_layout),
+                    num_hist, num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
+                    row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
+    # With PREFETCH, `pages` holds the page ids of the next tile to issue, loaded an iteration before they are used.
+    pages = _tile_pages(page_row, STAGES - 1, lo, hi, PAGE, BLOCK_N, load_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    for tile in range(num_tiles):
-        # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
+    if ASYNC_MMA:
+        # S of tile `tile` arrives computed; the loop issues tile + 1's QK^T before SiLU and PV of `tile`.
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         fence_async_shared()
-        ahead = tile + STAGES - 1
-        _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, num_hist, num_tiles, lo,
-                    hi, page_row, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                    PAGE, ROWS, BLOCK_N, load_layout)
-        k_tile = k_ring.index(tile % STAGES)
-        s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
-        is_self = tile >= num_hist
-        key = gl.where(is_self, (tile - num_hist) * BLOCK_N, lo + tile * BLOCK_N) + key_cols
-        key_lo = gl.where(is_self, r, 0)
-        key_hi = gl.where(is_self, self_end, hist_end)
-        seen = (key[None, :] >= key_lo[:, None]) & (key[None, :] < key_hi[:, None])
-        p = gl.where(seen, s / (1.0 + gl.exp2(-LOG2E * s)), 0.0)
-        p = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
+        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+        for tile in range(num_tiles):
+            # Tile + 1 has landed for every thread; every warp is done with tile - 1's slot, refilled next.
+            async_copy.wait_group(STAGES - 3)
+            gl.thread_barrier()
+            fence_async_shared()
+            ahead = tile + STAGES - 1
+            _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
+                        num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H,
+                        D, PAGE, ROWS, BLOCK_N, load_layout)
+            pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
+            s_next = warpgroup_mma(q_smem, k_ring.index((tile + 1) % STAGES).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)
+            p = _silu_of_seen(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            p = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc, is_async=True)
+            s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])
+    else:
+        for tile in range(num_tiles):
+            # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            fence_async_shared()
+            ahead = tile + STAGES - 1
+            if not PREFETCH:
+                pages = _tile_pages(page_row, ahead, lo, hi, PAGE, BLOCK_N, load_layout)
+            _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
+                        num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H,
+                        D, PAGE, ROWS, BLOCK_N, load_layout)
+            if PREFETCH:
+                pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
+            k_tile = k_ring.index(tile % STAGES)
+            s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
+            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            p = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
     async_copy.wait_group(0)
 
     if INV_N_PER_USER:
@@ -199,6 +254,15 @@ def shared_memory_bytes(block_m: int, head_dim: int, tiling: GluonTiling, itemsi
     return (block_m + 2 * tiling.stages * tiling.block_n) * head_dim * itemsize + 16 * 1024
 
 
+def tiling_reason(tiling: GluonTiling) -> str | None:
+    """What is wrong with `tiling` on any shape (None when nothing is)."""
+    if tiling.block_n not in (32, 64) or tiling.stages < 2:
+        return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
+    if tiling.variant not in GLUON_VARIANTS or (tiling.variant == "async" and tiling.stages < 3):
+        return f"{tiling}: variant must be one of {GLUON_VARIANTS}, and 'async' needs stages >= 3"
+    return None
+
+
 def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int,
                        block_m: int, window: int, contextual: int, tiling: GluonTiling) -> str | None:
     """Why the Gluon kernel cannot serve this attention (None when it can)."""
@@ -208,8 +272,9 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch
         return f"max_attn_len={window}, contextual_len={contextual}: the Gluon kernel serves the default mask only"
     if block_m not in (64, 128) or head_dim not in (64, 128, 256):
         return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
-    if tiling.block_n not in (32, 64) or tiling.stages < 2:
-        return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
+    reason = tiling_reason(tiling)
+    if reason is not None:
+        return reason
     if shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
         return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
@@ -222,6 +287,9 @@ class GluonAttention:
     what `_paged_attention_kernel[grid]` takes and ignores the `tl`-only tiling knobs."""
 
     def __init__(self, tiling: GluonTiling) -> None:
+        reason = tiling_reason(tiling)
+        if reason is not None:
+            raise ValueError(reason)
         self.tiling = tiling
 
     def __getitem__(self, grid: tuple[int, int, int]):
@@ -235,7 +303,9 @@ class GluonAttention:
                              "default mask over a bf16/fp16 cache only")
         _gluon_attention_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS,
                                       BLOCK_M=BLOCK_M, BLOCK_N=self.tiling.block_n, STAGES=self.tiling.stages,
-                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, num_warps=BLOCK_M // 16)
+                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
+                                      PREFETCH=self.tiling.variant != "sync", ASYNC_MMA=self.tiling.variant == "async",
+                                      num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,
