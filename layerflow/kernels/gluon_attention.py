@@ -32,7 +32,7 @@ KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "prefetch", "async", "ws")
+GLUON_VARIANTS = ("sync", "prefetch", "async", "ws", "ws_async")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGISTERS = gl.constexpr(64)
@@ -49,7 +49,8 @@ class GluonTiling:
     - "async": prefetch, and QK^T of tile j + 1 runs on the tensor cores while SiLU of tile j runs on the ALUs
       (needs stages >= 3: tiles j and j + 1 are read while j + 2 loads);
     - "ws": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
-      per slot), the block's warps only wait for tiles and run the dots.
+      per slot), the block's warps only wait for tiles and run the dots;
+    - "ws_async": "ws" with the block's warps overlapping QK^T of tile j + 1 with SiLU of tile j, as "async" does.
     """
 
     block_n: int = 32
@@ -141,7 +142,7 @@ def _gluon_attention_kernel(
         gl.warp_specialize([
             (_ws_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
                             hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H,
-                            D, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
+                            D, BLOCK_M, BLOCK_N, STAGES, ASYNC_MMA, s_layout, o_layout, p_layout)),
             (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, k_ptr,
                             v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N,
                             STAGES)),
@@ -256,8 +257,9 @@ class GluonAttention:
         _gluon_attention_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS,
                                       BLOCK_M=BLOCK_M, BLOCK_N=self.tiling.block_n, STAGES=self.tiling.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
-                                      PREFETCH=self.tiling.variant != "sync", ASYNC_MMA=self.tiling.variant == "async",
-                                      WARP_SPECIALIZE=self.tiling.variant == "ws",
+                                      PREFETCH=self.tiling.variant != "sync",
+                                      ASYNC_MMA=self.tiling.variant in ("async", "ws_async"),
+                                      WARP_SPECIALIZE=self.tiling.variant in ("ws", "ws_async"),
                                       num_warps=BLOCK_M // 16)
 
 
