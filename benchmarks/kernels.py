@@ -22,7 +22,7 @@ import torch
 
 from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
-from layerflow.kernels.gluon_attention import KERNEL_CHOICES, GluonAttention, GluonTiling
+from layerflow.kernels.gluon_attention import GLUON_VARIANTS, KERNEL_CHOICES, GluonAttention, GluonTiling
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 
 APPENDED, HEADS, DTYPE, DEVICE = 64, 4, torch.bfloat16, "cuda"
@@ -159,12 +159,21 @@ SWEEP = {
 
 
 def gluon_tiling(text: str) -> GluonTiling:
-    """'32x3' -> GluonTiling(block_n=32, stages=3)."""
+    """'32x3' -> GluonTiling(block_n=32, stages=3); '32x4:async' -> the same with variant 'async'."""
+    shape, _, variant = text.partition(":")
     try:
-        block_n, stages = (int(part) for part in text.split("x"))
+        block_n, stages = (int(part) for part in shape.split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: expected KEYSxSTAGES, e.g. 32x3") from None
-    return GluonTiling(block_n=block_n, stages=stages)
+        raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT], e.g. 32x3 or "
+                                         f"32x4:async") from None
+    if variant and variant not in GLUON_VARIANTS:
+        raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: variant {variant!r} is not one of {GLUON_VARIANTS}")
+    return GluonTiling(block_n=block_n, stages=stages, variant=variant or GluonTiling.variant)
+
+
+def gluon_label(tiling: dict) -> str:
+    """A results row's Gluon tiling as the --gluon-tiling text that selects it."""
+    return f"gluon {tiling['block_n']}x{tiling['stages']}:{tiling.get('variant', 'sync')}"
 
 
 def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: argparse.Namespace,
@@ -191,7 +200,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         ref = f"{r['reference_us']:.0f} | {r['speedup']:.1f}x" if "reference_us" in r else "- | -"
         gluon = r.get("gluon_tiling")
-        kernel = f"gluon {gluon['block_n']}x{gluon['stages']}" if gluon else r.get("kernel", "triton")
+        kernel = gluon_label(gluon) if gluon else r.get("kernel", "triton")
         lines.append(f"| {kernel} | {r['batch']} | {r['history']} | {r['candidates']} | {r['head_dim']} | "
                      f"{r['num_splits']} | {r['time_us']:.1f} | {r['kv_tb_s']:.2f} | {r['copy_ratio']:.2f} | "
                      f"{r['tflops']:.0f} | {ref} |")
@@ -213,7 +222,8 @@ def main() -> None:
     parser.add_argument("--kernel", nargs="+", choices=KERNEL_CHOICES, default=["auto"],
                         help="attention kernel(s) to time (PagedAttention's kernel argument)")
     parser.add_argument("--gluon-tiling", nargs="+", type=gluon_tiling, default=[None],
-                        help="Gluon tilings KEYSxSTAGES to time with --kernel gluon (default: the library's)")
+                        help="Gluon tilings KEYSxSTAGES[:VARIANT] to time with --kernel gluon (default: the "
+                             "library's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")

@@ -4,9 +4,10 @@ copies into a multi-stage shared-memory ring.
 It computes what attention.py's `tl` kernel computes for the default mask (causal history, target-aware candidates,
 no window, no contextual prefix) over a bf16/fp16 cache, with the same program grid (split, query block, head) and
 the same split-K partial layout, so the `tl` kernel's split reduction sums its partials. Each program keeps its
-query block in shared memory; per history tile S = Q K^T and O += SiLU(alpha S) V run on the tensor cores while the
-next STAGES - 1 tiles are in flight. A candidate's own key (not in the pages) is one more diagonal tile of the
-block's K/V rows, run by split 0 through the same loop, so no scalar dot product is needed at the end.
+query block in shared memory; per history tile S = Q K^T and O += SiLU(alpha S) V run on the tensor cores while
+later tiles are in flight (GluonTiling.variant picks how the loop overlaps them). A candidate's own key (not in the
+pages) is one more diagonal tile of the block's K/V rows, run by split 0 through the same loop, so no scalar dot
+product is needed at the end.
 
 `GluonAttention` is launched with the `tl` kernel's arguments (`launcher[grid](...)`), so PagedAttention swaps one
 for the other in a single call; `select_kernel` decides which one a PagedAttention uses.
@@ -21,22 +22,40 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+from layerflow.kernels.gluon_tiles import _issue_tile, _silu_of_seen, _store_partial, _tile_pages, _user_block
+from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-LOG2E = gl.constexpr(1.4426950408889634)
+GLUON_VARIANTS = ("sync", "prefetch", "async", "ws", "ws_async")
+# The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
+PRODUCER_WARPS = gl.constexpr(4)
+PRODUCER_REGISTERS = gl.constexpr(64)
 
 
 @dataclass(frozen=True)
 class GluonTiling:
-    """The Gluon kernel's own launch knobs (the query block and split count are PagedAttention's): keys per tile and
-    how many tiles the shared-memory ring holds (STAGES - 1 are loading while one is computed)."""
+    """The Gluon kernel's own launch knobs (the query block and split count are PagedAttention's): keys per tile,
+    how many tiles the shared-memory ring holds, and the tile loop's schedule:
+
+    - "sync": each tile's page ids are loaded just before its copies are issued, both dots run synchronously;
+    - "prefetch": the page ids of the tile issued next are loaded one iteration early, so issuing a tile's copies
+      never waits on a global load;
+    - "async": prefetch, and QK^T of tile j + 1 runs on the tensor cores while SiLU of tile j runs on the ALUs
+      (needs stages >= 3: tiles j and j + 1 are read while j + 2 loads);
+    - "ws": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
+      per slot), the block's warps only wait for tiles and run the dots;
+    - "ws_async": "ws" with the block's warps overlapping QK^T of tile j + 1 with SiLU of tile j, as "async" does.
+    """
 
     block_n: int = 32
     stages: int = 3
+    variant: str = "sync"
 
 
 def default_gluon_tiling(head_dim: int) -> GluonTiling:
@@ -45,63 +64,13 @@ def default_gluon_tiling(head_dim: int) -> GluonTiling:
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
-                num_warps: gl.constexpr):
-    """(user, query block of that user) of a program slot, as the `tl` kernel numbers them; user == max_batch past
-    the batch."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    users = gl.arange(0, BATCH_P2, layout=layout)
-    valid = users < max_batch
-    starts = gl.load(q_offsets_ptr + users, mask=valid, other=0)
-    ends = gl.load(q_offsets_ptr + users + 1, mask=valid, other=0)
-    blocks = gl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    inclusive = gl.associative_scan(blocks, 0, _add)
-    user = gl.sum((valid & (inclusive <= slot)).to(gl.int32), axis=0)
-    first = gl.sum(gl.where(users == user, inclusive - blocks, 0), axis=0)
-    return user, slot - first
-
-
-@gluon.jit
-def _issue_tile(k_buf, v_buf, tile, num_hist, num_tiles, lo, hi, page_row, cache_h, k_ptr, v_ptr, k_stride,
-                v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """Start copying tile `tile`'s K and V rows into (k_buf, v_buf) and commit one async-copy group (empty past the
-    last tile, so the group count stays one per tile). Tiles below num_hist are history keys lo + tile * BLOCK_N ..,
-    read through the page table; the rest are the block's own (candidate) K/V rows. Rows out of range are zeroed."""
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    if tile < num_hist:
-        n = lo + tile * BLOCK_N + rows
-        key_ok = n < hi
-        page = gl.load(page_row + n // PAGE, mask=key_ok, other=0)
-        row_at = page.to(gl.int64) * (2 * ROWS * H * D) + ((n % PAGE) * (H * D)).to(gl.int64)
-        ptrs = cache_h + row_at[:, None] + cols[None, :]
-        async_copy.async_copy_global_to_shared(k_buf, ptrs, mask=key_ok[:, None])
-        async_copy.async_copy_global_to_shared(v_buf, ptrs + ROWS * H * D, mask=key_ok[:, None])
-    elif tile < num_tiles:
-        j = row0 + (tile - num_hist) * BLOCK_N + rows
-        token = (q_start + j).to(gl.int64)
-        row_ok = j < q_len
-        head_cols = head * D + cols[None, :]
-        async_copy.async_copy_global_to_shared(k_buf, k_ptr + token[:, None] * k_stride + head_cols,
-                                               mask=row_ok[:, None])
-        async_copy.async_copy_global_to_shared(v_buf, v_ptr + token[:, None] * v_stride + head_cols,
-                                               mask=row_ok[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _gluon_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr,
-    ROWS: gl.constexpr, num_warps: gl.constexpr,
+    ROWS: gl.constexpr, PREFETCH: gl.constexpr, ASYNC_MMA: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -157,46 +126,94 @@ def _gluon_attention_kernel(
 
     page_row = page_table_ptr + user * page_table_stride
     cache_h = cache_ptr + head * D
-    for t in gl.static_range(STAGES - 1):
-        _issue_tile(k_ring.index(t), v_ring.index(t), t, num_hist, num_tiles, lo, hi, page_row, cache_h, k_ptr,
-                    v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    for tile in range(num_tiles):
-        # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        fence_async_shared()
-        ahead = tile + STAGES - 1
-        _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, num_hist, num_tiles, lo,
-                    hi, page_row, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                    PAGE, ROWS, BLOCK_N, load_layout)
-        k_tile = k_ring.index(tile % STAGES)
-        s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
-        is_self = tile >= num_hist
-        key = gl.where(is_self, (tile - num_hist) * BLOCK_N, lo + tile * BLOCK_N) + key_cols
-        key_lo = gl.where(is_self, r, 0)
-        key_hi = gl.where(is_self, self_end, hist_end)
-        seen = (key[None, :] >= key_lo[:, None]) & (key[None, :] < key_hi[:, None])
-        p = gl.where(seen, s / (1.0 + gl.exp2(-LOG2E * s)), 0.0)
-        p = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
-    async_copy.wait_group(0)
-
     if INV_N_PER_USER:
         inv_n = gl.load(inv_n_ptr + user)
     else:
         inv_n = gl.load(inv_n_ptr)
-    o_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    o_token = (q_start + row0 + o_rows).to(gl.int64)
-    dst = dst_ptr + split.to(gl.int64) * split_stride + o_token[:, None] * (H * D) + head * D + o_cols[None, :]
-    gl.store(dst, (acc * inv_n).to(dst_ptr.dtype.element_ty), mask=(row0 + o_rows < q_len)[:, None])
+    if WARP_SPECIALIZE:
+        # ready[s]: slot s holds its tile (the producer's copies landed); empty[s]: the consumers are done with it.
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for t in gl.static_range(STAGES):
+            mbarrier.init(ready.index(t), count=1)
+            mbarrier.init(empty.index(t), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
+                            hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H,
+                            D, BLOCK_M, BLOCK_N, STAGES, ASYNC_MMA, s_layout, o_layout, p_layout)),
+            (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, k_ptr,
+                            v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N,
+                            STAGES)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    else:
+        for t in gl.static_range(STAGES - 1):
+            _issue_tile(k_ring.index(t), v_ring.index(t), t,
+                        _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, load_layout), num_hist, num_tiles, lo, hi,
+                        cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
+                        BLOCK_N, load_layout)
+        # With PREFETCH, `pages` holds the page ids of the next tile to issue, loaded an iteration before their use.
+        pages = _tile_pages(page_row, STAGES - 1, lo, hi, PAGE, BLOCK_N, load_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+        if ASYNC_MMA:
+            # S of tile `tile` arrives computed; the loop issues tile + 1's QK^T before SiLU and PV of `tile`.
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            fence_async_shared()
+            s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+            for tile in range(num_tiles):
+                # Tile + 1 has landed for every thread; every warp is done with tile - 1's slot, refilled next.
+                async_copy.wait_group(STAGES - 3)
+                gl.thread_barrier()
+                fence_async_shared()
+                ahead = tile + STAGES - 1
+                _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
+                            num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
+                            row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
+                pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
+                s_next = warpgroup_mma(q_smem, k_ring.index((tile + 1) % STAGES).permute((1, 0)), s_zero,
+                                       use_acc=False, is_async=True)
+                p = _silu_of_seen(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+                p = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc, is_async=True)
+                s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])
+        else:
+            for tile in range(num_tiles):
+                # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
+                async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()
+                fence_async_shared()
+                ahead = tile + STAGES - 1
+                if not PREFETCH:
+                    pages = _tile_pages(page_row, ahead, lo, hi, PAGE, BLOCK_N, load_layout)
+                _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
+                            num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
+                            row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
+                if PREFETCH:
+                    pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
+                k_tile = k_ring.index(tile % STAGES)
+                s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
+                p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+                p = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
+        async_copy.wait_group(0)
+        _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
 
 
 def shared_memory_bytes(block_m: int, head_dim: int, tiling: GluonTiling, itemsize: int = 2) -> int:
     """The query block plus the K/V ring, plus 16 KiB of slack for the compiler's layout-conversion scratch."""
     return (block_m + 2 * tiling.stages * tiling.block_n) * head_dim * itemsize + 16 * 1024
+
+
+def tiling_reason(tiling: GluonTiling) -> str | None:
+    """What is wrong with `tiling` on any shape (None when nothing is)."""
+    if tiling.block_n not in (32, 64) or tiling.stages < 2:
+        return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
+    if tiling.variant not in GLUON_VARIANTS or (tiling.variant == "async" and tiling.stages < 3):
+        return f"{tiling}: variant must be one of {GLUON_VARIANTS}, and 'async' needs stages >= 3"
+    return None
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int,
@@ -208,8 +225,9 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch
         return f"max_attn_len={window}, contextual_len={contextual}: the Gluon kernel serves the default mask only"
     if block_m not in (64, 128) or head_dim not in (64, 128, 256):
         return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
-    if tiling.block_n not in (32, 64) or tiling.stages < 2:
-        return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
+    reason = tiling_reason(tiling)
+    if reason is not None:
+        return reason
     if shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
         return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
@@ -222,6 +240,9 @@ class GluonAttention:
     what `_paged_attention_kernel[grid]` takes and ignores the `tl`-only tiling knobs."""
 
     def __init__(self, tiling: GluonTiling) -> None:
+        reason = tiling_reason(tiling)
+        if reason is not None:
+            raise ValueError(reason)
         self.tiling = tiling
 
     def __getitem__(self, grid: tuple[int, int, int]):
@@ -235,7 +256,11 @@ class GluonAttention:
                              "default mask over a bf16/fp16 cache only")
         _gluon_attention_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS,
                                       BLOCK_M=BLOCK_M, BLOCK_N=self.tiling.block_n, STAGES=self.tiling.stages,
-                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, num_warps=BLOCK_M // 16)
+                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
+                                      PREFETCH=self.tiling.variant != "sync",
+                                      ASYNC_MMA=self.tiling.variant in ("async", "ws_async"),
+                                      WARP_SPECIALIZE=self.tiling.variant in ("ws", "ws_async"),
+                                      num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -75,6 +75,32 @@ def test_other_tilings_compute_the_same(tiling):
     check(appended_batch([4096 + 64, 700], [64, 64], [256, 0], 128, torch.bfloat16), 128, torch.bfloat16, tiling)
 
 
+# Round-2 schedules (GluonTiling.variant) at the tilings the H200 A/B times; the round-1 "sync" ones are above.
+VARIANTS = [GluonTiling(32, 3, "prefetch"), GluonTiling(64, 2, "prefetch"), GluonTiling(32, 3, "async"),
+            GluonTiling(32, 4, "async"), GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"),
+            GluonTiling(32, 3, "ws_async")]
+
+
+def variant_id(tiling: GluonTiling) -> str:
+    return f"{tiling.block_n}x{tiling.stages}:{tiling.variant}"
+
+
+@pytest.mark.parametrize("tiling", VARIANTS, ids=variant_id)
+def test_variants_match_tl_and_reference_on_a_small_batch(tiling):
+    check(appended_batch(*SMALL, 256, torch.bfloat16), 256, torch.bfloat16, tiling)
+
+
+@pytest.mark.parametrize("users", [1, 8], ids=["bs1", "bs8"])
+@pytest.mark.parametrize("candidates", [0, 256])
+@pytest.mark.parametrize("tiling", [GluonTiling(32, 3), GluonTiling(64, 2)] + VARIANTS, ids=variant_id)
+def test_variants_match_tl_at_the_benchmark_shapes(tiling, users, candidates):
+    """benchmarks/kernels.py's BS=1/8, 16K, D=256 shapes (same capacities, so the same compiled kernels)."""
+    batch = appended_batch([16384 + 64] * users, [64] * users, [candidates] * users, 256, torch.bfloat16)
+    gluon = run(batch, "gluon", 256, torch.bfloat16, tiling)
+    tl = run(batch, "triton", 256, torch.bfloat16)
+    assert relative_error(gluon, tl, batch.total_tokens) < TOLERANCE[torch.bfloat16]
+
+
 def test_one_graph_replays_any_lengths_like_eager():
     max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
     cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from layerflow.kernels import PagedAttention
-from layerflow.kernels.gluon_attention import (KERNEL_ENV, GluonAttention, GluonTiling, select_kernel,
+from layerflow.kernels.gluon_attention import (GLUON_VARIANTS, KERNEL_ENV, GluonAttention, GluonTiling, select_kernel,
                                                shared_memory_bytes, unsupported_reason)
 
 CPU = torch.device("cpu")
@@ -23,6 +23,8 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 32, 0, 0, GluonTiling(), "block_m=32"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_n=16), "block_n"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=1), "stages"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="pingpong"), "variant"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=2, variant="async"), "'async' needs stages >= 3"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
 ])
@@ -73,3 +75,14 @@ def test_the_gluon_launcher_refuses_the_masks_it_does_not_compute():
     with pytest.raises(ValueError, match="WINDOW=512"):
         GluonAttention(GluonTiling())[(1, 1, 1)](H=1, D=64, PAGE=16, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=64,
                                                  INV_N_PER_USER=False, ROWS=16, WINDOW=512, CONTEXTUAL=0, FP8=0)
+
+
+@pytest.mark.parametrize("tiling", [GluonTiling(variant="ASYNC"), GluonTiling(stages=2, variant="async")])
+def test_a_launcher_of_a_bad_variant_is_refused(tiling):
+    with pytest.raises(ValueError, match="variant"):
+        GluonAttention(tiling)
+
+
+@pytest.mark.parametrize("variant", GLUON_VARIANTS)
+def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
+    assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant

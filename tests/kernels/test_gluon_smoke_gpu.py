@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
-from layerflow.kernels.gluon_attention import _user_block
+from layerflow.kernels.gluon_tiles import _user_block
 
 pytestmark = pytest.mark.gpu
 

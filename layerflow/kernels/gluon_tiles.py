@@ -1,0 +1,89 @@
+"""The per-tile pieces of the Gluon attention kernel (layerflow.kernels.gluon_attention), shared by its schedules:
+the program's (user, query block), a tile's page ids, the async copies of a tile into a ring slot, the masked SiLU
+of a tile's scores and the store of the block's partial."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
+                num_warps: gl.constexpr):
+    """(user, query block of that user) of a program slot, as the `tl` kernel numbers them; user == max_batch past
+    the batch."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    users = gl.arange(0, BATCH_P2, layout=layout)
+    valid = users < max_batch
+    starts = gl.load(q_offsets_ptr + users, mask=valid, other=0)
+    ends = gl.load(q_offsets_ptr + users + 1, mask=valid, other=0)
+    blocks = gl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    inclusive = gl.associative_scan(blocks, 0, _add)
+    user = gl.sum((valid & (inclusive <= slot)).to(gl.int32), axis=0)
+    first = gl.sum(gl.where(users == user, inclusive - blocks, 0), axis=0)
+    return user, slot - first
+
+
+@gluon.jit
+def _tile_pages(page_row, tile, lo, hi, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Page ids of history tile `tile`'s rows (0 for rows past hi, so any tile number is safe to ask for)."""
+    n = lo + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    return gl.load(page_row + n // PAGE, mask=n < hi, other=0)
+
+
+@gluon.jit
+def _issue_tile(k_buf, v_buf, tile, page, num_hist, num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride,
+                v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Start copying tile `tile`'s K and V rows into (k_buf, v_buf) and commit one async-copy group (empty past the
+    last tile, so the group count stays one per tile). Tiles below num_hist are history keys lo + tile * BLOCK_N ..
+    on pages `page` (_tile_pages); the rest are the block's own (candidate) K/V rows. Rows out of range are zeroed."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    if tile < num_hist:
+        n = lo + tile * BLOCK_N + rows
+        key_ok = n < hi
+        row_at = page.to(gl.int64) * (2 * ROWS * H * D) + ((n % PAGE) * (H * D)).to(gl.int64)
+        ptrs = cache_h + row_at[:, None] + cols[None, :]
+        async_copy.async_copy_global_to_shared(k_buf, ptrs, mask=key_ok[:, None])
+        async_copy.async_copy_global_to_shared(v_buf, ptrs + ROWS * H * D, mask=key_ok[:, None])
+    elif tile < num_tiles:
+        j = row0 + (tile - num_hist) * BLOCK_N + rows
+        token = (q_start + j).to(gl.int64)
+        row_ok = j < q_len
+        head_cols = head * D + cols[None, :]
+        async_copy.async_copy_global_to_shared(k_buf, k_ptr + token[:, None] * k_stride + head_cols,
+                                               mask=row_ok[:, None])
+        async_copy.async_copy_global_to_shared(v_buf, v_ptr + token[:, None] * v_stride + head_cols,
+                                               mask=row_ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N: gl.constexpr):
+    """SiLU(s) where a row sees the tile's key, else 0: history tiles hold keys lo + tile * BLOCK_N .. (row sees
+    key < hist_end); in a self tile local key c + tile offset == the row's own index (candidates only)."""
+    is_self = tile >= num_hist
+    key = gl.where(is_self, (tile - num_hist) * BLOCK_N, lo + tile * BLOCK_N) + key_cols
+    key_lo = gl.where(is_self, r, 0)
+    key_hi = gl.where(is_self, self_end, hist_end)
+    seen = (key[None, :] >= key_lo[:, None]) & (key[None, :] < key_hi[:, None])
+    return gl.where(seen, s / (1.0 + gl.exp2(-LOG2E * s)), 0.0)
+
+
+@gluon.jit
+def _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
+                   D: gl.constexpr, BLOCK_M: gl.constexpr, o_layout: gl.constexpr):
+    """The block's rows of split `split`'s partial (or of the output when there is one split), times 1/N."""
+    o_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    o_token = (q_start + row0 + o_rows).to(gl.int64)
+    dst = dst_ptr + split.to(gl.int64) * split_stride + o_token[:, None] * (H * D) + head * D + o_cols[None, :]
+    gl.store(dst, (acc * inv_n).to(dst_ptr.dtype.element_ty), mask=(row0 + o_rows < q_len)[:, None])
