@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import redis
@@ -25,9 +26,10 @@ from redis.retry import Retry
 
 from layerflow.tier.layout import KVLayout
 from layerflow.tier.remote_faults import RemoteFault
-from layerflow.tier.redis_reply import ReplyError, ReplyReader
+from layerflow.tier.redis_fetch import ParallelMgets
+from layerflow.tier.redis_reply import ReplyError
 from layerflow.tier.redis_url import check_namespace, check_url, redacted_url
-from layerflow.tier.remote_manifest import Manifest, block_hasher
+from layerflow.tier.remote_manifest import Manifest
 from layerflow.tier.remote_store import Landed, RemoteStore
 from layerflow.tier.ssd import HostBlocks
 
@@ -79,6 +81,7 @@ class RedisStore(RemoteStore):
             retry=Retry(NoBackoff(), 0))
         self._redis = redis.Redis(connection_pool=self._connections)
         self._swap = self._redis.register_script(SWAP_SCRIPT)
+        self._readers = ThreadPoolExecutor(connections, thread_name_prefix="layerflow-redis-read")
         super().__init__(layout, fingerprint, f"redis {self.url}", queue_jobs=queue_jobs, queue_bytes=queue_bytes)
         self._check_password()
 
@@ -143,37 +146,28 @@ class RedisStore(RemoteStore):
         return manifest if manifest is not None and manifest.version.encode() == version else None
 
     def _fetch(self, user: str, manifest: Manifest, host: HostBlocks, blocks: list[int]) -> Iterator[Landed]:
-        """MGETs of `blocks_per_mget` keys pipelined over up to `connections` connections, two in flight on each
-        (sent round robin, read in order, so the server streams the next while one lands), yielded in groups of
-        `blocks_per_group`. Small MGETs cost the server less (it copies each reply into buffers of its own before the
-        socket, and its CPU per fetch grew with the bytes in flight); larger groups cost the consumer less. Each reply
-        is read off the socket by a `ReplyReader`: the values land straight in the host blocks, hashed as they do."""
+        """MGETs of `blocks_per_mget` keys over up to `connections` connections, two in flight on each, every
+        connection read by its own thread (`ParallelMgets`: the values land straight in the host blocks, hashed as
+        they do), yielded in order in groups of `blocks_per_group`. Small MGETs cost the server less (it copies each
+        reply into buffers of its own before the socket, and its CPU per fetch grew with the bytes in flight); larger
+        groups cost the consumer less."""
         keys = self._block_keys(user, manifest, len(blocks))
         mgets = [(s, keys[s:s + self.blocks_per_mget]) for s in range(0, len(keys), self.blocks_per_mget)]
-        conns, clean = [], False
+        conns, reads, clean = [], None, False
         try:
             with self._faults():
                 conns = [self._connections.get_connection() for _ in range(min(self.connections, len(mgets)))]
-                readers = [ReplyReader(conn._sock) for conn in conns]   # connected: the pool connects what it lends
-                window = 2 * len(conns)
-                for i, (_, group) in enumerate(mgets[:window]):
-                    conns[i % len(conns)].send_command("MGET", *group)
+                reads = ParallelMgets(self._readers, conns, mgets, lambda index: host(blocks[index]))
                 first, landed = 0, []
-                for i, (start, group) in enumerate(mgets):
-                    reader = readers[i % len(conns)]
-                    if reader.array() != len(group):
-                        raise ReplyError(f"an MGET of {len(group)} keys answered with another number of values")
-                    for index in range(start, start + len(group)):
-                        digest = block_hasher()
-                        length = reader.bulk_into(host(blocks[index]), digest)
-                        landed.append(None if length is None else (length, digest.intdigest()))
-                    if i + window < len(mgets):
-                        conns[(i + window) % len(conns)].send_command("MGET", *mgets[i + window][1])
+                for i, (_, group) in enumerate(reads):
+                    landed += group
                     if len(landed) >= self.blocks_per_group or i == len(mgets) - 1:
                         yield first, landed
                         first, landed = first + len(landed), []
             clean = True
         finally:
+            if reads is not None:   # no reader may still write into a host block once this returns
+                reads.close(clean)
             for conn in conns:
                 if not clean:   # replies may still be on their way: this connection's stream is out of step
                     conn.disconnect()
@@ -199,5 +193,6 @@ class RedisStore(RemoteStore):
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     def _close_backend(self) -> None:
+        self._readers.shutdown(wait=True)
         self._redis.close()
         self._connections.disconnect()
