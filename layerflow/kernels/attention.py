@@ -196,7 +196,7 @@ def _paged_attention_kernel(
     else:
         chunk_pages = first_page
     # The loops take the tiles lo, lo + BLOCK_N, ... < hi in order, each handing the next tile's fp8 scales on.
-    k_scale, v_scale = 0.0, 0.0
+    k_scale, v_scale = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     if FP8 != 0:
         n = lo + tl.arange(0, BLOCK_N)
         k_scale, v_scale = tile_scales(scales_h, _page_bases(page_row, chunk_pages, first_page, n, n < hi, H, D, PAGE,

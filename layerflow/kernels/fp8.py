@@ -163,9 +163,12 @@ def encode(y, FP8: tl.constexpr):
 @triton.jit
 def decode(codes, FP8: tl.constexpr, dtype: tl.constexpr):
     """fp8 codes (uint8) as values of `dtype` by the native conversion (one cvt per pair of codes on the GPU, no
-    pass through fp32): exact for every finite code into bf16, fp16 and fp32, which hold every fp8 value."""
+    pass through fp32): exact for every finite code into bf16, fp16 and fp32, which hold every fp8 value. e5m2 into
+    fp16 is a shift (its codes are the top byte of fp16's), which the interpreter also gets right on subnormals."""
     if FP8 == 1:
-        values = codes.to(tl.float8e4nv, bitcast=True)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+    elif dtype == tl.float16:
+        values = (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
     else:
-        values = codes.to(tl.float8e5, bitcast=True)
-    return values.to(dtype)
+        values = codes.to(tl.float8e5, bitcast=True).to(dtype)
+    return values
