@@ -2,10 +2,9 @@
 
 HSTU has no softmax, so the output over the history is a plain sum of per-chunk partial sums: each program takes one
 chunk of one user's history for one block of its queries and one head, writes an fp32 partial, and a second kernel
-adds the partials in split order (deterministic). Splitting is what fills a 132-SM GPU at batch size 1.
-
-Lengths, offsets and page indices are read from device tensors, the grid is sized from the capacity and programs
-past the batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity.
+adds the partials in split order (deterministic). Splitting is what fills a 132-SM GPU at batch size 1. Lengths,
+offsets and page indices are read from device tensors, the grid is sized from the capacity and programs past the
+batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity.
 
 The mask is the model's (layerflow.model.mask): token ids with the contextual shift and the target clamp, the window
 W and the contextual rows are compile-time options, and a program reads only the history keys its rows may see, so
@@ -39,9 +38,7 @@ MAX_SPLITS = 128
 @triton.jit
 def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Map a program slot to (user, query block of that user); user == max_batch when the slot is past the batch.
-
-    Users' query blocks are numbered consecutively (a prefix sum of ceil(len / BLOCK_M)); empty users own none.
-    """
+    Users' query blocks are numbered consecutively (a prefix sum of ceil(len / BLOCK_M)); empty users own none."""
     users = tl.arange(0, BATCH_P2)
     valid = users < max_batch
     starts = tl.load(q_offsets_ptr + users, mask=valid, other=0)
@@ -60,21 +57,10 @@ def _token_ids(pos, m, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page, n0, hi,
-                  alpha, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                  SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr, FP8: tl.constexpr):
-    """acc += SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N read through the page table.
-
-    Unmasked tiles are ones every row of the block sees whole; masked ones apply the model's mask to each pair.
-    With CHUNK_PAGES > 0 the page ids come from `chunk_pages`, the program's page-table slice held in registers, so
-    the K/V addresses of a tile need no load and the loop's loads can be prefetched like dense ones.
-    An fp8 cache (FP8 > 0) is decoded on load and its per-key power-of-two scales are applied to q.k after the dot
-    and to the attention weights before the V dot: exactly the dots over the dequantised K and V.
-    """
-    n = n0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    key_ok = n < hi
+def _page_bases(page_row, chunk_pages, first_page, n, key_ok, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                ROWS: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr):
+    """Offsets (int64, elements) of the pages of history keys `n`; with CHUNK_PAGES > 0 from `chunk_pages`, the
+    program's page-table slice in registers, so K/V addresses need no load and the loads pipeline like dense ones."""
     if CHUNK_PAGES > 0:
         slot = tl.minimum(n // PAGE - first_page, CHUNK_PAGES - 1)
         page = tl.gather(chunk_pages, slot, axis=0)
@@ -82,9 +68,24 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row
         page = tl.load(page_row + n // PAGE, mask=key_ok, other=0)
     else:
         page = tl.load(page_row + n // PAGE)
-    page_base = page.to(tl.int64) * (2 * ROWS * H * D)
-    rows = page_base + (n % PAGE) * (H * D)
-    k_ptrs = cache_h + rows[:, None] + d[None, :]
+    return page.to(tl.int64) * (2 * ROWS * H * D)
+
+
+@triton.jit
+def _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages,
+                  first_page, n0, hi, alpha, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
+                  FP8: tl.constexpr):
+    """(acc + SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N, the next tile's scales). Masked tiles apply
+    the model's mask to each pair. fp8 codes (FP8 > 0) are decoded on load and the per-key power-of-two scales, loaded
+    a tile ahead (a byte per thread is too narrow for the pipeliner's async copies: a load in the tile stalls it),
+    multiply q.k after the dot and the weights before the V dot: exactly the dots over the dequantised K and V."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    key_ok = n < hi
+    page_base = _page_bases(page_row, chunk_pages, first_page, n, key_ok, H, D, PAGE, ROWS, CHUNK_PAGES, MASKED)
+    k_ptrs = cache_h + (page_base + (n % PAGE) * (H * D))[:, None] + d[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(k_ptrs + ROWS * H * D, mask=key_ok[:, None], other=0.0)
@@ -93,11 +94,15 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row
         v = tl.load(k_ptrs + ROWS * H * D)
     if FP8 == 0:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        next_k_scale, next_v_scale = k_scale, v_scale
     else:
-        k_scale, v_scale = tile_scales(scales_h + page_base + n % PAGE, key_ok, ROWS * H * D, MASKED)
-        k = decode(k, FP8).to(q.dtype)
-        v = decode(v, FP8).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :] * alpha
+        ahead = n + BLOCK_N
+        next_k_scale, next_v_scale = tile_scales(scales_h, _page_bases(page_row, chunk_pages, first_page, ahead,
+                                                                       ahead < hi, H, D, PAGE, ROWS, CHUNK_PAGES,
+                                                                       True), ahead, hi, PAGE, ROWS * H * D)
+        k = decode(k, FP8, q.dtype)
+        v = decode(v, FP8, q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * alpha)[None, :]
     p = s * tl.sigmoid(s)
     if MASKED:
         if WINDOW > 0 or CONTEXTUAL > 0:
@@ -112,7 +117,7 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row
         p = tl.where(key_ok[None, :] & seen, p, 0.0)
     if FP8 != 0:
         p = p * v_scale[None, :]
-    return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION), next_k_scale, next_v_scale
 
 
 @triton.jit
@@ -191,19 +196,26 @@ def _paged_attention_kernel(
         chunk_pages = tl.load(page_row + first_page + slots, mask=first_page + slots < tl.cdiv(hi, PAGE), other=0)
     else:
         chunk_pages = first_page
+    # The loops take the tiles lo, lo + BLOCK_N, ... < hi in order, each handing the next tile's fp8 scales on.
+    k_scale, v_scale = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
+    if FP8 != 0:
+        n = lo + tl.arange(0, BLOCK_N)
+        k_scale, v_scale = tile_scales(scales_h, _page_bases(page_row, chunk_pages, first_page, n, n < hi, H, D, PAGE,
+                                                             ROWS, CHUNK_PAGES, True), n, hi, PAGE, ROWS * H * D)
     if WINDOW > 0:
         for n0 in range(lo, masked_end, BLOCK_N):
-            acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages,
-                                first_page, n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION,
-                                SHIFT, WINDOW, CONTEXTUAL, FP8)
+            acc, k_scale, v_scale = _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h,
+                                                  scales_h, page_row, chunk_pages, first_page, n0, hi, alpha, H, D,
+                                                  PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
+                                                  CONTEXTUAL, FP8)
     for n0 in range(unmasked_lo, unmasked_hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
-                            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW,
-                            CONTEXTUAL, FP8)
+        acc, k_scale, v_scale = _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h,
+                                              page_row, chunk_pages, first_page, n0, hi, alpha, H, D, PAGE, ROWS,
+                                              BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW, CONTEXTUAL, FP8)
     for n0 in range(tl.maximum(unmasked_hi, masked_end), hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
-                            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
-                            CONTEXTUAL, FP8)
+        acc, k_scale, v_scale = _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h,
+                                              page_row, chunk_pages, first_page, n0, hi, alpha, H, D, PAGE, ROWS,
+                                              BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW, CONTEXTUAL, FP8)
 
     if split == 0:
         # A candidate's own key: the only non-history key it sees.

@@ -12,7 +12,8 @@ fp8(x * 2^-k), rounded to nearest even. Why per token and power-of-two:
 - the scale is one byte (its exponent + 127, the E8M0 encoding) per head_dim codes, kept in the scale rows of the
   page it belongs to (layerflow.tier.layout).
 Both kernels round with integer operations that reproduce torch's round-to-nearest-even conversion bit for bit
-(Triton's interpreter mis-rounds fp8 casts whose mantissa carries into the exponent); decoding uses the native cast.
+(Triton's interpreter mis-rounds fp8 casts whose mantissa carries into the exponent); decoding uses the native
+conversion straight into the model's dtype (exact for every finite code, checked in the interpreter).
 """
 
 from __future__ import annotations
@@ -108,15 +109,13 @@ def power_of_two(exponent):
 
 
 @triton.jit
-def tile_scales(ptrs, ok, V_OFFSET: tl.constexpr, MASKED: tl.constexpr):
-    """The scales (fp32) of a tile's keys in K and in V, from their scale bytes at `ptrs` and `ptrs + V_OFFSET`
-    (`ok` masks the keys of a masked tile)."""
-    if MASKED:
-        k_bytes = tl.load(ptrs, mask=ok, other=127)
-        v_bytes = tl.load(ptrs + V_OFFSET, mask=ok, other=127)
-    else:
-        k_bytes = tl.load(ptrs)
-        v_bytes = tl.load(ptrs + V_OFFSET)
+def tile_scales(scales_ptr, page_base, n, hi, PAGE: tl.constexpr, V_OFFSET: tl.constexpr):
+    """The K and V scales (fp32) of history keys `n` in the pages at `page_base`, from their scale bytes at
+    `scales_ptr` and `+ V_OFFSET`; keys at or past `hi` (past the chunk) read 1 without touching memory."""
+    ok = n < hi
+    ptrs = scales_ptr + page_base + n % PAGE
+    k_bytes = tl.load(ptrs, mask=ok, other=127)
+    v_bytes = tl.load(ptrs + V_OFFSET, mask=ok, other=127)
     return power_of_two(k_bytes.to(tl.int32) - 127), power_of_two(v_bytes.to(tl.int32) - 127)
 
 
@@ -162,11 +161,14 @@ def encode(y, FP8: tl.constexpr):
 
 
 @triton.jit
-def decode(codes, FP8: tl.constexpr):
-    """fp8 codes (uint8) as fp32 values."""
+def decode(codes, FP8: tl.constexpr, dtype: tl.constexpr):
+    """fp8 codes (uint8) as values of `dtype` by the native conversion (one cvt per pair of codes on the GPU, no
+    pass through fp32): exact for every finite code into bf16, fp16 and fp32, which hold every fp8 value. e5m2 into
+    fp16 is a shift (its codes are the top byte of fp16's), which the interpreter also gets right on subnormals."""
     if FP8 == 1:
-        values = codes.to(tl.float8e4nv, bitcast=True)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+    elif dtype == tl.float16:
+        values = (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
     else:
-        values = codes.to(tl.float8e5, bitcast=True)
-    return values.to(tl.float32)
-
+        values = codes.to(tl.float8e5, bitcast=True).to(dtype)
+    return values

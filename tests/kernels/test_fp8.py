@@ -6,13 +6,15 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from layerflow.kernels import AttentionTiling, PagedAttention, kv_append, kv_append_reference  # noqa: E402
 from layerflow.kernels import paged_attention_reference  # noqa: E402
-from layerflow.kernels.fp8 import FORMATS, dequantise, page_views, quantise, scale_exponents  # noqa: E402
+from layerflow.kernels.fp8 import FORMATS, decode, dequantise, page_views, quantise, scale_exponents  # noqa: E402
 from layerflow.model.mask import MaskRule  # noqa: E402
 from layerflow.tier.layout import FP8_DTYPES, fp8_page_size, fp8_scale_rows  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch, quantised_batch  # noqa: E402
@@ -77,6 +79,26 @@ def test_fp8_page_rows_invert():
             rows = page_size + fp8_scale_rows(page_size, head_dim)
             assert fp8_page_size(rows, head_dim) == page_size
     assert fp8_scale_rows(32, 256) == 1 and fp8_scale_rows(128, 64) == 2
+
+
+@triton.jit
+def _decode_kernel(codes_ptr, out_ptr, FP8: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, decode(tl.load(codes_ptr + i), FP8, out_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_gives_every_finite_code_exactly_in_the_model_dtype(kv_dtype, dtype):
+    """The attention's native conversion of codes straight into bf16/fp16/fp32 against torch's, bit for bit."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    out = torch.empty(256, dtype=dtype, device=DEVICE)
+    _decode_kernel[(1,)](codes, out, FP8=FORMATS[kv_dtype].kernel_code)
+    expected = codes.view(kv_dtype).to(dtype)
+    finite = torch.isfinite(codes.view(kv_dtype).float())
+    assert finite.sum() >= 240
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out[finite].view(bits), expected[finite].view(bits))
 
 
 @pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
