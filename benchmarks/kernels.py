@@ -24,7 +24,7 @@ import torch
 
 from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
-from layerflow.kernels.fp8 import page_views, quantise
+from layerflow.kernels.fp8 import MMA_CHOICES, page_views, quantise
 from layerflow.kernels.gluon_attention import KERNEL_CHOICES, GluonAttention, GluonTiling
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 from layerflow.tier.layout import KV_CACHE_DTYPES, fp8_scale_rows
@@ -83,7 +83,7 @@ class Case:
 
     def __init__(self, batch: int, history: int, candidates: int, head_dim: int, page_size: int,
                  tiling: AttentionTiling | None, kv_dtype: torch.dtype | None = None, kernel: str = "auto",
-                 gluon_tiling: GluonTiling | None = None) -> None:
+                 gluon_tiling: GluonTiling | None = None, fp8_mma: str = "model") -> None:
         self.batch, self.history, self.candidates, self.head_dim = batch, history, candidates, head_dim
         self.kv_dtype = kv_dtype
         self.hist_len = history + APPENDED
@@ -105,7 +105,8 @@ class Case:
         self.app_lens = torch.full((batch,), APPENDED, device=dev, dtype=torch.int32)
         self.out = torch.empty_like(self.q)
         self.attn = PagedAttention(batch, tokens, pages, HEADS, head_dim, page_size, DTYPE, dev, head_dim ** -0.5,
-                                   16384 + 512, tiling=tiling, kv_dtype=kv_dtype, kernel=kernel)
+                                   16384 + 512, tiling=tiling, kv_dtype=kv_dtype, kernel=kernel,
+                                   fp8_mma=fp8_mma)
         if gluon_tiling is not None and self.attn.gluon is not None:
             self.attn.gluon = GluonAttention(gluon_tiling)
 
@@ -137,6 +138,7 @@ def attention_row(case: Case, copy_bw: float, iters: int, reference: bool) -> di
     row = dict(batch=case.batch, history=case.history, appended=APPENDED, candidates=case.candidates,
                head_dim=case.head_dim, heads=HEADS, num_splits=case.attn.num_splits,
                kernel="gluon" if gluon else "triton", gluon_tiling=asdict(gluon.tiling) if gluon else None,
+               kv_cache_dtype=str(case.kv_dtype or DTYPE), fp16_scores=case.attn.fp16_scores,
                tiling=asdict(case.attn.tiling), rotations=case.rotations, time_us=ms * 1e3,
                kv_bytes=case.kv_bytes, kv_tb_s=bw / 1e12, copy_ratio=bw / copy_bw,
                tflops=case.flops() / (ms * 1e-3) / 1e12)
@@ -178,7 +180,7 @@ SWEEP = {
 }
 FP8_SWEEP = {
     # fp8 pages move half the bytes per tile, so wider key tiles fit the same shared memory
-    (256, 0): [T(64, 64, 8, 2, 1, True), T(64, 32, 8, 3, 1, True)],
+    (256, 0): [T(64, 128, 8, 2, 1, True), T(64, 64, 8, 2, 1, True), T(64, 32, 8, 3, 1, True)],
     (256, 256): [T(128, 64, 8, 3, 1, True), T(128, 64, 8, 2, 1, True)],
 }
 
@@ -193,18 +195,19 @@ def gluon_tiling(text: str) -> GluonTiling:
 
 
 def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: argparse.Namespace,
-               tiling: AttentionTiling | None, kernel: str, g_tiling: GluonTiling | None, copy_bw: float) -> dict:
+               tiling: AttentionTiling | None, kernel: str, g_tiling: GluonTiling | None, fp8_mma: str,
+               copy_bw: float) -> dict:
     """One timed row, or the failure (with its traceback printed) as the row: a kernel that does not compile on
     this GPU is a result too."""
     try:
         case = Case(batch, history, candidates, head_dim, args.page_size, tiling, KV_CACHE_DTYPES[args.kv_cache_dtype],
-                    kernel, g_tiling)
+                    kernel, g_tiling, fp8_mma)
         row = attention_row(case, copy_bw, args.iters, not args.no_reference)
         print(markdown([row]).splitlines()[-1], flush=True)
     except Exception as error:
         traceback.print_exc()
         row = dict(batch=batch, history=history, candidates=candidates, head_dim=head_dim, kernel=kernel,
-                   gluon_tiling=asdict(g_tiling) if g_tiling else None, error=str(error)[:2000])
+                   gluon_tiling=asdict(g_tiling) if g_tiling else None, fp8_mma=fp8_mma, error=str(error)[:2000])
         print(f"# {kernel} {g_tiling}: {type(error).__name__}", flush=True)
     torch.cuda.empty_cache()
     return row
@@ -218,6 +221,8 @@ def markdown(rows: list[dict]) -> str:
         ref = f"{r['reference_us']:.0f} | {r['speedup']:.1f}x" if "reference_us" in r else "- | -"
         gluon = r.get("gluon_tiling")
         kernel = f"gluon {gluon['block_n']}x{gluon['stages']}" if gluon else r.get("kernel", "triton")
+        if r.get("kv_cache_dtype", "torch.bfloat16") != "torch.bfloat16":
+            kernel += f" {r['kv_cache_dtype'].removeprefix('torch.')}{' fp16 q.k' if r.get('fp16_scores') else ''}"
         lines.append(f"| {kernel} | {r['batch']} | {r['history']} | {r['candidates']} | {r['head_dim']} | "
                      f"{r['num_splits']} | {r['time_us']:.1f} | {r['kv_tb_s']:.2f} | {r['copy_ratio']:.2f} | "
                      f"{r['tflops']:.0f} | {ref} |")
@@ -242,6 +247,9 @@ def main() -> None:
                         help="Gluon tilings KEYSxSTAGES to time with --kernel gluon (default: the library's)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="what the pages hold: auto (the model's dtype) or an fp8 format")
+    parser.add_argument("--fp8-mma", nargs="+", choices=MMA_CHOICES, default=["model"],
+                        help="dtype(s) of q.k's MMAs over fp8 pages to time (PagedAttention's fp8_mma; the sweep "
+                             "uses the first)")
     args = parser.parse_args()
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     if not torch.cuda.is_available():
@@ -270,7 +278,7 @@ def main() -> None:
             for tiling in [None] + tilings:
                 try:
                     case = Case(SWEEP_SHAPE["batch"], SWEEP_SHAPE["history"], cand, d, args.page_size, tiling,
-                                kv_dtype)
+                                kv_dtype, fp8_mma=args.fp8_mma[0])
                     row = attention_row(case, copy_bw, args.iters, False)
                     best = min(best, (row["time_us"], tiling), key=lambda b: b[0])
                 except Exception as error:  # a tiling that does not compile or fit is a result of the sweep
@@ -288,9 +296,10 @@ def main() -> None:
     for d in args.head_dim:
         for bs in args.batch:
             for cand in args.candidates:
-                for hist, kernel in ((h, k) for h in args.history for k in args.kernel):
+                for hist, kernel, mma in ((h, k, a) for h in args.history for k in args.kernel for a in args.fp8_mma):
                     for g_tiling in args.gluon_tiling if kernel == "gluon" else [None]:
-                        row = kernel_row(bs, hist, cand, d, args, chosen.get((d, cand)), kernel, g_tiling, copy_bw)
+                        row = kernel_row(bs, hist, cand, d, args, chosen.get((d, cand)), kernel, g_tiling, mma,
+                                         copy_bw)
                         result["rows"].append(row)
                         save()
                 torch.cuda.empty_cache()

@@ -18,6 +18,7 @@ conversion straight into the model's dtype (exact for every finite code, checked
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,23 @@ def fp8_format(kv_dtype: torch.dtype) -> Fp8Format:
 def kernel_code(kv_dtype: torch.dtype | None) -> int:
     """The kernels' FP8 switch: 0 for a cache of the model's dtype."""
     return 0 if kv_dtype is None else fp8_format(kv_dtype).kernel_code
+
+
+MMA_CHOICES = ("model", "fp16")
+MMA_ENV = "LAYERFLOW_FP8_MMA"
+
+
+def fp16_scores(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> bool:
+    """Whether the attention over fp8 pages takes q.k on fp16 MMAs (`fp16_queries`) instead of the model's dtype.
+
+    `choice` (else the LAYERFLOW_FP8_MMA variable, else "model"): "fp16" applies to 16-bit models over fp8 pages
+    (bf16: the point; fp16: the same MMAs, its queries rescaled; an fp32 model would lose its queries' bits), "model"
+    keeps the model's dtype.
+    """
+    choice = choice or os.environ.get(MMA_ENV) or "model"
+    if choice not in MMA_CHOICES:
+        raise ValueError(f"fp8_mma={choice!r}: expected one of {MMA_CHOICES} (argument or ${MMA_ENV})")
+    return choice == "fp16" and kv_dtype is not None and dtype in (torch.bfloat16, torch.float16)
 
 
 # ---- torch --------------------------------------------------------------------------------------------------------
@@ -117,6 +135,17 @@ def tile_scales(scales_ptr, page_base, n, hi, PAGE: tl.constexpr, V_OFFSET: tl.c
     k_bytes = tl.load(ptrs, mask=ok, other=127)
     v_bytes = tl.load(ptrs + V_OFFSET, mask=ok, other=127)
     return power_of_two(k_bytes.to(tl.int32) - 127), power_of_two(v_bytes.to(tl.int32) - 127)
+
+
+@triton.jit
+def fp16_queries(q, alpha):
+    """(q * 2^-e as fp16, alpha * 2^e) for a block of bf16 queries, so q.k runs on fp16 MMAs against keys decoded
+    by the one-instruction e4m3 -> fp16 conversion (into bf16 it takes three). e puts the block's largest |q| in
+    [2^14, 2^15): nothing overflows, every element within 2^-31 of the largest converts exactly (fp16's 11 bits
+    hold bf16's 8), and the power of two moved into alpha gives the dot's scores unchanged."""
+    absmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+    e = tl.minimum(tl.maximum(((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -100), 113)
+    return (q.to(tl.float32) * power_of_two(-e)).to(tl.float16), alpha * power_of_two(e)
 
 
 @triton.jit
