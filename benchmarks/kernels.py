@@ -139,6 +139,7 @@ def attention_row(case: Case, copy_bw: float, iters: int, reference: bool) -> di
                head_dim=case.head_dim, heads=HEADS, num_splits=case.attn.num_splits,
                kernel="gluon" if gluon else "triton", gluon_tiling=asdict(gluon.tiling) if gluon else None,
                kv_cache_dtype=str(case.kv_dtype or DTYPE), fp16_scores=case.attn.fp16_scores,
+               fp16_values=case.attn.value_unit != 1.0,
                tiling=asdict(case.attn.tiling), rotations=case.rotations, time_us=ms * 1e3,
                kv_bytes=case.kv_bytes, kv_tb_s=bw / 1e12, copy_ratio=bw / copy_bw,
                tflops=case.flops() / (ms * 1e-3) / 1e12)
@@ -222,7 +223,8 @@ def markdown(rows: list[dict]) -> str:
         gluon = r.get("gluon_tiling")
         kernel = f"gluon {gluon['block_n']}x{gluon['stages']}" if gluon else r.get("kernel", "triton")
         if r.get("kv_cache_dtype", "torch.bfloat16") != "torch.bfloat16":
-            kernel += f" {r['kv_cache_dtype'].removeprefix('torch.')}{' fp16 q.k' if r.get('fp16_scores') else ''}"
+            mma = " fp16 q.k + V" if r.get("fp16_values") else " fp16 q.k" if r.get("fp16_scores") else ""
+            kernel += f" {r['kv_cache_dtype'].removeprefix('torch.')}{mma}"
         lines.append(f"| {kernel} | {r['batch']} | {r['history']} | {r['candidates']} | {r['head_dim']} | "
                      f"{r['num_splits']} | {r['time_us']:.1f} | {r['kv_tb_s']:.2f} | {r['copy_ratio']:.2f} | "
                      f"{r['tflops']:.0f} | {ref} |")

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales
+from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
 from layerflow.kernels.gluon_attention import select_kernel
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.model.config import HSTUConfig
@@ -75,9 +75,9 @@ def _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, 
                   first_page, n0, hi, alpha, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr,
                   PRECISION: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
-                  FP8: tl.constexpr, MODEL: tl.constexpr):
+                  FP8: tl.constexpr, V_DTYPE: tl.constexpr, V_UNIT: tl.constexpr):
     """(acc + SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N, the next tile's scales). Masked tiles apply
-    the model's mask to each pair. fp8 codes (FP8 > 0) decode on load, K into q's dtype, V into the MODEL dtype; the
+    the model's mask to each pair. fp8 codes (FP8 > 0) decode on load, K into q's dtype, V into V_DTYPE; the
     per-key power-of-two scales, loaded a tile ahead (a byte per thread is too narrow for the pipeliner's async
     copies), multiply q.k after the dot and the weights before the V dot: the dots over the dequantised K and V."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -100,7 +100,7 @@ def _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, 
                                                                        ahead < hi, H, D, PAGE, ROWS, CHUNK_PAGES,
                                                                        True), ahead, hi, PAGE, ROWS * H * D)
         k = decode(k, FP8, q.dtype)
-        v = decode(v, FP8, MODEL)
+        v = decode(v, FP8, V_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * alpha)[None, :]
     p = s * tl.sigmoid(s)
     if MASKED:
@@ -115,7 +115,7 @@ def _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, 
             seen = n[None, :] <= qpos[:, None]     # causal; a candidate (at hist) sees every history key
         p = tl.where(key_ok[None, :] & seen, p, 0.0)
     if FP8 != 0:
-        p = p * v_scale[None, :]
+        p = p * (v_scale * V_UNIT)[None, :]
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION), next_k_scale, next_v_scale
 
 
@@ -132,7 +132,7 @@ def _paged_attention_kernel(
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BATCH_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
     INV_N_PER_USER: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
-    ROWS: tl.constexpr, FP8: tl.constexpr, F16_QK: tl.constexpr,
+    ROWS: tl.constexpr, FP8: tl.constexpr, F16_QK: tl.constexpr, V_UNIT: tl.constexpr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(2)
@@ -199,24 +199,25 @@ def _paged_attention_kernel(
         n = lo + tl.arange(0, BLOCK_N)
         k_scale, v_scale = tile_scales(scales_h, _page_bases(page_row, chunk_pages, first_page, n, n < hi, H, D, PAGE,
                                                              ROWS, CHUNK_PAGES, True), n, hi, PAGE, ROWS * H * D)
-    model = q_ptr.dtype.element_ty
+    v_dtype = tl.float16 if V_UNIT != 1.0 else q_ptr.dtype.element_ty
     if WINDOW > 0:
         for n0 in range(lo, masked_end, BLOCK_N):
             acc, k_scale, v_scale = _history_tile(
                 acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages,
                 first_page, n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
-                CONTEXTUAL, FP8, model)
+                CONTEXTUAL, FP8, v_dtype, V_UNIT)
     for n0 in range(unmasked_lo, unmasked_hi, BLOCK_N):
         acc, k_scale, v_scale = _history_tile(
             acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
             n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW, CONTEXTUAL,
-            FP8, model)
+            FP8, v_dtype, V_UNIT)
     for n0 in range(tl.maximum(unmasked_hi, masked_end), hi, BLOCK_N):
         acc, k_scale, v_scale = _history_tile(
             acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
             n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW, CONTEXTUAL,
-            FP8, model)
-
+            FP8, v_dtype, V_UNIT)
+    if V_UNIT != 1.0:
+        acc = acc * (1.0 / V_UNIT)
     if split == 0:
         # A candidate's own key: the only non-history key it sees.
         candidate = row_ok & (j >= appended)
@@ -258,8 +259,8 @@ class PagedAttention:
     and replayed for any batch within the capacity. `mask` holds the model's mask options (target-aware candidates
     only: their keys are never in the pages). `max_seq_len` is the N of the constant 1/N rule, used when `run` is
     given no 1/N tensor. `kv_dtype` None: the cache holds `dtype`; an fp8 dtype: the cache holds uint8 pages of codes
-    and scale rows (layerflow.tier.layout), dequantised as they are read; `fp8_mma`: fp8.fp16_scores's choice of
-    q.k's MMA dtype over them. `kernel`: gluon_attention.select_kernel's choice of the Gluon kernel over the `tl` one.
+    and scale rows (layerflow.tier.layout), dequantised as they are read; `fp8_mma`: the MMA dtypes over them
+    (fp8.fp16_scores, fp8.value_unit). `kernel`: gluon_attention.select_kernel's choice of Gluon over the `tl` kernel.
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
@@ -281,6 +282,7 @@ class PagedAttention:
             raise ValueError(f"kv_dtype={kv_dtype}: expected None (the cache holds {dtype}) or one of {FP8_DTYPES}")
         self.kv_dtype = kv_dtype
         self.fp16_scores = fp16_scores(fp8_mma, dtype, kv_dtype)
+        self.value_unit = value_unit(fp8_mma, dtype, kv_dtype)
         self.rows = page_size + (fp8_scale_rows(page_size, head_dim) if kv_dtype is not None else 0)
         self.mask = mask
         self.max_batch, self.max_tokens, self.max_pages_per_user = max_batch, max_tokens, max_pages_per_user
@@ -392,6 +394,7 @@ class PagedAttention:
             PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
             ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores,
+            V_UNIT=self.value_unit,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None:

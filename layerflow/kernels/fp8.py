@@ -61,21 +61,34 @@ def kernel_code(kv_dtype: torch.dtype | None) -> int:
     return 0 if kv_dtype is None else fp8_format(kv_dtype).kernel_code
 
 
-MMA_CHOICES = ("model", "fp16")
+MMA_CHOICES = ("model", "fp16", "fp16v")
 MMA_ENV = "LAYERFLOW_FP8_MMA"
 
 
-def fp16_scores(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> bool:
-    """Whether the attention over fp8 pages takes q.k on fp16 MMAs (`fp16_queries`) instead of the model's dtype.
-
-    `choice` (else the LAYERFLOW_FP8_MMA variable, else "model"): "fp16" applies to 16-bit models over fp8 pages
-    (bf16: the point; fp16: the same MMAs, its queries rescaled; an fp32 model would lose its queries' bits), "model"
-    keeps the model's dtype.
-    """
+def _mma_choice(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> str:
+    """`choice` (else the LAYERFLOW_FP8_MMA variable, else "model"), "model" where fp16 MMAs do not apply: pages of
+    the model's dtype, or an fp32 model (its queries would lose bits; for an fp16 one only the queries' scaling is
+    new, which is how the interpreter, mis-computing bf16 attention, checks the path)."""
     choice = choice or os.environ.get(MMA_ENV) or "model"
     if choice not in MMA_CHOICES:
         raise ValueError(f"fp8_mma={choice!r}: expected one of {MMA_CHOICES} (argument or ${MMA_ENV})")
-    return choice == "fp16" and kv_dtype is not None and dtype in (torch.bfloat16, torch.float16)
+    return choice if kv_dtype is not None and dtype in (torch.bfloat16, torch.float16) else "model"
+
+
+def fp16_scores(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> bool:
+    """Whether q.k over fp8 pages runs on fp16 MMAs (`fp16_queries`; "fp16" and "fp16v") instead of the model's
+    dtype: e4m3x2 -> f16x2 is one conversion on sm_89+, e4m3 -> bf16 three."""
+    return _mma_choice(choice, dtype, kv_dtype) != "model"
+
+
+def value_unit(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> float:
+    """1.0: the V dot runs in the model's dtype; else ("fp16v") it runs on fp16 MMAs too, with the attention
+    weights times the value scales carried in units of this power of two (2^max_exponent of the format: a weight
+    times a value scale, ~|p| * max|v| / 2^max_exponent, is then ~|p| * max|v|, in fp16's range unless it exceeds
+    65504; the sum is scaled back exactly once)."""
+    if _mma_choice(choice, dtype, kv_dtype) != "fp16v":
+        return 1.0
+    return 2.0 ** fp8_format(kv_dtype).max_exponent
 
 
 # ---- torch --------------------------------------------------------------------------------------------------------

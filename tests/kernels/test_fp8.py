@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from layerflow.kernels import AttentionTiling, PagedAttention, kv_append, kv_append_reference  # noqa: E402
 from layerflow.kernels import paged_attention_reference  # noqa: E402
 from layerflow.kernels.fp8 import FORMATS, MMA_ENV, decode, dequantise, fp16_queries, fp16_scores  # noqa: E402
+from layerflow.kernels.fp8 import value_unit  # noqa: E402
 from layerflow.kernels.fp8 import page_views, quantise, scale_exponents  # noqa: E402
 from layerflow.model.mask import MaskRule  # noqa: E402
 from layerflow.tier.layout import FP8_DTYPES, fp8_page_size, fp8_scale_rows  # noqa: E402
@@ -132,9 +133,12 @@ def test_fp16_queries_hold_bf16_queries_exactly_in_range_and_move_the_power_of_t
         assert (out == 0).all()
 
 
-def test_fp16_scores_are_chosen_by_argument_or_variable_for_bf16_models_over_fp8_only(monkeypatch):
+def test_fp16_mmas_are_chosen_by_argument_or_variable_for_16_bit_models_over_fp8_only(monkeypatch):
     monkeypatch.delenv(MMA_ENV, raising=False)
-    assert not fp16_scores(None, torch.bfloat16, E4M3)
+    assert not fp16_scores(None, torch.bfloat16, E4M3) and value_unit(None, torch.bfloat16, E4M3) == 1.0
+    assert value_unit("fp16", torch.bfloat16, E4M3) == 1.0 and fp16_scores("fp16v", torch.bfloat16, E4M3)
+    assert value_unit("fp16v", torch.bfloat16, E4M3) == 256.0 and value_unit("fp16v", torch.float16, E5M2) == 32768.0
+    assert value_unit("fp16v", torch.float32, E4M3) == 1.0 and value_unit("fp16v", torch.bfloat16, None) == 1.0
     assert fp16_scores("fp16", torch.bfloat16, E4M3) and fp16_scores("fp16", torch.bfloat16, E5M2)
     assert fp16_scores("fp16", torch.float16, E4M3) and not fp16_scores("fp16", torch.float32, E4M3)
     assert not fp16_scores("fp16", torch.bfloat16, None)
@@ -146,10 +150,11 @@ def test_fp16_scores_are_chosen_by_argument_or_variable_for_bf16_models_over_fp8
 
 
 @pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
-def test_fp16_scores_over_fp8_pages_match_the_reference(kv_dtype):
-    """q.k on fp16 MMAs with the queries rescaled by a power of two (K decoded into q's dtype, V into the model's),
-    against the model-dtype path and the reference over the same pages. An fp16 model: the interpreter mis-computes
-    bf16 attention, so the bf16 case is the GPU tests'."""
+def test_fp16_mmas_over_fp8_pages_match_the_reference(kv_dtype):
+    """q.k on fp16 MMAs with the queries rescaled by a power of two (K decoded into q's dtype), the V dot in the
+    model's dtype or (fp16v) on fp16 with its weights in units of 2^max_exponent, against the model-dtype path and
+    the reference over the same pages. An fp16 model: the interpreter mis-computes bf16 attention, so the bf16 case
+    is the GPU tests'."""
     exact = make_paged_batch(**RAGGED, num_heads=2, head_dim=64, page_size=16, dtype=torch.float16, device=DEVICE,
                              max_batch=6, max_tokens=40)
     batch = quantised_batch(exact, kv_dtype, 16)
@@ -159,11 +164,11 @@ def test_fp16_scores_over_fp8_pages_match_the_reference(kv_dtype):
     expected = paged_attention_reference(q.float(), batch.k.float(), batch.v.float(), batch.kv_cache,
                                          *batch.lengths, torch.zeros(q.shape), alpha=alpha, max_seq_len=MAX_SEQ_LEN,
                                          kv_dtype=kv_dtype)[:total]
-    for mma in ("model", "fp16"):
+    for mma in ("model", "fp16", "fp16v"):
         attn = PagedAttention(6, 40, batch.page_table.shape[1], 2, 64, 16, torch.float16, DEVICE, alpha,
                               MAX_SEQ_LEN, tiling=AttentionTiling(16, 16, 4, 1, num_splits=2), kv_dtype=kv_dtype,
                               fp8_mma=mma)
-        assert attn.fp16_scores == (mma == "fp16")
+        assert attn.fp16_scores == (mma != "model") and (attn.value_unit > 1) == (mma == "fp16v")
         out = attn.run(q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(q))[:total].float()
         torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-5)
 
