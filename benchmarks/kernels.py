@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="what the pages hold: auto (the model's dtype) or an fp8 format")
     parser.add_argument("--fp8-mma", nargs="+", choices=MMA_CHOICES, default=["model"],
-                        help="dtype(s) of q.k's MMAs over fp8 pages to time (PagedAttention's fp8_mma; the sweep "
+                        help="MMA dtype choice(s) over fp8 pages to time (PagedAttention's fp8_mma; the sweep "
                              "uses the first)")
     args = parser.parse_args()
     kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
