@@ -5,6 +5,8 @@ device-to-device copy measured in the same run (copy bandwidth counts read + wri
 The tiling sweep runs first; each (head_dim, candidates) class's rows then use its fastest tiling (the library's
 defaults are set from it). Each timed CUDA graph runs the attention over `rotations` disjoint sets of pages, more
 bytes than the L2 holds, so the history really comes from HBM; the time reported is per attention call.
+With --kv-cache-dtype fp8_e4m3 (or fp8_e5m2) the pages hold fp8 codes and scale rows (layerflow.tier.layout) of
+random values quantised by the cache's rule, and the KV bytes counted are those pages' bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 
 from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
+from layerflow.kernels.fp8 import MMA_CHOICES, page_views, quantise
 from layerflow.kernels.gluon_attention import GLUON_VARIANTS, KERNEL_CHOICES, GluonAttention, GluonTiling
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
+from layerflow.tier.layout import KV_CACHE_DTYPES, fp8_scale_rows
 
 APPENDED, HEADS, DTYPE, DEVICE = 64, 4, torch.bfloat16, "cuda"
 L2_FLUSH_BYTES = 256 << 20
@@ -63,22 +67,37 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def fp8_pool(values: torch.Tensor, rows: int, kv_dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 page pool `[pages, 2, rows, H, D]` (uint8) holding `values` `[pages, 2, page_size, H, D]` quantised."""
+    pages, _, page_size, heads, dim = values.shape
+    pool = torch.zeros(pages, 2, rows, heads, dim, dtype=torch.uint8, device=values.device)
+    codes, scales = page_views(pool, page_size)
+    quantised, scale_bytes = quantise(values, kv_dtype)
+    codes.copy_(quantised)
+    scales.copy_(scale_bytes.transpose(2, 3))       # [pages, 2, page_size, H] -> the layout's [pages, 2, H, page]
+    return pool
+
+
 class Case:
     """One shape: inputs, a pool with `rotations` disjoint page sets, and the graph that runs over all of them."""
 
     def __init__(self, batch: int, history: int, candidates: int, head_dim: int, page_size: int,
-                 tiling: AttentionTiling | None, kernel: str = "auto",
-                 gluon_tiling: GluonTiling | None = None) -> None:
+                 tiling: AttentionTiling | None, kv_dtype: torch.dtype | None = None, kernel: str = "auto",
+                 gluon_tiling: GluonTiling | None = None, fp8_mma: str = "model") -> None:
         self.batch, self.history, self.candidates, self.head_dim = batch, history, candidates, head_dim
+        self.kv_dtype = kv_dtype
         self.hist_len = history + APPENDED
         pages = -(-self.hist_len // page_size)
-        self.kv_bytes = batch * self.hist_len * HEADS * head_dim * 2 * DTYPE.itemsize
+        rows = page_size + (fp8_scale_rows(page_size, head_dim) if kv_dtype is not None else 0)
+        row_bytes = HEADS * head_dim * (1 if kv_dtype is not None else DTYPE.itemsize)
+        self.kv_bytes = batch * 2 * (self.hist_len * row_bytes if kv_dtype is None
+                                     else pages * rows * row_bytes)     # fp8: whole pages, scale rows included
         self.rotations = max(2, min(32, math.ceil(L2_FLUSH_BYTES / self.kv_bytes)))
         tokens = batch * (APPENDED + candidates)
         dev = DEVICE
         self.q, self.k, self.v = (torch.randn(tokens, HEADS, head_dim, device=dev, dtype=DTYPE) for _ in range(3))
-        self.pool = torch.randn(self.rotations * batch * pages, 2, page_size, HEADS, head_dim, device=dev,
-                                dtype=DTYPE)
+        values = torch.randn(self.rotations * batch * pages, 2, page_size, HEADS, head_dim, device=dev, dtype=DTYPE)
+        self.pool = values if kv_dtype is None else fp8_pool(values, rows, kv_dtype)
         self.tables = torch.randperm(self.pool.shape[0], device=dev).to(torch.int32).view(
             self.rotations, batch, pages)
         self.offsets = torch.arange(batch + 1, device=dev, dtype=torch.int32) * (APPENDED + candidates)
@@ -86,7 +105,8 @@ class Case:
         self.app_lens = torch.full((batch,), APPENDED, device=dev, dtype=torch.int32)
         self.out = torch.empty_like(self.q)
         self.attn = PagedAttention(batch, tokens, pages, HEADS, head_dim, page_size, DTYPE, dev, head_dim ** -0.5,
-                                   16384 + 512, tiling=tiling, kernel=kernel)
+                                   16384 + 512, tiling=tiling, kv_dtype=kv_dtype, kernel=kernel,
+                                   fp8_mma=fp8_mma)
         if gluon_tiling is not None and self.attn.gluon is not None:
             self.attn.gluon = GluonAttention(gluon_tiling)
 
@@ -101,7 +121,8 @@ class Case:
     def reference_ms(self, iters: int) -> float:
         return median_ms(lambda: paged_attention_reference(
             self.q, self.k, self.v, self.pool, self.tables[0], self.offsets, self.hist_lens, self.app_lens,
-            torch.empty_like(self.q), alpha=self.head_dim ** -0.5, max_seq_len=16384 + 512), iters)
+            torch.empty_like(self.q), alpha=self.head_dim ** -0.5, max_seq_len=16384 + 512, kv_dtype=self.kv_dtype),
+            iters)
 
     def flops(self) -> float:
         """Multiply-adds of QK^T and AV actually needed under the mask, times 2."""
@@ -117,6 +138,8 @@ def attention_row(case: Case, copy_bw: float, iters: int, reference: bool) -> di
     row = dict(batch=case.batch, history=case.history, appended=APPENDED, candidates=case.candidates,
                head_dim=case.head_dim, heads=HEADS, num_splits=case.attn.num_splits,
                kernel="gluon" if gluon else "triton", gluon_tiling=asdict(gluon.tiling) if gluon else None,
+               kv_cache_dtype=str(case.kv_dtype or DTYPE), fp16_scores=case.attn.fp16_scores,
+               fp16_values=case.attn.value_unit != 1.0,
                tiling=asdict(case.attn.tiling), rotations=case.rotations, time_us=ms * 1e3,
                kv_bytes=case.kv_bytes, kv_tb_s=bw / 1e12, copy_ratio=bw / copy_bw,
                tflops=case.flops() / (ms * 1e-3) / 1e12)
@@ -156,6 +179,11 @@ SWEEP = {
     (128, 256): [T(128, 64, 8, 2, 1, True), T(128, 64, 8, 3, 1, True), T(128, 128, 8, 2, 1, True),
                  T(64, 64, 4, 2, 2, True), T(128, 64, 4, 2, 1, True)],
 }
+FP8_SWEEP = {
+    # fp8 pages move half the bytes per tile, so wider key tiles fit the same shared memory
+    (256, 0): [T(64, 128, 8, 2, 1, True), T(64, 64, 8, 2, 1, True), T(64, 32, 8, 3, 1, True)],
+    (256, 256): [T(128, 64, 8, 3, 1, True), T(128, 64, 8, 2, 1, True)],
+}
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -177,17 +205,19 @@ def gluon_label(tiling: dict) -> str:
 
 
 def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: argparse.Namespace,
-               tiling: AttentionTiling | None, kernel: str, g_tiling: GluonTiling | None, copy_bw: float) -> dict:
+               tiling: AttentionTiling | None, kernel: str, g_tiling: GluonTiling | None, fp8_mma: str,
+               copy_bw: float) -> dict:
     """One timed row, or the failure (with its traceback printed) as the row: a kernel that does not compile on
     this GPU is a result too."""
     try:
-        case = Case(batch, history, candidates, head_dim, args.page_size, tiling, kernel, g_tiling)
+        case = Case(batch, history, candidates, head_dim, args.page_size, tiling, KV_CACHE_DTYPES[args.kv_cache_dtype],
+                    kernel, g_tiling, fp8_mma)
         row = attention_row(case, copy_bw, args.iters, not args.no_reference)
         print(markdown([row]).splitlines()[-1], flush=True)
     except Exception as error:
         traceback.print_exc()
         row = dict(batch=batch, history=history, candidates=candidates, head_dim=head_dim, kernel=kernel,
-                   gluon_tiling=asdict(g_tiling) if g_tiling else None, error=str(error)[:2000])
+                   gluon_tiling=asdict(g_tiling) if g_tiling else None, fp8_mma=fp8_mma, error=str(error)[:2000])
         print(f"# {kernel} {g_tiling}: {type(error).__name__}", flush=True)
     torch.cuda.empty_cache()
     return row
@@ -201,6 +231,9 @@ def markdown(rows: list[dict]) -> str:
         ref = f"{r['reference_us']:.0f} | {r['speedup']:.1f}x" if "reference_us" in r else "- | -"
         gluon = r.get("gluon_tiling")
         kernel = gluon_label(gluon) if gluon else r.get("kernel", "triton")
+        if r.get("kv_cache_dtype", "torch.bfloat16") != "torch.bfloat16":
+            mma = " fp16 q.k + V" if r.get("fp16_values") else " fp16 q.k" if r.get("fp16_scores") else ""
+            kernel += f" {r['kv_cache_dtype'].removeprefix('torch.')}{mma}"
         lines.append(f"| {kernel} | {r['batch']} | {r['history']} | {r['candidates']} | {r['head_dim']} | "
                      f"{r['num_splits']} | {r['time_us']:.1f} | {r['kv_tb_s']:.2f} | {r['copy_ratio']:.2f} | "
                      f"{r['tflops']:.0f} | {ref} |")
@@ -224,11 +257,18 @@ def main() -> None:
     parser.add_argument("--gluon-tiling", nargs="+", type=gluon_tiling, default=[None],
                         help="Gluon tilings KEYSxSTAGES[:VARIANT] to time with --kernel gluon (default: the "
                              "library's)")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="what the pages hold: auto (the model's dtype) or an fp8 format")
+    parser.add_argument("--fp8-mma", nargs="+", choices=MMA_CHOICES, default=["model"],
+                        help="MMA dtype choice(s) over fp8 pages to time (PagedAttention's fp8_mma; the sweep "
+                             "uses the first)")
     args = parser.parse_args()
+    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
 
-    result = dict(**results_header(torch.device(DEVICE)), dtype=str(DTYPE), page_size=args.page_size, rows=[],
+    result = dict(**results_header(torch.device(DEVICE)), dtype=str(DTYPE), page_size=args.page_size,
+                  kv_cache_dtype=args.kv_cache_dtype, rows=[],
                   sweep=[], gate=[])
 
     def save() -> None:
@@ -243,11 +283,14 @@ def main() -> None:
     print(f"# {gpu}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     chosen: dict[tuple[int, int], AttentionTiling | None] = {}
     if not args.no_sweep:
-        for (d, cand), tilings in SWEEP.items():
+        sweep = {shape: tilings for shape, tilings in (SWEEP if kv_dtype is None else FP8_SWEEP).items()
+                 if shape[0] in args.head_dim and shape[1] in args.candidates}
+        for (d, cand), tilings in sweep.items():
             best = (math.inf, None)
             for tiling in [None] + tilings:
                 try:
-                    case = Case(SWEEP_SHAPE["batch"], SWEEP_SHAPE["history"], cand, d, args.page_size, tiling)
+                    case = Case(SWEEP_SHAPE["batch"], SWEEP_SHAPE["history"], cand, d, args.page_size, tiling,
+                                kv_dtype, fp8_mma=args.fp8_mma[0])
                     row = attention_row(case, copy_bw, args.iters, False)
                     best = min(best, (row["time_us"], tiling), key=lambda b: b[0])
                 except Exception as error:  # a tiling that does not compile or fit is a result of the sweep
@@ -265,9 +308,10 @@ def main() -> None:
     for d in args.head_dim:
         for bs in args.batch:
             for cand in args.candidates:
-                for hist, kernel in ((h, k) for h in args.history for k in args.kernel):
+                for hist, kernel, mma in ((h, k, a) for h in args.history for k in args.kernel for a in args.fp8_mma):
                     for g_tiling in args.gluon_tiling if kernel == "gluon" else [None]:
-                        row = kernel_row(bs, hist, cand, d, args, chosen.get((d, cand)), kernel, g_tiling, copy_bw)
+                        row = kernel_row(bs, hist, cand, d, args, chosen.get((d, cand)), kernel, g_tiling, mma,
+                                         copy_bw)
                         result["rows"].append(row)
                         save()
                 torch.cuda.empty_cache()

@@ -2,11 +2,9 @@
 
 HSTU has no softmax, so the output over the history is a plain sum of per-chunk partial sums: each program takes one
 chunk of one user's history for one block of its queries and one head, writes an fp32 partial, and a second kernel
-adds the partials in split order (deterministic). Splitting is what fills a 132-SM GPU at batch size 1.
-
-Lengths, offsets and page indices are read from device tensors, the grid is sized from the capacity and programs
-past the batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity.
-
+adds the partials in split order (deterministic). Splitting is what fills a 132-SM GPU at batch size 1. Lengths,
+offsets and page indices are read from device tensors, the grid is sized from the capacity and programs past the
+batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity.
 The mask is the model's (layerflow.model.mask): token ids with the contextual shift and the target clamp, the window
 W and the contextual rows are compile-time options, and a program reads only the history keys its rows may see, so
 with a window it reads only the pages `MaskRule.cached_read_start` names (the engine may leave earlier ones
@@ -21,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layerflow.kernels.fp8 import decode, kernel_code, tile_scales
+from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
 from layerflow.kernels.gluon_attention import select_kernel
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.model.config import HSTUConfig
@@ -39,9 +37,7 @@ MAX_SPLITS = 128
 @triton.jit
 def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Map a program slot to (user, query block of that user); user == max_batch when the slot is past the batch.
-
-    Users' query blocks are numbered consecutively (a prefix sum of ceil(len / BLOCK_M)); empty users own none.
-    """
+    Users' query blocks are numbered consecutively (a prefix sum of ceil(len / BLOCK_M)); empty users own none."""
     users = tl.arange(0, BATCH_P2)
     valid = users < max_batch
     starts = tl.load(q_offsets_ptr + users, mask=valid, other=0)
@@ -60,21 +56,10 @@ def _token_ids(pos, m, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page, n0, hi,
-                  alpha, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                  SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr, FP8: tl.constexpr):
-    """acc += SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N read through the page table.
-
-    Unmasked tiles are ones every row of the block sees whole; masked ones apply the model's mask to each pair.
-    With CHUNK_PAGES > 0 the page ids come from `chunk_pages`, the program's page-table slice held in registers, so
-    the K/V addresses of a tile need no load and the loop's loads can be prefetched like dense ones.
-    An fp8 cache (FP8 > 0) is decoded on load and its per-key power-of-two scales are applied to q.k after the dot
-    and to the attention weights before the V dot: exactly the dots over the dequantised K and V.
-    """
-    n = n0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    key_ok = n < hi
+def _page_bases(page_row, chunk_pages, first_page, n, key_ok, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                ROWS: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr):
+    """Offsets (int64, elements) of the pages of history keys `n`; with CHUNK_PAGES > 0 from `chunk_pages`, the
+    program's page-table slice in registers, so K/V addresses need no load and the loads pipeline like dense ones."""
     if CHUNK_PAGES > 0:
         slot = tl.minimum(n // PAGE - first_page, CHUNK_PAGES - 1)
         page = tl.gather(chunk_pages, slot, axis=0)
@@ -82,9 +67,24 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row
         page = tl.load(page_row + n // PAGE, mask=key_ok, other=0)
     else:
         page = tl.load(page_row + n // PAGE)
-    page_base = page.to(tl.int64) * (2 * ROWS * H * D)
-    rows = page_base + (n % PAGE) * (H * D)
-    k_ptrs = cache_h + rows[:, None] + d[None, :]
+    return page.to(tl.int64) * (2 * ROWS * H * D)
+
+
+@triton.jit
+def _history_tile(acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages,
+                  first_page, n0, hi, alpha, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
+                  FP8: tl.constexpr, V_DTYPE: tl.constexpr, V_UNIT: tl.constexpr):
+    """(acc + SiLU(alpha * q K^T) V over history keys n0 .. n0 + BLOCK_N, the next tile's scales). Masked tiles apply
+    the model's mask to each pair. fp8 codes (FP8 > 0) decode on load, K into q's dtype, V into V_DTYPE; the
+    per-key power-of-two scales, loaded a tile ahead (a byte per thread is too narrow for the pipeliner's async
+    copies), multiply q.k after the dot and the weights before the V dot: the dots over the dequantised K and V."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    key_ok = n < hi
+    page_base = _page_bases(page_row, chunk_pages, first_page, n, key_ok, H, D, PAGE, ROWS, CHUNK_PAGES, MASKED)
+    k_ptrs = cache_h + (page_base + (n % PAGE) * (H * D))[:, None] + d[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(k_ptrs + ROWS * H * D, mask=key_ok[:, None], other=0.0)
@@ -93,11 +93,15 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row
         v = tl.load(k_ptrs + ROWS * H * D)
     if FP8 == 0:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        next_k_scale, next_v_scale = k_scale, v_scale
     else:
-        k_scale, v_scale = tile_scales(scales_h + page_base + n % PAGE, key_ok, ROWS * H * D, MASKED)
-        k = decode(k, FP8).to(q.dtype)
-        v = decode(v, FP8).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :] * alpha
+        ahead = n + BLOCK_N
+        next_k_scale, next_v_scale = tile_scales(scales_h, _page_bases(page_row, chunk_pages, first_page, ahead,
+                                                                       ahead < hi, H, D, PAGE, ROWS, CHUNK_PAGES,
+                                                                       True), ahead, hi, PAGE, ROWS * H * D)
+        k = decode(k, FP8, q.dtype)
+        v = decode(v, FP8, V_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * alpha)[None, :]
     p = s * tl.sigmoid(s)
     if MASKED:
         if WINDOW > 0 or CONTEXTUAL > 0:
@@ -111,14 +115,13 @@ def _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row
             seen = n[None, :] <= qpos[:, None]     # causal; a candidate (at hist) sees every history key
         p = tl.where(key_ok[None, :] & seen, p, 0.0)
     if FP8 != 0:
-        p = p * v_scale[None, :]
-    return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        p = p * (v_scale * V_UNIT)[None, :]
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION), next_k_scale, next_v_scale
 
 
 @triton.jit
 def _window_start(qid, WINDOW: tl.constexpr, SHIFT: tl.constexpr):
-    """First history position a query of id `qid` sees: its id minus W, or 0 once that reaches the id-0 tokens
-    (always 0 without a window)."""
+    """First history position a query of id `qid` sees: its id minus W, or 0 once that reaches the id-0 tokens."""
     return tl.where((WINDOW == 0) | (qid <= WINDOW), 0, qid - WINDOW + SHIFT)
 
 
@@ -129,7 +132,7 @@ def _paged_attention_kernel(
     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BATCH_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
     INV_N_PER_USER: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
-    ROWS: tl.constexpr, FP8: tl.constexpr,
+    ROWS: tl.constexpr, FP8: tl.constexpr, F16_QK: tl.constexpr, V_UNIT: tl.constexpr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(2)
@@ -140,7 +143,6 @@ def _paged_attention_kernel(
     q_len = tl.load(q_offsets_ptr + user + 1) - q_start
     hist = tl.load(history_lens_ptr + user)
     appended = tl.load(appended_lens_ptr + user)
-
     # Query j < appended is history position hist - appended + j; candidates sit at hist (their id clamps to m).
     # Each row sees the history keys [row_lo, row_hi); for m <= 0 (a history shorter than the prefix) only a
     # subset of that, so no tile is taken as fully seen. Ids grow with j, so row_lo does, and so does row_hi but
@@ -164,15 +166,13 @@ def _paged_attention_kernel(
     else:
         kv_end = tl.minimum(hist, hist - appended + last + 1)
         full_end = tl.minimum(hist, hist - appended + first + 1)
-
     # The user's keys [user_lo, hist) are split evenly; user_lo is where its first query's window starts.
     user_lo = _window_start(_token_ids(hist - appended, m, SHIFT), WINDOW, SHIFT)
     chunk = tl.cdiv(tl.cdiv(hist - user_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     split_lo = user_lo + split * chunk
     lo = tl.maximum(split_lo, block_lo)
     hi = tl.minimum(split_lo + chunk, kv_end)
-    # Tiles from lo: masked ones below the first tile inside [full_lo, full_end), unmasked ones inside it, masked
-    # ones after.
+    # Tiles from lo: masked ones below the first tile in [full_lo, full_end), unmasked ones inside it, masked after.
     unmasked_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N
     masked_end = tl.minimum(unmasked_lo, hi)
     unmasked_hi = unmasked_lo + tl.maximum(tl.minimum(hi, full_end) - unmasked_lo, 0) // BLOCK_N * BLOCK_N
@@ -181,6 +181,8 @@ def _paged_attention_kernel(
     token = (q_start + j).to(tl.int64)
     head_cols = head * D + d[None, :]
     q = tl.load(q_ptr + token[:, None] * q_stride + head_cols, mask=row_ok[:, None], other=0.0)
+    if F16_QK:
+        q, alpha = fp16_queries(q, alpha)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     cache_h = cache_ptr + head * D
     scales_h = cache_ptr + PAGE * H * D + head * PAGE     # an fp8 page half's scale bytes [H, PAGE]
@@ -191,20 +193,31 @@ def _paged_attention_kernel(
         chunk_pages = tl.load(page_row + first_page + slots, mask=first_page + slots < tl.cdiv(hi, PAGE), other=0)
     else:
         chunk_pages = first_page
+    # The loops take the tiles lo, lo + BLOCK_N, ... < hi in order, each handing the next tile's fp8 scales on.
+    k_scale, v_scale = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
+    if FP8 != 0:
+        n = lo + tl.arange(0, BLOCK_N)
+        k_scale, v_scale = tile_scales(scales_h, _page_bases(page_row, chunk_pages, first_page, n, n < hi, H, D, PAGE,
+                                                             ROWS, CHUNK_PAGES, True), n, hi, PAGE, ROWS * H * D)
+    v_dtype = tl.float16 if V_UNIT != 1.0 else q_ptr.dtype.element_ty
     if WINDOW > 0:
         for n0 in range(lo, masked_end, BLOCK_N):
-            acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages,
-                                first_page, n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION,
-                                SHIFT, WINDOW, CONTEXTUAL, FP8)
+            acc, k_scale, v_scale = _history_tile(
+                acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages,
+                first_page, n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
+                CONTEXTUAL, FP8, v_dtype, V_UNIT)
     for n0 in range(unmasked_lo, unmasked_hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
-                            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW,
-                            CONTEXTUAL, FP8)
+        acc, k_scale, v_scale = _history_tile(
+            acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
+            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, False, PRECISION, SHIFT, WINDOW, CONTEXTUAL,
+            FP8, v_dtype, V_UNIT)
     for n0 in range(tl.maximum(unmasked_hi, masked_end), hi, BLOCK_N):
-        acc = _history_tile(acc, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
-                            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW,
-                            CONTEXTUAL, FP8)
-
+        acc, k_scale, v_scale = _history_tile(
+            acc, k_scale, v_scale, q, qpos, qid, history_row, m, cache_h, scales_h, page_row, chunk_pages, first_page,
+            n0, hi, alpha, H, D, PAGE, ROWS, BLOCK_N, CHUNK_PAGES, True, PRECISION, SHIFT, WINDOW, CONTEXTUAL,
+            FP8, v_dtype, V_UNIT)
+    if V_UNIT != 1.0:
+        acc = acc * (1.0 / V_UNIT)
     if split == 0:
         # A candidate's own key: the only non-history key it sees.
         candidate = row_ok & (j >= appended)
@@ -226,11 +239,8 @@ def _paged_attention_kernel(
 @triton.jit
 def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_batch,
                        HD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum of the split partials over the batch's tokens only.
-
-    All partials of a block are loaded at once (a loop would wait on one L2 round trip per split) and reduced by a
-    tree whose shape is fixed at compile time, so the result is the same bits on every run.
-    """
+    """out = sum of the split partials over the batch's tokens only, all loaded at once (a loop would wait on one L2
+    round trip per split) and reduced by a tree fixed at compile time: the same bits on every run."""
     total = tl.load(q_offsets_ptr + max_batch).to(tl.int64) * HD
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if start >= total:
@@ -245,35 +255,34 @@ def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_ba
 
 class PagedAttention:
     """HSTU attention of one batch's queries over their users' paged history, with workspaces sized at construction.
-
     `run` allocates nothing and reads every length from device tensors, so it can be captured in a CUDA graph once
     and replayed for any batch within the capacity. `mask` holds the model's mask options (target-aware candidates
     only: their keys are never in the pages). `max_seq_len` is the N of the constant 1/N rule, used when `run` is
     given no 1/N tensor. `kv_dtype` None: the cache holds `dtype`; an fp8 dtype: the cache holds uint8 pages of codes
-    and scale rows (layerflow.tier.layout), dequantised as they are read. `kernel`: layerflow.kernels.gluon_attention
-    .select_kernel's choice of the Hopper Gluon kernel over the `tl` one.
+    and scale rows (layerflow.tier.layout), dequantised as they are read; `fp8_mma`: the MMA dtypes over them
+    (fp8.fp16_scores, fp8.value_unit). `kernel`: gluon_attention.select_kernel's choice of Gluon over the `tl` kernel.
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
-                 kv_dtype: torch.dtype | None = None, kernel: str | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None) -> None:
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("max_pages_per_user", max_pages_per_user), ("num_heads", num_heads),
                             ("max_seq_len", max_seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim={head_dim}: expected one of {HEAD_DIMS}")
-        if page_size not in PAGE_SIZES:
-            raise ValueError(f"page_size={page_size}: expected one of {PAGE_SIZES}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype}: expected one of {DTYPES}")
+        for name, value, allowed in (("head_dim", head_dim, HEAD_DIMS), ("page_size", page_size, PAGE_SIZES),
+                                     ("dtype", dtype, DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value}: expected one of {allowed}")
         if not mask.target_aware:
             raise ValueError("mask.target_aware=False: the paged kernel serves target-aware candidates only")
         if kv_dtype is not None and kv_dtype not in FP8_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype}: expected None (the cache holds {dtype}) or one of {FP8_DTYPES}")
         self.kv_dtype = kv_dtype
+        self.fp16_scores = fp16_scores(fp8_mma, dtype, kv_dtype)
+        self.value_unit = value_unit(fp8_mma, dtype, kv_dtype)
         self.rows = page_size + (fp8_scale_rows(page_size, head_dim) if kv_dtype is not None else 0)
         self.mask = mask
         self.max_batch, self.max_tokens, self.max_pages_per_user = max_batch, max_tokens, max_pages_per_user
@@ -298,19 +307,15 @@ class PagedAttention:
     def for_model(cls, config: HSTUConfig, max_batch: int, max_tokens: int, max_pages_per_user: int, page_size: int,
                   device: torch.device | str, *, tiling: AttentionTiling | None = None,
                   kv_dtype: torch.dtype | None = None) -> "PagedAttention":
-        """The attention of `config`'s layers: its heads, alpha, mask and constant N (dqk must equal dv), over a cache
-        holding the model's dtype or `kv_dtype` fp8."""
+        """The attention of `config`'s layers (heads, alpha, mask, constant N; dqk == dv) over `kv_dtype` pages."""
         if config.dqk != config.dv:
             raise ValueError(f"dqk={config.dqk} != dv={config.dv}: the paged cache holds K and V at one head dim")
         return cls(max_batch, max_tokens, max_pages_per_user, config.num_heads, config.dqk, page_size, config.dtype,
                    device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule, kv_dtype=kv_dtype)
 
     def _pick_splits(self, tiling: AttentionTiling) -> int:
-        """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90%.
-
-        A grid of 208 programs on 132 single-program SMs runs two waves for 1.6 waves of work: the last wave's idle
-        SMs cost as much as the split-K gains, so the split count is matched to the wave size.
-        """
+        """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90% (208
+        programs on 132 SMs run two waves for 1.6 waves of work: the idle SMs cost as much as the split-K gains)."""
         per_user = triton.cdiv(self.max_tokens, self.max_batch)
         programs = self.max_batch * triton.cdiv(per_user, tiling.block_m) * self.num_heads
         slots = sm_count(self.device) * tiling.programs_per_sm
@@ -371,11 +376,8 @@ class PagedAttention:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
             appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor | None = None) -> torch.Tensor:
-        """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees (see the module docstring).
-
-        `inv_n` holds 1/N on the device: one value for the batch ([1]) or one per user ([max_batch]); without it,
-        1/max_seq_len.
-        """
+        """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees (see the module docstring); `inv_n`
+        holds 1/N on the device, for the batch ([1]) or per user ([max_batch]); without it, 1/max_seq_len."""
         inv_n = self.constant_inv_n if inv_n is None else inv_n
         self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out, inv_n)
         t = self.tiling
@@ -391,7 +393,8 @@ class PagedAttention:
             NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,
             PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
-            ROWS=self.rows, FP8=kernel_code(self.kv_dtype),
+            ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores,
+            V_UNIT=self.value_unit,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None:

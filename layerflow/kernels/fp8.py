@@ -12,11 +12,13 @@ fp8(x * 2^-k), rounded to nearest even. Why per token and power-of-two:
 - the scale is one byte (its exponent + 127, the E8M0 encoding) per head_dim codes, kept in the scale rows of the
   page it belongs to (layerflow.tier.layout).
 Both kernels round with integer operations that reproduce torch's round-to-nearest-even conversion bit for bit
-(Triton's interpreter mis-rounds fp8 casts whose mantissa carries into the exponent); decoding uses the native cast.
+(Triton's interpreter mis-rounds fp8 casts whose mantissa carries into the exponent); decoding uses the native
+conversion straight into the model's dtype (exact for every finite code, checked in the interpreter).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,36 @@ def fp8_format(kv_dtype: torch.dtype) -> Fp8Format:
 def kernel_code(kv_dtype: torch.dtype | None) -> int:
     """The kernels' FP8 switch: 0 for a cache of the model's dtype."""
     return 0 if kv_dtype is None else fp8_format(kv_dtype).kernel_code
+
+
+MMA_CHOICES = ("model", "fp16", "fp16v")
+MMA_ENV = "LAYERFLOW_FP8_MMA"
+
+
+def _mma_choice(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> str:
+    """`choice` (else the LAYERFLOW_FP8_MMA variable, else "model"), "model" where fp16 MMAs do not apply: pages of
+    the model's dtype, or an fp32 model (its queries would lose bits; for an fp16 one only the queries' scaling is
+    new, which is how the interpreter, mis-computing bf16 attention, checks the path)."""
+    choice = choice or os.environ.get(MMA_ENV) or "model"
+    if choice not in MMA_CHOICES:
+        raise ValueError(f"fp8_mma={choice!r}: expected one of {MMA_CHOICES} (argument or ${MMA_ENV})")
+    return choice if kv_dtype is not None and dtype in (torch.bfloat16, torch.float16) else "model"
+
+
+def fp16_scores(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> bool:
+    """Whether q.k over fp8 pages runs on fp16 MMAs (`fp16_queries`; "fp16" and "fp16v") instead of the model's
+    dtype: e4m3x2 -> f16x2 is one conversion on sm_89+, e4m3 -> bf16 three."""
+    return _mma_choice(choice, dtype, kv_dtype) != "model"
+
+
+def value_unit(choice: str | None, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> float:
+    """1.0: the V dot runs in the model's dtype; else ("fp16v") it runs on fp16 MMAs too, with the attention
+    weights times the value scales carried in units of this power of two (2^max_exponent of the format: a weight
+    times a value scale, ~|p| * max|v| / 2^max_exponent, is then ~|p| * max|v|, in fp16's range unless it exceeds
+    65504; the sum is scaled back exactly once)."""
+    if _mma_choice(choice, dtype, kv_dtype) != "fp16v":
+        return 1.0
+    return 2.0 ** fp8_format(kv_dtype).max_exponent
 
 
 # ---- torch --------------------------------------------------------------------------------------------------------
@@ -108,16 +140,25 @@ def power_of_two(exponent):
 
 
 @triton.jit
-def tile_scales(ptrs, ok, V_OFFSET: tl.constexpr, MASKED: tl.constexpr):
-    """The scales (fp32) of a tile's keys in K and in V, from their scale bytes at `ptrs` and `ptrs + V_OFFSET`
-    (`ok` masks the keys of a masked tile)."""
-    if MASKED:
-        k_bytes = tl.load(ptrs, mask=ok, other=127)
-        v_bytes = tl.load(ptrs + V_OFFSET, mask=ok, other=127)
-    else:
-        k_bytes = tl.load(ptrs)
-        v_bytes = tl.load(ptrs + V_OFFSET)
+def tile_scales(scales_ptr, page_base, n, hi, PAGE: tl.constexpr, V_OFFSET: tl.constexpr):
+    """The K and V scales (fp32) of history keys `n` in the pages at `page_base`, from their scale bytes at
+    `scales_ptr` and `+ V_OFFSET`; keys at or past `hi` (past the chunk) read 1 without touching memory."""
+    ok = n < hi
+    ptrs = scales_ptr + page_base + n % PAGE
+    k_bytes = tl.load(ptrs, mask=ok, other=127)
+    v_bytes = tl.load(ptrs + V_OFFSET, mask=ok, other=127)
     return power_of_two(k_bytes.to(tl.int32) - 127), power_of_two(v_bytes.to(tl.int32) - 127)
+
+
+@triton.jit
+def fp16_queries(q, alpha):
+    """(q * 2^-e as fp16, alpha * 2^e) for a block of bf16 queries, so q.k runs on fp16 MMAs against keys decoded
+    by the one-instruction e4m3 -> fp16 conversion (into bf16 it takes three). e puts the block's largest |q| in
+    [2^14, 2^15): nothing overflows, every element within 2^-31 of the largest converts exactly (fp16's 11 bits
+    hold bf16's 8), and the power of two moved into alpha gives the dot's scores unchanged."""
+    absmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+    e = tl.minimum(tl.maximum(((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, -100), 113)
+    return (q.to(tl.float32) * power_of_two(-e)).to(tl.float16), alpha * power_of_two(e)
 
 
 @triton.jit
@@ -162,11 +203,14 @@ def encode(y, FP8: tl.constexpr):
 
 
 @triton.jit
-def decode(codes, FP8: tl.constexpr):
-    """fp8 codes (uint8) as fp32 values."""
+def decode(codes, FP8: tl.constexpr, dtype: tl.constexpr):
+    """fp8 codes (uint8) as values of `dtype` by the native conversion (one cvt per pair of codes on the GPU, no
+    pass through fp32): exact for every finite code into bf16, fp16 and fp32, which hold every fp8 value. e5m2 into
+    fp16 is a shift (its codes are the top byte of fp16's), which the interpreter also gets right on subnormals."""
     if FP8 == 1:
-        values = codes.to(tl.float8e4nv, bitcast=True)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(dtype)
+    elif dtype == tl.float16:
+        values = (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
     else:
-        values = codes.to(tl.float8e5, bitcast=True)
-    return values.to(tl.float32)
-
+        values = codes.to(tl.float8e5, bitcast=True).to(dtype)
+    return values

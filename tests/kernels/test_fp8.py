@@ -6,13 +6,17 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from layerflow.kernels import AttentionTiling, PagedAttention, kv_append, kv_append_reference  # noqa: E402
 from layerflow.kernels import paged_attention_reference  # noqa: E402
-from layerflow.kernels.fp8 import FORMATS, dequantise, page_views, quantise, scale_exponents  # noqa: E402
+from layerflow.kernels.fp8 import FORMATS, MMA_ENV, decode, dequantise, fp16_queries, fp16_scores  # noqa: E402
+from layerflow.kernels.fp8 import value_unit  # noqa: E402
+from layerflow.kernels.fp8 import page_views, quantise, scale_exponents  # noqa: E402
 from layerflow.model.mask import MaskRule  # noqa: E402
 from layerflow.tier.layout import FP8_DTYPES, fp8_page_size, fp8_scale_rows  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch, quantised_batch  # noqa: E402
@@ -77,6 +81,96 @@ def test_fp8_page_rows_invert():
             rows = page_size + fp8_scale_rows(page_size, head_dim)
             assert fp8_page_size(rows, head_dim) == page_size
     assert fp8_scale_rows(32, 256) == 1 and fp8_scale_rows(128, 64) == 2
+
+
+@triton.jit
+def _decode_kernel(codes_ptr, out_ptr, FP8: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, decode(tl.load(codes_ptr + i), FP8, out_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_gives_every_finite_code_exactly_in_the_model_dtype(kv_dtype, dtype):
+    """The attention's native conversion of codes straight into bf16/fp16/fp32 against torch's, bit for bit."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    out = torch.empty(256, dtype=dtype, device=DEVICE)
+    _decode_kernel[(1,)](codes, out, FP8=FORMATS[kv_dtype].kernel_code)
+    expected = codes.view(kv_dtype).to(dtype)
+    finite = torch.isfinite(codes.view(kv_dtype).float())
+    assert finite.sum() >= 240
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out[finite].view(bits), expected[finite].view(bits))
+
+
+@triton.jit
+def _fp16_queries_kernel(q_ptr, out_ptr, alpha_ptr, alpha):
+    i = tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    q, scaled_alpha = fp16_queries(tl.load(q_ptr + i), alpha)
+    tl.store(out_ptr + i, q)
+    tl.store(alpha_ptr, scaled_alpha)
+
+
+@pytest.mark.parametrize("largest", [3.0e38, 7.0e4, 1.5, 2.0 ** -20, 0.0])
+def test_fp16_queries_hold_bf16_queries_exactly_in_range_and_move_the_power_of_two_into_alpha(largest):
+    """bf16 queries beyond fp16's range (and far below it) become fp16 times 2^e with alpha times 2^-e: the
+    scaled queries are the originals exactly, the largest in [2^14, 2^15)."""
+    gen = torch.Generator().manual_seed(5)
+    q = (torch.randn(16, 64, generator=gen) * largest / 4).clamp(-largest, largest)
+    q[3, 7] = largest
+    q = q.to(torch.bfloat16).to(DEVICE)
+    out = torch.empty(16, 64, dtype=torch.float16, device=DEVICE)
+    alpha = torch.empty(1, dtype=torch.float32, device=DEVICE)
+    _fp16_queries_kernel[(1,)](q, out, alpha, ALPHA)
+    assert torch.isfinite(out.float()).all()
+    factor = alpha.item() / ALPHA                       # 2^e
+    assert factor == 2.0 ** round(torch.tensor(factor).log2().item())
+    if largest > 0:
+        assert 2.0 ** 14 <= out.float().abs().max().item() < 2.0 ** 15
+        relevant = q.float().abs() >= largest * 2.0 ** -31
+        assert torch.equal(out.double()[relevant] * factor, q.double()[relevant])
+    else:
+        assert (out == 0).all()
+
+
+def test_fp16_mmas_are_chosen_by_argument_or_variable_for_16_bit_models_over_fp8_only(monkeypatch):
+    monkeypatch.delenv(MMA_ENV, raising=False)
+    assert not fp16_scores(None, torch.bfloat16, E4M3) and value_unit(None, torch.bfloat16, E4M3) == 1.0
+    assert value_unit("fp16", torch.bfloat16, E4M3) == 1.0 and fp16_scores("fp16v", torch.bfloat16, E4M3)
+    assert value_unit("fp16v", torch.bfloat16, E4M3) == 256.0 and value_unit("fp16v", torch.float16, E5M2) == 32768.0
+    assert value_unit("fp16v", torch.float32, E4M3) == 1.0 and value_unit("fp16v", torch.bfloat16, None) == 1.0
+    assert fp16_scores("fp16", torch.bfloat16, E4M3) and fp16_scores("fp16", torch.bfloat16, E5M2)
+    assert fp16_scores("fp16", torch.float16, E4M3) and not fp16_scores("fp16", torch.float32, E4M3)
+    assert not fp16_scores("fp16", torch.bfloat16, None)
+    monkeypatch.setenv(MMA_ENV, "fp16")
+    assert fp16_scores(None, torch.bfloat16, E4M3) and not fp16_scores("model", torch.bfloat16, E4M3)
+    monkeypatch.setenv(MMA_ENV, "fp32")
+    with pytest.raises(ValueError, match="fp8_mma='fp32'"):
+        fp16_scores(None, torch.bfloat16, E4M3)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
+def test_fp16_mmas_over_fp8_pages_match_the_reference(kv_dtype):
+    """q.k on fp16 MMAs with the queries rescaled by a power of two (K decoded into q's dtype), the V dot in the
+    model's dtype or (fp16v) on fp16 with its weights in units of 2^max_exponent, against the model-dtype path and
+    the reference over the same pages. An fp16 model: the interpreter mis-computes bf16 attention, so the bf16 case
+    is the GPU tests'."""
+    exact = make_paged_batch(**RAGGED, num_heads=2, head_dim=64, page_size=16, dtype=torch.float16, device=DEVICE,
+                             max_batch=6, max_tokens=40)
+    batch = quantised_batch(exact, kv_dtype, 16)
+    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths, kv_dtype=kv_dtype)
+    q, alpha = batch.q * 2.0 ** 10, ALPHA * 2.0 ** -10      # |q| up to ~4e3: e > 0
+    total = batch.total_tokens
+    expected = paged_attention_reference(q.float(), batch.k.float(), batch.v.float(), batch.kv_cache,
+                                         *batch.lengths, torch.zeros(q.shape), alpha=alpha, max_seq_len=MAX_SEQ_LEN,
+                                         kv_dtype=kv_dtype)[:total]
+    for mma in ("model", "fp16", "fp16v"):
+        attn = PagedAttention(6, 40, batch.page_table.shape[1], 2, 64, 16, torch.float16, DEVICE, alpha,
+                              MAX_SEQ_LEN, tiling=AttentionTiling(16, 16, 4, 1, num_splits=2), kv_dtype=kv_dtype,
+                              fp8_mma=mma)
+        assert attn.fp16_scores == (mma != "model") and (attn.value_unit > 1) == (mma == "fp16v")
+        out = attn.run(q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(q))[:total].float()
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8_DTYPES)

@@ -60,6 +60,25 @@ def test_attention_over_fp8_pages_matches_its_reference(kv_dtype, history_lens, 
     assert error < (0.05 if kv_dtype == torch.float8_e4m3fn else 0.1), f"relative error {error:.3g} vs exact"
 
 
+@pytest.mark.parametrize("kv_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("candidates", [0, 256])
+@pytest.mark.parametrize("mma", ["fp16", "fp16v"])
+def test_fp16_mmas_at_real_sizes_match_the_reference_even_past_fp16_range(mma, kv_dtype, candidates):
+    """q.k (and with fp16v the V dot) on fp16 MMAs for bf16 queries scaled far past fp16's range (alpha scaled
+    back)."""
+    batch, _ = fp8_batch([16384], candidates, kv_dtype)
+    q, alpha = batch.q * 2.0 ** 20, ALPHA * 2.0 ** -20
+    attn = PagedAttention(1, batch.q.shape[0], batch.page_table.shape[1], H, D, PAGE, torch.bfloat16, "cuda", alpha,
+                          MAX_SEQ_LEN, tiling=default_tiling(D, torch.bfloat16, 64 + candidates), kv_dtype=kv_dtype,
+                          fp8_mma=mma)
+    assert attn.fp16_scores and (attn.value_unit > 1) == (mma == "fp16v")
+    out = attn.run(q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.empty_like(q))
+    f32 = [t.float() for t in (q, batch.k, batch.v)]
+    expected = paged_attention_reference(*f32, batch.kv_cache, *batch.lengths, torch.zeros_like(f32[0]), alpha=alpha,
+                                         max_seq_len=MAX_SEQ_LEN, kv_dtype=kv_dtype)
+    assert_bf16_close(out, expected, batch.total_tokens)
+
+
 def test_one_graph_replays_fp8_pages_like_eager():
     kv_dtype = torch.float8_e4m3fn
     max_batch, max_tokens, max_pages = 4, 4 * 320, 16384 // PAGE + 4
