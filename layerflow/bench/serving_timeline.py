@@ -62,7 +62,7 @@ class TimedAsyncEngine(AsyncEngine):
                 self._children[-1] += spent
             totals = self._phases.setdefault(phase, [0.0, 0])
             totals[0] += spent - inner
-            totals[1] += 1
+            totals[1] += start >= self._since   # a step begun before `reset` is that run's call, not this one's
 
     def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
         return self._timed("idle" if wait else "take", super()._take, wait, full_only)

@@ -340,16 +340,23 @@ class KVManager:
             plan.onboarding = self.below.onboard(loads, self.layerwise)
 
     def _allocate(self, user: int, tokens: int) -> tuple[int, ...]:
-        """GPU pages for `tokens` tokens of `user`, evicting LRU users whose offload landed. When the pool is short
-        while offloads are in flight (their users cannot be evicted yet), wait for them and try once more; then a
-        PoolExhausted names the sizes (the caller can retry later, or shed load)."""
-        try:
-            return self.gpu.allocate(user, tokens, can_drop=self._gpu_can_drop).pages
-        except PoolExhausted:
-            if not self._offloading:
-                raise
-        self.wait_offloads()
-        return self.gpu.allocate(user, tokens, can_drop=self._gpu_can_drop).pages
+        """GPU pages for `tokens` tokens of `user`, evicting LRU users whose offload landed. When the pool is short,
+        wait for the offloads of users eviction could then take, least recently used first, retrying after each; then
+        a PoolExhausted names the sizes (the caller can retry later, or shed load). A pinned user's offload is never
+        waited for: its pages stay taken either way, and under serving it is the batch in flight's, whose offload
+        lands only after that batch computes (a prepare ahead would wait for the device)."""
+        waited: set[int] = set()   # a transfer that timed out stays not done: never wait for it twice
+        while True:
+            try:
+                return self.gpu.allocate(user, tokens, can_drop=self._gpu_can_drop).pages
+            except PoolExhausted:
+                waitable = next((u for u in self.gpu.users() if u in self._offloading and u not in waited
+                                 and u != user and not self.gpu.pin_count(u)), None)
+                if waitable is None:
+                    raise
+            waited.add(waitable)
+            settle(self.users[waitable].offload)
+            self._reap_offloads()
 
     def _quarantine_pages(self, user: int) -> tuple:
         """Move `user`'s GPU pages to a pinned owner of their own; the user no longer holds any."""

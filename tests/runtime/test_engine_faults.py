@@ -123,6 +123,31 @@ def test_a_pool_short_only_while_offloads_land_waits_for_them(weights):
         assert torch.allclose(scores, reference(weights, list(range(60, 120)) + [7], [8]), atol=TOL, rtol=TOL)
 
 
+def test_a_prepare_ahead_never_waits_for_the_offload_of_the_batch_in_flight(weights):
+    """Issue 19: the pages of the batch in flight stay pinned until its collect, so a batch prepared behind it that
+    needs them gets PoolExhausted at once (the scheduler prepares it after the collect) instead of waiting for that
+    batch's offload, which on the GPU lands only after the batch computes."""
+    release = threading.Event()
+
+    def hold_offloads(layer: int) -> None:
+        if threading.current_thread().name == "layerflow-d2h" and not release.wait(5.0):
+            raise RuntimeError("the held offload was never released")
+
+    with engine_with(weights, gpu_pages=10, copy_engine=FaultyThreadCopyEngine(before_layer=hold_offloads)) as engine:
+        release.set()
+        engine.score([Request(2, list(range(60, 120)), [])])   # 4 pages, evictable once its offload lands
+        engine.kv.wait_offloads()
+        release.clear()
+        flight = engine.launch(engine.prepare([Request(1, list(range(60)), [])]))   # 4 pinned pages, offload held
+        with pytest.raises(PoolExhausted, match="need"):
+            engine.prepare([Request(3, list(range(100)), [1])])   # 7 pages: user 2's and 1 more of user 1's
+        assert engine.kv.users[1].offloading()
+        release.set()
+        engine.collect(flight)
+        scores = engine.score([Request(3, list(range(100)), [1])])[0]
+        assert torch.allclose(scores, reference(weights, list(range(100)), [1]), atol=TOL, rtol=TOL)
+
+
 def test_a_closed_engine_says_so(weights):
     """Issue 16.14: using an engine after close() is a clear error; closing twice is fine."""
     engine = engine_with(weights)
