@@ -252,6 +252,9 @@ class Engine:
                 return
             self._closed = True
             self.kv.wait_offloads()
+            if self.graphs is not None:
+                torch.cuda.synchronize(self.device)
+                self.graphs.release()
             self.kv.below.close()
             if self._failover is not None:
                 self._failover.close(self.kv)

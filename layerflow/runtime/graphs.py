@@ -6,6 +6,8 @@ with no recapture. Graphs share one memory pool: they never run at the same time
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from layerflow.runtime.buffers import BatchBuffers, Bucket
@@ -32,10 +34,22 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the engine's own threads (signal notifiers, copy and serving threads) keep querying and
         # synchronizing events while a graph is captured; in the default global mode any of those calls, from any
-        # thread of the process, invalidates the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.pipeline.forward(bufs, wait)
+        # thread of the process, invalidates the capture. No garbage collection inside it either (torch collects
+        # just before): a collection there runs destructors on this thread, e.g. an old graph's reset, which is not
+        # permitted while a stream captures and invalidates the capture.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self.pipeline.forward(bufs, wait)
+        finally:
+            if collecting:
+                gc.enable()
         self._graphs[(bufs.bucket, type(wait))] = graph
+
+    def release(self) -> None:
+        """Destroy the graphs now (the engine closes), not whenever a collection finds them."""
+        self._graphs.clear()
 
     def replay(self, bufs: BatchBuffers, wait: LayerWait) -> None:
         self._graphs[(bufs.bucket, type(wait))].replay()
