@@ -1,6 +1,7 @@
 """The transfer server against hostile or careless surroundings: directories it must not take over, files it must not
 leave behind, a parent that dies without stopping it, clients that send what they should not."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -331,14 +332,26 @@ def test_a_client_of_a_socket_where_no_server_runs_is_told_so(tmp_path):
     shm.close()
 
 
-def test_a_request_without_its_req_field_is_refused_and_the_client_keeps_being_served(cpu_server):
-    """Issue 16.6: an OFFLOAD without `req` used to kill the client's lane and leave the user claimed forever."""
-    sock, grid = connected(cpu_server)
+@contextlib.contextmanager
+def registered(server):
+    """A raw connection to `server` with a 4-page shared-memory pool registered; closed with its fds after."""
+    sock, grid = connected(server)
     shm, kv = shared_cpu_pool(LAYOUT, 4)
     try:
         export = export_pool(LAYOUT, kv, shm)
         protocol.send(sock, Op.REGISTER_POOL, fds=export.fds, payload=export.payload, **export.fields)
         assert protocol.recv(sock).op is Op.ACK
+        yield sock
+    finally:
+        sock.close()
+        shm.close()
+        for fd in grid[0]:
+            os.close(fd)
+
+
+def test_a_request_without_its_req_field_is_refused_and_the_client_keeps_being_served(cpu_server):
+    """Issue 16.6: an OFFLOAD without `req` used to kill the client's lane and leave the user claimed forever."""
+    with registered(cpu_server) as sock:
         protocol.send(sock, Op.OFFLOAD, user=3, tokens=4, gpu_pages=[0])
         reply = protocol.recv(sock)
         assert reply.op is Op.ERROR and "req=None" in reply["reason"]
@@ -353,11 +366,6 @@ def test_a_request_without_its_req_field_is_refused_and_the_client_keeps_being_s
         assert replies[0].op is Op.DONE
         assert replies[1].op is Op.DONE and (replies[1]["tier"], replies[1]["tokens"]) == ("host", 4)
         assert replies[2].op is Op.ERROR and "user=[1]" in replies[2]["reason"]
-    finally:
-        sock.close()
-        shm.close()
-        for fd in grid[0]:
-            os.close(fd)
 
 
 def test_an_offloads_history_of_the_wrong_size_is_refused_and_a_right_one_is_adopted(cpu_server):
@@ -366,12 +374,7 @@ def test_an_offloads_history_of_the_wrong_size_is_refused_and_a_right_one_is_ado
 
     import numpy as np
 
-    sock, grid = connected(cpu_server)
-    shm, kv = shared_cpu_pool(LAYOUT, 4)
-    try:
-        export = export_pool(LAYOUT, kv, shm)
-        protocol.send(sock, Op.REGISTER_POOL, fds=export.fds, payload=export.payload, **export.fields)
-        assert protocol.recv(sock).op is Op.ACK
+    with registered(cpu_server) as sock:
         protocol.send(sock, Op.OFFLOAD, payload=b"12345", req=1, user=3, tokens=4, gpu_pages=[0])
         reply = protocol.recv(sock)
         assert reply.op is Op.ERROR and "history: 5 bytes for tokens=4" in reply["reason"]
@@ -383,11 +386,6 @@ def test_an_offloads_history_of_the_wrong_size_is_refused_and_a_right_one_is_ado
             reply = protocol.recv(sock)
             assert reply.op is Op.DONE and reply["tokens"] == tokens
             assert np.frombuffer(base64.b64decode(reply["history"]), dtype="<i8").tolist() == items
-    finally:
-        sock.close()
-        shm.close()
-        for fd in grid[0]:
-            os.close(fd)
 
 
 def test_connections_past_the_client_cap_are_told_so(cpu_server, monkeypatch):
