@@ -67,7 +67,9 @@ def test_the_gpu_pool_holds_194_percent_of_the_bf16_users_of_hstu_bench():
 
 
 def test_the_quality_gate_on_the_benchmark_model():
-    settings = QualitySettings(preset="hstu-bench", history_lens=(2048, 8192), users_per_length=4, append_len=64,
-                               num_candidates=256)
+    """The gate on benchmarks/fp8_quality.py's workload (64 users, 2K-16K): over 8 users one swap of a 10th and
+    11th candidate moves the mean top-10 overlap by 0.0125, too coarse a sample for a 0.98 gate."""
+    settings = QualitySettings(preset="hstu-bench", history_lens=(2048, 4096, 8192, 16384), users_per_length=16,
+                               append_len=64, num_candidates=256)
     results = compare(settings, torch.device("cuda"))
     assert results.passes, results.overall
