@@ -280,21 +280,17 @@ class PagedAttention:
             raise ValueError("mask.target_aware=False: the paged kernel serves target-aware candidates only")
         if kv_dtype is not None and kv_dtype not in FP8_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype}: expected None (the cache holds {dtype}) or one of {FP8_DTYPES}")
-        self.kv_dtype = kv_dtype
-        self.fp16_scores = fp16_scores(fp8_mma, dtype, kv_dtype)
-        self.value_unit = value_unit(fp8_mma, dtype, kv_dtype)
+        self.kv_dtype, self.mask = kv_dtype, mask
+        self.fp16_scores, self.value_unit = fp16_scores(fp8_mma, dtype, kv_dtype), value_unit(fp8_mma, dtype, kv_dtype)
         self.rows = page_size + (fp8_scale_rows(page_size, head_dim) if kv_dtype is not None else 0)
-        self.mask = mask
         self.max_batch, self.max_tokens, self.max_pages_per_user = max_batch, max_tokens, max_pages_per_user
         self.num_heads, self.head_dim, self.page_size, self.dtype = num_heads, head_dim, page_size, dtype
-        self.device = torch.device(device)
-        self.alpha, self.max_seq_len = float(alpha), max_seq_len
+        self.device, self.alpha, self.max_seq_len = torch.device(device), float(alpha), max_seq_len
         self.constant_inv_n = torch.full((1,), 1.0 / max_seq_len, dtype=torch.float32, device=self.device)
         tiling = tiling or default_tiling(head_dim, dtype, triton.cdiv(max_tokens, max_batch))
-        self.num_splits = tiling.num_splits or self._pick_splits(tiling)
+        self.tiling, self.num_splits = tiling, tiling.num_splits or self._pick_splits(tiling)
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits={self.num_splits}: expected 1..{MAX_SPLITS}")
-        self.tiling = tiling
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
         self.query_slots = (max_tokens + max_batch * (tiling.block_m - 1)) // tiling.block_m
         self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
@@ -368,8 +364,8 @@ class PagedAttention:
                 raise ValueError(f"{name} dtype {t.dtype}: expected torch.int32")
             if n is not None and (t.dim() != 1 or t.shape[0] != n or not t.is_contiguous()):
                 raise ValueError(f"{name} shape {tuple(t.shape)}: expected contiguous [{n}]")
-        if inv_n.dtype != torch.float32 or inv_n.dim() != 1 or inv_n.shape[0] not in (1, self.max_batch) \
-                or not inv_n.is_contiguous():
+        if inv_n.dtype != torch.float32 or inv_n.dim() != 1 or inv_n.shape[0] not in (1, self.max_batch) or \
+                not inv_n.is_contiguous():
             raise ValueError(f"inv_n {inv_n.dtype} shape {tuple(inv_n.shape)}: expected contiguous float32 [1] or "
                              f"[{self.max_batch}]")
 
@@ -393,8 +389,7 @@ class PagedAttention:
             NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,
             PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
-            ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores,
-            V_UNIT=self.value_unit,
+            ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores, V_UNIT=self.value_unit,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None:
