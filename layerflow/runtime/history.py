@@ -3,6 +3,7 @@ for a model whose caller brings them (kept on the host, in the model's dtype).""
 
 from __future__ import annotations
 
+import array
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -32,8 +33,11 @@ class History(ABC):
 
 
 class ItemHistory(History):
+    """Item ids as int64 in an `array`: a shared tier (the transfer server, Redis) is sent the whole history with each
+    offload, and a numpy copy of an array is one memcpy where a list's is a conversion per item."""
+
     def __init__(self) -> None:
-        self._items: list[int] = []
+        self._items = array.array("q")
 
     def __len__(self) -> int:
         return len(self._items)
@@ -45,18 +49,21 @@ class ItemHistory(History):
         del self._items[length:]
 
     def tokens(self) -> list[int]:
-        return list(self._items)
+        return self._items.tolist()
 
     def clear(self) -> None:
-        self._items.clear()
+        del self._items[:]
 
     def __eq__(self, other: object) -> bool:
         """Equal to the list of its items (what callers compare it with)."""
-        return self._items == (other._items if isinstance(other, ItemHistory) else other)
+        if isinstance(other, ItemHistory):
+            return self._items == other._items
+        return self._items.tolist() == other
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        """The items as a numpy array (converted only where a tier keeps them, e.g. a remote copy's manifest)."""
-        return np.asarray(self._items, dtype=dtype)
+        """A copy of the items (never a view: the array could not grow while one is alive)."""
+        items = np.frombuffer(self._items, dtype=np.int64).copy() if self._items else np.zeros(0, dtype=np.int64)
+        return items if dtype is None else items.astype(dtype, copy=False)
 
 
 class EmbeddingHistory(History):
