@@ -1,0 +1,161 @@
+"""Per-kernel breakdown of one GPU-hit request, beside its floor (issue 18's table).
+
+The engine is built and staged as `layerflow bench` stages a GPU hit (hstu-bench, BS=1, 64 appended + 256 candidates,
+the batch's token bucket, CUDA graphs on); torch.profiler records `--requests` requests per history length and each
+kernel's count and device time are divided by that number. The floor is counted from the model's shape against two
+ceilings measured in the same run: a large bf16 GEMM (FLOP/s) and a device-to-device copy (bytes/s); a group's floor
+is the larger of its FLOPs and its bytes at those rates.
+
+    python3 benchmarks/kernel_breakdown.py --seq-lens 2K,16K --out benchmarks/results/kernel-breakdown-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from layerflow.bench.environment import environment  # noqa: E402
+from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
+from layerflow.bench.measure import transfer_config  # noqa: E402
+from layerflow.bench.workload import Workload  # noqa: E402
+from layerflow.model import HSTUWeights  # noqa: E402
+from layerflow.runtime.engine import Engine  # noqa: E402
+
+GROUPS = (("attention", ("attention",)), ("split sum", ("sum_splits",)), ("GEMM", ("nvjet", "gemm", "cutlass", "sm90")),
+          ("LayerNorm", ("norm",)), ("KV append", ("kv_append",)), ("copy D2H", ("DtoH",)), ("copy H2D", ("HtoD",)),
+          ("direct_copy", ("direct_copy",)))
+
+
+def group_of(name: str) -> str:
+    for group, keys in GROUPS:
+        if any(k.lower() in name.lower() for k in keys):
+            return group
+    return "other pointwise"
+
+
+def ceilings(device: torch.device) -> dict[str, float]:
+    """Dense bf16 GEMM TFLOP/s (8192^3) and D2D copy TB/s (1 GiB), best of 10 each."""
+    def best_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return min(times)
+
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    gemm_ms = best_ms(lambda: a @ b)
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = best_ms(lambda: dst.copy_(src))
+    return {"gemm_tflops": 2 * n**3 / gemm_ms / 1e9, "d2d_tb_s": 2 * src.numel() / copy_ms / 1e9}
+
+
+def floors_us(settings: Settings, seq_len: int, ceiling: dict[str, float]) -> dict[str, float]:
+    """Counted work of one request: attention FLOPs and KV bytes, GEMM FLOPs and weight bytes, at the ceilings."""
+    m = settings.model
+    queries = settings.append_len + settings.num_candidates
+    keys = seq_len + settings.append_len
+    attn_flops = m.num_layers * m.num_heads * queries * keys * 2 * (m.dqk + m.dv)
+    kv_bytes = m.num_layers * keys * m.num_heads * (m.dqk + m.dv) * m.dtype.itemsize
+    proj = m.embedding_dim * m.num_heads * (2 * m.dqk + 2 * m.dv) + m.num_heads * m.dv * m.embedding_dim
+    gemm_flops = m.num_layers * 2 * queries * proj
+    weight_bytes = m.num_layers * proj * m.dtype.itemsize
+    flop_rate, byte_rate = ceiling["gemm_tflops"] * 1e12, ceiling["d2d_tb_s"] * 1e12
+
+    def us(flops: float, nbytes: float) -> float:
+        return max(flops / flop_rate, nbytes / byte_rate) * 1e6
+
+    return {"attention": us(attn_flops, kv_bytes), "GEMM": us(gemm_flops, weight_bytes),
+            "attention_gflop": attn_flops / 1e9, "kv_mib": kv_bytes / 2**20, "gemm_gflop": gemm_flops / 1e9}
+
+
+def breakdown(engine: Engine, workload: Workload, requests: int) -> list[dict]:
+    def hit():
+        engine.kv.wait_offloads()
+        for r in workload.requests:
+            engine.kv.truncate(r.user_id, workload.seq_len)
+        return engine.score(workload.requests)
+
+    for _ in range(5):
+        hit()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(requests):
+            hit()
+        torch.cuda.synchronize()
+    count, total = defaultdict(int), defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            count[event.name] += 1
+            total[event.name] += event.device_time_total
+    rows = [{"kernel": name, "group": group_of(name), "count": count[name] / requests, "us": total[name] / requests}
+            for name in sorted(total, key=total.get, reverse=True)]
+    return rows
+
+
+def table(seq_len: int, rows: list[dict], floor: dict[str, float]) -> str:
+    groups = defaultdict(lambda: [0.0, 0.0])
+    for r in rows:
+        groups[r["group"]][0] += r["count"]
+        groups[r["group"]][1] += r["us"]
+    lines = [f"### GPU hit at {seq_len}: kernels per request", "| group | kernels | us | floor us |", "|---|---|---|---|"]
+    for g, (n, t) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {g} | {n:.1f} | {t:.1f} | {floor[g]:.1f} |" if g in floor else f"| {g} | {n:.1f} | {t:.1f} | |")
+    all_n, all_t = sum(v[0] for v in groups.values()), sum(v[1] for v in groups.values())
+    lines.append(f"| **all** | {all_n:.1f} | {all_t:.1f} | {floor['attention'] + floor['GEMM']:.1f} |")
+    lines.append("")
+    lines.append("| kernel | count | us |\n|---|---|---|")
+    lines += [f"| {r['kernel'][:100]} | {r['count']:.1f} | {r['us']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=parse_lengths, default=(2048, 16384))
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    settings = Settings(**{**GPU_DEFAULTS, "seq_lens": args.seq_lens, "batch_size": args.batch_size,
+                           "scenarios": ("gpu_hit",)})
+    ceiling = ceilings(device)
+    torch.cuda.empty_cache()
+    weights = HSTUWeights.init(settings.model, seed=0)
+    out = {"command": " ".join(["python3"] + sys.argv), "environment": environment(device), "ceilings": ceiling,
+           "lengths": {}}
+    config = transfer_config(settings, None)
+    with Engine(weights, config, device=device, batch_buckets=(args.batch_size,),
+                token_buckets=(settings.query_tokens,)) as engine:
+        engine.warmup()
+        for index, seq_len in enumerate(settings.seq_lens):
+            users = [index * args.batch_size + b for b in range(args.batch_size)]
+            workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates, settings.model, 0)
+            workload.load(engine)
+            rows = breakdown(engine, workload, args.requests)
+            floor = floors_us(settings, seq_len, ceiling)
+            out["lengths"][seq_len] = {"rows": rows, "floor_us": floor,
+                                       "summed_us": sum(r["us"] for r in rows)}
+            print(table(seq_len, rows, floor), flush=True)
+            workload.drop(engine)
+    print(f"ceilings: {ceiling}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
