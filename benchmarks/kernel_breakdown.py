@@ -98,13 +98,31 @@ def breakdown(engine: Engine, workload: Workload, requests: int) -> list[dict]:
             hit()
         torch.cuda.synchronize()
     count, total = defaultdict(int), defaultdict(float)
+    intervals = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             count[event.name] += 1
             total[event.name] += event.device_time_total
+            intervals.append((event.time_range.start, event.time_range.end))
     rows = [{"kernel": name, "group": group_of(name), "count": count[name] / requests, "us": total[name] / requests}
             for name in sorted(total, key=total.get, reverse=True)]
-    return rows
+    return rows, spans_us(intervals)
+
+
+def spans_us(intervals: list[tuple[float, float]], gap_us: float = 100.0) -> list[float]:
+    """First kernel start to last kernel end of each request: device activity split where the device idles longer
+    than `gap_us` (the host's part between two requests)."""
+    spans, start, end = [], None, None
+    for lo, hi in sorted(intervals):
+        if start is not None and lo - end > gap_us:
+            spans.append(end - start)
+            start = None
+        if start is None:
+            start, end = lo, hi
+        end = max(end, hi)
+    if start is not None:
+        spans.append(end - start)
+    return spans
 
 
 def table(seq_len: int, rows: list[dict], floor: dict[str, float]) -> str:
@@ -146,11 +164,14 @@ def main() -> None:
             users = [index * args.batch_size + b for b in range(args.batch_size)]
             workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates, settings.model, 0)
             workload.load(engine)
-            rows = breakdown(engine, workload, args.requests)
+            rows, spans = breakdown(engine, workload, args.requests)
             floor = floors_us(settings, seq_len, ceiling)
-            out["lengths"][seq_len] = {"rows": rows, "floor_us": floor,
-                                       "summed_us": sum(r["us"] for r in rows)}
+            span = sorted(spans)[len(spans) // 2] if spans else None
+            out["lengths"][seq_len] = {"rows": rows, "floor_us": floor, "summed_us": sum(r["us"] for r in rows),
+                                       "device_span_us": spans, "device_span_median_us": span}
             print(table(seq_len, rows, floor), flush=True)
+            print(f"device span per request (first kernel start -> last kernel end), median: {span} us "
+                  f"over {len(spans)} spans", flush=True)
             workload.drop(engine)
     print(f"ceilings: {ceiling}")
     if args.out:
