@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from layerflow.kernels.attention import PagedAttention
+from layerflow.kernels.ends import candidate_dot, embed_rows
 from layerflow.kernels.kv_append import kv_append
 from layerflow.kernels.pointwise import gated_layer_norm, layer_norm
 from layerflow.kernels.reference import kv_append_reference, paged_attention_reference
@@ -27,7 +28,13 @@ from layerflow.runtime.waits import LayerWait
 
 class LayerKernels(Protocol):
     """The kernels of a layer: the input LayerNorm, append the new tokens' K/V to their pages, attend over the pages,
-    the output projection's input Y from u and the attention output (the family's `output_input`)."""
+    the output projection's input Y from u and the attention output (the family's `output_input`); and the block's
+    two ends for an item-id model: the token rows in, the candidate scores out (written to `out`)."""
+
+    def embed(self, weights: HSTUWeights, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def scores(self, weights: HSTUWeights, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+               out: torch.Tensor) -> None: ...
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
 
@@ -57,6 +64,12 @@ class TritonKernels:
                                                             kv_dtype=self.kv_dtype)
         return self._attention[key]
 
+    def embed(self, weights, ids, positions):
+        return embed_rows(weights.item_embedding, weights.position_embedding, ids, positions)
+
+    def scores(self, weights, x, rows, ids, out):
+        candidate_dot(x, weights.item_embedding, rows, ids, out)
+
     def layer_norm(self, x, weight, bias):
         return layer_norm(x, weight, bias, self.config.layer_norm_eps)
 
@@ -79,6 +92,12 @@ class ReferenceKernels:
 
     def __init__(self, weights: HSTUWeights, kv_dtype: torch.dtype | None = None):
         self.config, self.family, self.kv_dtype = weights.config, weights.family, kv_dtype
+
+    def embed(self, weights, ids, positions):
+        return embed(weights, ids, positions)
+
+    def scores(self, weights, x, rows, ids, out):
+        out.copy_(candidate_scores(weights, x[rows], ids))
 
     def layer_norm(self, x, weight, bias):
         return layer_norm_reference(x, weight, bias, self.config.layer_norm_eps)
@@ -108,7 +127,7 @@ class LayerPipeline:
     def forward(self, bufs: BatchBuffers, wait: LayerWait) -> None:
         w = self.weights
         family, tables = w.family, w.config.embedding_tables
-        x = embed(w, bufs.ids, bufs.positions) if tables else bufs.x
+        x = self.kernels.embed(w, bufs.ids, bufs.positions) if tables else bufs.x
         for layer, lw in enumerate(w.layers):
             normed = self.kernels.layer_norm(x, lw.ln_in_weight, lw.ln_in_bias)
             u, v, q, k = family.project(lw, normed)   # views of one [T, uvqk] tensor, read in place
@@ -121,6 +140,6 @@ class LayerPipeline:
             # x + Y @ W_out with the residual read by the GEMM; the caller's input rows (bufs.x) are left as they are.
             x = x.addmm_(y, lw.out_weight) if tables or layer else torch.addmm(x, y, lw.out_weight)
         if tables:
-            bufs.scores.copy_(candidate_scores(w, x[bufs.candidate_rows], bufs.candidate_ids))
+            self.kernels.scores(w, x, bufs.candidate_rows, bufs.candidate_ids, bufs.scores)
         else:
             bufs.outputs.copy_(x)
