@@ -43,6 +43,14 @@ def _latency(results: Results, scenario: str) -> Callable[[int], str]:
     return cell
 
 
+def _users_per_s(results: Results, scenario: str) -> Callable[[int], str]:
+    """Throughput of back-to-back batches: the batch's users over its median latency."""
+    def cell(seq_len: int) -> str:
+        m = results.get(scenario, seq_len)
+        return "-" if m is None else f"{results.settings.batch_size / m.wall.median * 1e3:.0f}"
+    return cell
+
+
 def _bound(results: Results, figure: Callable, fmt: str = "{:.2f}") -> Callable[[int], str]:
     def cell(seq_len: int) -> str:
         b = results.bounds.get(seq_len)
@@ -69,6 +77,9 @@ def markdown(results: Results) -> str:
     main: list[Column] = [("seq_len", _length)]
     main += [(f"{SCENARIOS[n].label} ms", _latency(results, n))
              for n in ("gpu_hit", "cpu_hit", "cpu_hit_layerwise") if n in ran]
+    if s.batch_size > 1:
+        main += [(f"{SCENARIOS[n].label} users/s", _users_per_s(results, n))
+                 for n in ("gpu_hit", "cpu_hit_layerwise") if n in ran]
     if results.bounds:
         main += [("LB ms", _bound(results, lambda b: b.lower_bound)),
                  ("pipeline eff", _bound(results, lambda b: b.pipeline_efficiency, "{:.3f}")),
