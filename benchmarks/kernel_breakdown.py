@@ -83,7 +83,8 @@ def floors_us(settings: Settings, seq_len: int, ceiling: dict[str, float]) -> di
             "attention_gflop": attn_flops / 1e9, "kv_mib": kv_bytes / 2**20, "gemm_gflop": gemm_flops / 1e9}
 
 
-def breakdown(engine: Engine, workload: Workload, requests: int) -> list[dict]:
+def breakdown(engine: Engine, workload: Workload, requests: int,
+              trace: str | None = None) -> tuple[list[dict], list[float]]:
     def hit():
         engine.kv.wait_offloads()
         for r in workload.requests:
@@ -97,6 +98,8 @@ def breakdown(engine: Engine, workload: Workload, requests: int) -> list[dict]:
         for _ in range(requests):
             hit()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     count, total = defaultdict(int), defaultdict(float)
     intervals = []
     for event in prof.events():
@@ -147,6 +150,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--out")
+    parser.add_argument("--trace", help="write each length's Chrome trace to TRACE.<seq_len>.json")
     args = parser.parse_args()
     device = torch.device("cuda")
     settings = Settings(**{**GPU_DEFAULTS, "seq_lens": args.seq_lens, "batch_size": args.batch_size,
@@ -164,7 +168,8 @@ def main() -> None:
             users = [index * args.batch_size + b for b in range(args.batch_size)]
             workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates, settings.model, 0)
             workload.load(engine)
-            rows, spans = breakdown(engine, workload, args.requests)
+            trace = f"{args.trace}.{seq_len}.json" if args.trace else None
+            rows, spans = breakdown(engine, workload, args.requests, trace)
             floor = floors_us(settings, seq_len, ceiling)
             span = sorted(spans)[len(spans) // 2] if spans else None
             out["lengths"][seq_len] = {"rows": rows, "floor_us": floor, "summed_us": sum(r["us"] for r in rows),
