@@ -371,9 +371,12 @@ class PagedAttention:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
-            appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor | None = None) -> torch.Tensor:
+            appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor | None = None,
+            reduce: bool = True) -> torch.Tensor:
         """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees (see the module docstring); `inv_n`
-        holds 1/N on the device, for the batch ([1]) or per user ([max_batch]); without it, 1/max_seq_len."""
+        holds 1/N on the device, for the batch ([1]) or per user ([max_batch]); without it, 1/max_seq_len.
+        With `reduce=False` a split kernel's fp32 partials [splits, max_tokens, H, D] are returned unsummed, for a
+        consumer that sums them as it reads them (the output gate); `out` is returned when there is one split."""
         inv_n = self.constant_inv_n if inv_n is None else inv_n
         self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out, inv_n)
         t = self.tiling
@@ -392,6 +395,8 @@ class PagedAttention:
             ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores, V_UNIT=self.value_unit,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
+        if self.partials is not None and not reduce:
+            return self.partials
         if self.partials is not None:
             splits_p2 = triton.next_power_of_2(self.num_splits)
             block = max(16, 8192 // splits_p2)

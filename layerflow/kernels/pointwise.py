@@ -15,15 +15,22 @@ _NORM, _GATED, _CONCAT = 0, 1, 2   # what the kernel writes: Norm(a), u * Norm(a
 
 
 @triton.jit
-def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, eps, GROUPS: tl.constexpr,
+def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, split_stride, eps, GROUPS: tl.constexpr,
                  G: tl.constexpr, GROUPS_P2: tl.constexpr, G_P2: tl.constexpr, PER_GROUP: tl.constexpr,
-                 WRITE: tl.constexpr):
+                 WRITE: tl.constexpr, SPLITS: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS_P2)[:, None]
     d = tl.arange(0, G_P2)[None, :]
     ok = (g < GROUPS) & (d < G)
     e = g * G + d
-    raw = tl.load(a_ptr + token * (GROUPS * G) + e, mask=ok, other=0.0)
+    if SPLITS == 0:
+        raw = tl.load(a_ptr + token * (GROUPS * G) + e, mask=ok, other=0.0)
+    else:
+        # The attention's fp32 split partials, added in split order (unrolled: every load is in flight at once).
+        total = tl.zeros([GROUPS_P2, G_P2], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            total += tl.load(a_ptr + split * split_stride + token * (GROUPS * G) + e, mask=ok, other=0.0)
+        raw = total.to(out_ptr.dtype.element_ty)
     a = raw.to(tl.float32)
     mean = tl.sum(a, axis=1) / G
     centered = tl.where(ok, a - mean[:, None], 0.0)
@@ -50,8 +57,9 @@ def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, eps,
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, groups: int,
-            u: torch.Tensor | None, write: int, out: torch.Tensor | None) -> torch.Tensor:
-    tokens, width = a.shape
+            u: torch.Tensor | None, write: int, out: torch.Tensor | None, splits: int = 0) -> torch.Tensor:
+    tokens, width = a.shape[-2:]
+    dtype = a.dtype if u is None else u.dtype
     if groups < 1 or width % groups:
         raise ValueError(f"groups={groups}: must be >= 1 and divide the row width {width}")
     affine = (width,) if groups == 1 else (groups,)
@@ -59,15 +67,16 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: floa
         raise ValueError(f"weight/bias shapes {tuple(weight.shape)}/{tuple(bias.shape)}: expected {list(affine)}")
     blocks = 3 if write == _CONCAT else 1
     if out is None:
-        out = torch.empty(tokens, blocks * width, dtype=a.dtype, device=a.device)
-    elif out.shape != (tokens, blocks * width) or out.stride(1) != 1 or out.dtype != a.dtype:
-        raise ValueError(f"out {out.dtype} shape {tuple(out.shape)}: expected {a.dtype} [{tokens}, {blocks * width}] "
+        out = torch.empty(tokens, blocks * width, dtype=dtype, device=a.device)
+    elif out.shape != (tokens, blocks * width) or out.stride(1) != 1 or out.dtype != dtype:
+        raise ValueError(f"out {out.dtype} shape {tuple(out.shape)}: expected {dtype} [{tokens}, {blocks * width}] "
                          f"rows with unit column stride")
     if tokens:
         g = width // groups
         _norm_kernel[(tokens,)](a, weight, bias, a if u is None else u, out, 0 if u is None else u.stride(0),
-                                out.stride(0), eps, GROUPS=groups, G=g, GROUPS_P2=triton.next_power_of_2(groups),
-                                G_P2=triton.next_power_of_2(g), PER_GROUP=groups > 1, WRITE=write, num_warps=4)
+                                out.stride(0), a.stride(0) if splits else 0, eps, GROUPS=groups, G=g,
+                                GROUPS_P2=triton.next_power_of_2(groups), G_P2=triton.next_power_of_2(g),
+                                PER_GROUP=groups > 1, WRITE=write, SPLITS=splits, num_warps=4)
     return out
 
 
@@ -92,6 +101,18 @@ def gated_layer_norm(u: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bia
         raise ValueError(f"u/a {u.dtype}/{a.dtype} shapes {tuple(u.shape)}/{tuple(a.shape)}: expected one dtype, "
                          f"[T, E], a contiguous, u rows with unit column stride")
     return _launch(a, weight, bias, eps, groups, u, _CONCAT if concat else _GATED, out)
+
+
+def gated_split_norm(u: torch.Tensor, partials: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                     out: torch.Tensor | None = None, *, groups: int = 1, concat: bool = False) -> torch.Tensor:
+    """`gated_layer_norm` of a = the sum of the attention's fp32 split partials [S, T, E], added in split order and
+    rounded to u's dtype as the attention's own reduction would round them: the partials are read once, by the gate,
+    instead of by a reduction kernel whose output the gate reads again."""
+    if partials.dim() != 3 or partials.shape[1:] != u.shape or partials.dtype != torch.float32 or \
+            not partials.is_contiguous() or u.stride(1) != 1:
+        raise ValueError(f"u {u.dtype} {tuple(u.shape)}, partials {partials.dtype} {tuple(partials.shape)}: expected "
+                         f"contiguous float32 [S, T, E] partials of u's [T, E] rows (unit column stride)")
+    return _launch(partials, weight, bias, eps, groups, u, _CONCAT if concat else _GATED, out, partials.shape[0])
 
 
 def gated_layer_norm_reference(u: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

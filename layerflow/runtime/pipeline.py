@@ -4,8 +4,9 @@ The wait comes after the input projection (which reads no KV) and before the KV 
 an onboarding may still be filling), so each layer's copy overlaps as much compute as the data allows. The same
 `forward` runs eagerly or under CUDA-graph capture; it never synchronises with the host. The layer math is the model
 family's (`weights.family`). On the GPU a layer outside attention is five kernels: the input LayerNorm, the uvqk GEMM
-with its bias in the epilogue, the activation in place, the output gate writing the projection's whole input, and the
-output GEMM adding the residual in its epilogue (the running rows are updated in place, so no copy or add runs).
+with its bias in the epilogue, the activation in place, the output gate writing the projection's whole input (it sums
+the attention's split partials as it reads them: no reduction kernel), and the output GEMM adding the residual in its
+epilogue (the running rows are updated in place, so no copy or add runs).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from layerflow.kernels.attention import PagedAttention
 from layerflow.kernels.ends import candidate_dot, embed_rows
 from layerflow.kernels.kv_append import kv_append
-from layerflow.kernels.pointwise import gated_layer_norm, layer_norm
+from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm, layer_norm
 from layerflow.kernels.reference import kv_append_reference, paged_attention_reference
 from layerflow.model.embedding import candidate_scores, embed
 from layerflow.model.family import layer_norm as layer_norm_reference
@@ -41,7 +42,9 @@ class LayerKernels(Protocol):
     def append(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, bufs: BatchBuffers) -> None: ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               bufs: BatchBuffers, out: torch.Tensor) -> None: ...
+               bufs: BatchBuffers, out: torch.Tensor) -> torch.Tensor:
+        """The attention output for `output_input`: `out` filled, or what the kernels' gate reads instead of it (the
+        attention's unsummed split partials)."""
 
     def output_input(self, layer: LayerWeights, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
 
@@ -78,12 +81,16 @@ class TritonKernels:
                   self.kv_dtype)
 
     def attend(self, q, k, v, kv_cache, bufs, out):
-        self._for(bufs).run(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
-                            bufs.appended_lens, out, inv_n=bufs.inv_n)
+        return self._for(bufs).run(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
+                                   bufs.appended_lens, out, inv_n=bufs.inv_n, reduce=False)
 
     def output_input(self, layer, u, attn):
-        return gated_layer_norm(u, attn.view(attn.shape[0], -1), layer.ln_attn_weight, layer.ln_attn_bias,
-                                self.config.layer_norm_eps, groups=self._gate_groups, concat=self._concat)
+        """u * Norm(attn), where attn is the attention output [T, H, D] or its fp32 split partials [S, T, H, D]."""
+        norm = (layer.ln_attn_weight, layer.ln_attn_bias, self.config.layer_norm_eps)
+        if attn.dim() == 4:
+            return gated_split_norm(u, attn.view(attn.shape[0], attn.shape[1], -1), *norm, groups=self._gate_groups,
+                                    concat=self._concat)
+        return gated_layer_norm(u, attn.view(attn.shape[0], -1), *norm, groups=self._gate_groups, concat=self._concat)
 
 
 class ReferenceKernels:
@@ -107,7 +114,7 @@ class ReferenceKernels:
                             self.kv_dtype)
 
     def attend(self, q, k, v, kv_cache, bufs, out):
-        paged_attention_reference(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
+        return paged_attention_reference(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
                                   bufs.appended_lens, out, alpha=self.config.alpha, inv_n=bufs.inv_n,
                                   max_seq_len=None if bufs.inv_n is not None else self.config.max_seq_len,
                                   mask=self.config.mask_rule, kv_dtype=self.kv_dtype)
@@ -135,8 +142,7 @@ class LayerPipeline:
             kv = self.kv_layers[layer]
             self.kernels.append(k, v, kv, bufs)
             attn = torch.empty(v.shape, dtype=v.dtype, device=v.device)   # rows past the batch stay unused
-            self.kernels.attend(q, k, v, kv, bufs, attn)
-            y = self.kernels.output_input(lw, u, attn)
+            y = self.kernels.output_input(lw, u, self.kernels.attend(q, k, v, kv, bufs, attn))
             # x + Y @ W_out with the residual read by the GEMM; the caller's input rows (bufs.x) are left as they are.
             x = x.addmm_(y, lw.out_weight) if tables or layer else torch.addmm(x, y, lw.out_weight)
         if tables:

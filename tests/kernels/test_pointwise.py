@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from layerflow.kernels.pointwise import gated_layer_norm, layer_norm  # noqa: E402
+from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm, layer_norm  # noqa: E402
 from layerflow.model import HSTUConfig, HSTUWeights  # noqa: E402
 from layerflow.model import family as model_family  # noqa: E402
 from layerflow.runtime.pipeline import TritonKernels  # noqa: E402
@@ -55,6 +55,27 @@ def test_the_output_gate_writes_the_family_output_input(family, norm, dtype):
     _assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,norm", [("hstu", "layer"), ("stu", "group")])
+def test_the_gate_over_split_partials_is_the_gate_over_their_sum(family, norm, dtype):
+    """3 splits of fp32 partials: the gate adds them in split order and rounds once, as the attention's reduction
+    does, so its output equals the gate over the summed, rounded attention output bit for bit (the CPU interpreter
+    truncates fp32 to bf16 where the GPU rounds to nearest: there the expected sum is truncated too)."""
+    config = HSTUConfig(num_layers=1, num_heads=3, dqk=6, dv=6, embedding_dim=16, max_seq_len=64, dtype=dtype,
+                        item_vocab_size=0, position_table_size=0, family=family, output_norm=norm)
+    weights = HSTUWeights.init(config, seed=3).to(DEVICE)
+    layer, kernels = weights.layers[0], TritonKernels(weights, page_size=16, max_pages=4)
+    u = _randn(5, config.uvqk_dim, seed=4, dtype=dtype)[:, :18]
+    partials = _randn(3, 5, 3, 6, seed=6)
+    total = (partials[0] + partials[1]) + partials[2]
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        total = (total.view(torch.int32) & -65536).view(torch.float32)   # the interpreter's truncation
+    summed = total.to(dtype)
+    got = kernels.output_input(layer, u, partials)
+    assert torch.equal(got, kernels.output_input(layer, u, summed))
+    _assert_close(got, weights.family.output_input(layer, u, summed))
+
+
 def test_no_rows_launch_nothing():
     a = torch.empty(0, 8, device=DEVICE)
     assert gated_layer_norm(a, a, torch.ones(2, device=DEVICE), torch.zeros(2, device=DEVICE), 1e-6, groups=2,
@@ -73,3 +94,5 @@ def test_bad_shapes_are_refused_by_value():
         layer_norm(a.t(), torch.ones(4, device=DEVICE), torch.ones(4, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="u/a torch.bfloat16/torch.float32"):
         gated_layer_norm(a.bfloat16(), a, w, w, 1e-6)
+    with pytest.raises(ValueError, match=r"partials torch.bfloat16 \(2, 4, 8\)"):
+        gated_split_norm(a, torch.zeros(2, 4, 8, dtype=torch.bfloat16, device=DEVICE), w, w, 1e-6)
