@@ -120,14 +120,21 @@ class BatchBuffers:
             self.x.copy_(self._x_host, non_blocking=True)
         self._device.copy_(self._host, non_blocking=True)
 
-    def fetch(self) -> torch.Tensor:
-        """The batch's results on the host: candidate scores (fp32), or every query row's output for an
-        embeddings-in model. Synchronises with the compute stream: the designed sync."""
+    def send_results(self) -> None:
+        """Queue the bucket's whole result buffer to the host on the current stream: the block's last step (inside
+        its graph), so the copy never waits behind the offload copies issued after the launch."""
         if self.model.embedding_tables:
-            host, device, n = self._scores_host, self.scores, self.num_candidates
+            self._scores_host.copy_(self.scores, non_blocking=True)
         else:
-            host, device, n = self._outputs_host, self.outputs, self.num_tokens
-        host[:n].copy_(device[:n], non_blocking=True)
+            self._outputs_host.copy_(self.outputs, non_blocking=True)
+
+    def fetch(self) -> torch.Tensor:
+        """The batch's results on the host (sent by `send_results`): candidate scores (fp32), or every query row's
+        output for an embeddings-in model. Synchronises with the compute stream: the designed sync."""
+        if self.model.embedding_tables:
+            host, n = self._scores_host, self.num_candidates
+        else:
+            host, n = self._outputs_host, self.num_tokens
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return host[:n].clone()

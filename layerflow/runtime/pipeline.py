@@ -149,3 +149,4 @@ class LayerPipeline:
             self.kernels.scores(w, x, bufs.candidate_rows, bufs.candidate_ids, bufs.scores)
         else:
             bufs.outputs.copy_(x)
+        bufs.send_results()
