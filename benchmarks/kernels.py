@@ -187,13 +187,13 @@ FP8_SWEEP = {
 
 
 def gluon_tiling(text: str) -> GluonTiling:
-    """'32x3' -> GluonTiling(block_n=32, stages=3); '32x4:async' -> the same with variant 'async'."""
+    """'32x3' -> GluonTiling(block_n=32, stages=3); '64x2:ws' -> 64-key tiles two deep, variant 'ws'."""
     shape, _, variant = text.partition(":")
     try:
         block_n, stages = (int(part) for part in shape.split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT], e.g. 32x3 or "
-                                         f"32x4:async") from None
+                                         f"64x2:ws") from None
     if variant and variant not in GLUON_VARIANTS:
         raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: variant {variant!r} is not one of {GLUON_VARIANTS}")
     return GluonTiling(block_n=block_n, stages=stages, variant=variant or GluonTiling.variant)

@@ -5,7 +5,7 @@ It computes what attention.py's `tl` kernel computes for the default mask (causa
 no window, no contextual prefix) over a bf16/fp16 cache, with the same program grid (split, query block, head) and
 the same split-K partial layout, so the `tl` kernel's split reduction sums its partials. Each program keeps its
 query block in shared memory; per history tile S = Q K^T and O += SiLU(alpha S) V run on the tensor cores while
-later tiles are in flight (GluonTiling.variant picks how the loop overlaps them). A candidate's own key (not in the
+later tiles are in flight (GluonTiling.variant picks who issues the copies). A candidate's own key (not in the
 pages) is one more diagonal tile of the block's K/V rows, run by split 0 through the same loop, so no scalar dot
 product is needed at the end.
 
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, warpgroup_mma
 
 from layerflow.kernels.gluon_tiles import _issue_tile, _silu_of_seen, _store_partial, _tile_pages, _user_block
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
@@ -32,7 +31,7 @@ KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "prefetch", "async", "ws", "ws_async")
+GLUON_VARIANTS = ("sync", "ws")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGISTERS = gl.constexpr(64)
@@ -43,14 +42,9 @@ class GluonTiling:
     """The Gluon kernel's own launch knobs (the query block and split count are PagedAttention's): keys per tile,
     how many tiles the shared-memory ring holds, and the tile loop's schedule:
 
-    - "sync": each tile's page ids are loaded just before its copies are issued, both dots run synchronously;
-    - "prefetch": the page ids of the tile issued next are loaded one iteration early, so issuing a tile's copies
-      never waits on a global load;
-    - "async": prefetch, and QK^T of tile j + 1 runs on the tensor cores while SiLU of tile j runs on the ALUs
-      (needs stages >= 3: tiles j and j + 1 are read while j + 2 loads);
+    - "sync": the block's warps issue each tile's copies STAGES - 1 tiles ahead and run both dots synchronously;
     - "ws": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
-      per slot), the block's warps only wait for tiles and run the dots;
-    - "ws_async": "ws" with the block's warps overlapping QK^T of tile j + 1 with SiLU of tile j, as "async" does.
+      per slot), the block's warps only wait for tiles and run the dots.
     """
 
     block_n: int = 32
@@ -59,8 +53,11 @@ class GluonTiling:
 
 
 def default_gluon_tiling(head_dim: int) -> GluonTiling:
-    """64-key tiles where three of them fit beside the query block, else 32-key tiles, three deep."""
-    return GluonTiling(block_n=64 if head_dim <= 128 else 32, stages=3)
+    """D=256: 64-key tiles two deep, warp-specialised (the H200's fastest at 16K with 0 and 256 candidates,
+    docs/performance.md); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise)."""
+    if head_dim == 256:
+        return GluonTiling(block_n=64, stages=2, variant="ws")
+    return GluonTiling(block_n=64, stages=3)
 
 
 @gluon.jit
@@ -69,7 +66,7 @@ def _gluon_attention_kernel(
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr,
-    ROWS: gl.constexpr, PREFETCH: gl.constexpr, ASYNC_MMA: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+    ROWS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
@@ -142,7 +139,7 @@ def _gluon_attention_kernel(
         gl.warp_specialize([
             (_ws_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
                             hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H,
-                            D, BLOCK_M, BLOCK_N, STAGES, ASYNC_MMA, s_layout, o_layout, p_layout)),
+                            D, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
             (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, k_ptr,
                             v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N,
                             STAGES)),
@@ -153,51 +150,23 @@ def _gluon_attention_kernel(
                         _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, load_layout), num_hist, num_tiles, lo, hi,
                         cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
                         BLOCK_N, load_layout)
-        # With PREFETCH, `pages` holds the page ids of the next tile to issue, loaded an iteration before their use.
-        pages = _tile_pages(page_row, STAGES - 1, lo, hi, PAGE, BLOCK_N, load_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-        if ASYNC_MMA:
-            # S of tile `tile` arrives computed; the loop issues tile + 1's QK^T before SiLU and PV of `tile`.
+        for tile in range(num_tiles):
+            # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             fence_async_shared()
-            s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
-            for tile in range(num_tiles):
-                # Tile + 1 has landed for every thread; every warp is done with tile - 1's slot, refilled next.
-                async_copy.wait_group(STAGES - 3)
-                gl.thread_barrier()
-                fence_async_shared()
-                ahead = tile + STAGES - 1
-                _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
-                            num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
-                            row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
-                pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
-                s_next = warpgroup_mma(q_smem, k_ring.index((tile + 1) % STAGES).permute((1, 0)), s_zero,
-                                       use_acc=False, is_async=True)
-                p = _silu_of_seen(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
-                p = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc, is_async=True)
-                s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])
-        else:
-            for tile in range(num_tiles):
-                # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                fence_async_shared()
-                ahead = tile + STAGES - 1
-                if not PREFETCH:
-                    pages = _tile_pages(page_row, ahead, lo, hi, PAGE, BLOCK_N, load_layout)
-                _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
-                            num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
-                            row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
-                if PREFETCH:
-                    pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
-                k_tile = k_ring.index(tile % STAGES)
-                s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
-                p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
-                p = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
+            ahead = tile + STAGES - 1
+            _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead,
+                        _tile_pages(page_row, ahead, lo, hi, PAGE, BLOCK_N, load_layout), num_hist, num_tiles, lo,
+                        hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
+                        BLOCK_N, load_layout)
+            k_tile = k_ring.index(tile % STAGES)
+            s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
+            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            p = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
         async_copy.wait_group(0)
         _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
 
@@ -211,8 +180,8 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
     """What is wrong with `tiling` on any shape (None when nothing is)."""
     if tiling.block_n not in (32, 64) or tiling.stages < 2:
         return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
-    if tiling.variant not in GLUON_VARIANTS or (tiling.variant == "async" and tiling.stages < 3):
-        return f"{tiling}: variant must be one of {GLUON_VARIANTS}, and 'async' needs stages >= 3"
+    if tiling.variant not in GLUON_VARIANTS:
+        return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     return None
 
 
@@ -257,9 +226,7 @@ class GluonAttention:
         _gluon_attention_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS,
                                       BLOCK_M=BLOCK_M, BLOCK_N=self.tiling.block_n, STAGES=self.tiling.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
-                                      PREFETCH=self.tiling.variant != "sync",
-                                      ASYNC_MMA=self.tiling.variant in ("async", "ws_async"),
-                                      WARP_SPECIALIZE=self.tiling.variant in ("ws", "ws_async"),
+                                      WARP_SPECIALIZE=self.tiling.variant == "ws",
                                       num_warps=BLOCK_M // 16)
 
 

@@ -1,11 +1,10 @@
-"""The warp-specialised schedules of the Gluon attention kernel (GluonTiling variants "ws", "ws_async"): a loader
+"""The warp-specialised schedule of the Gluon attention kernel (GluonTiling variant "ws"): a loader
 warpgroup copies each tile into the next free ring slot and the block's warps run both dots, handing slots back and
 forth through two mbarriers per slot (ready: the tile landed; empty: the dots are done with it)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, warpgroup_mma
 
 from layerflow.kernels.gluon_tiles import _issue_tile, _silu_of_seen, _store_partial, _tile_pages
 
@@ -14,40 +13,21 @@ from layerflow.kernels.gluon_tiles import _issue_tile, _silu_of_seen, _store_par
 def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end,
                  key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 OVERLAP: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """The warp-specialised kernel's default partition: both dots of each tile once the producer says it has
-    landed, then the slot back to the producer, then the block's partial. With OVERLAP, QK^T of tile j + 1 runs
-    on the tensor cores while SiLU of tile j runs (its slot is only handed back after tile j + 1's turn)."""
+    landed, then the slot back to the producer, then the block's partial."""
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    if OVERLAP:
-        mbarrier.wait(ready.index(0), 0, pred=num_tiles > 0)
+    for tile in range(num_tiles):
+        slot = tile % STAGES
+        mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
         fence_async_shared()
-        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
-        for tile in range(num_tiles):
-            # Past the last tile the following slot holds a consumed tile: its scores are computed and dropped.
-            following = tile + 1
-            mbarrier.wait(ready.index(following % STAGES), (following // STAGES) & 1, pred=following < num_tiles)
-            fence_async_shared()
-            s_next = warpgroup_mma(q_smem, k_ring.index(following % STAGES).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
-            p = _silu_of_seen(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
-            p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc, is_async=True)
-            s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(tile % STAGES), count=1)
-    else:
-        for tile in range(num_tiles):
-            slot = tile % STAGES
-            mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
-            fence_async_shared()
-            s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
-            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
-            p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            acc = warpgroup_mma(p, v_ring.index(slot), acc)
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(slot), count=1)
+        s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
+        p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p, v_ring.index(slot), acc)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)
     _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
 
 

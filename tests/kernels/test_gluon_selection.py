@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from layerflow.kernels import PagedAttention
-from layerflow.kernels.gluon_attention import (GLUON_VARIANTS, KERNEL_ENV, GluonAttention, GluonTiling, select_kernel,
-                                               shared_memory_bytes, unsupported_reason)
+from layerflow.kernels.gluon_attention import (GLUON_VARIANTS, KERNEL_ENV, GluonAttention, GluonTiling,
+                                               default_gluon_tiling, select_kernel, shared_memory_bytes,
+                                               unsupported_reason)
 
 CPU = torch.device("cpu")
 
@@ -24,7 +25,7 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_n=16), "block_n"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=1), "stages"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="pingpong"), "variant"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=2, variant="async"), "'async' needs stages >= 3"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="async"), "variant"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
 ])
@@ -77,7 +78,7 @@ def test_the_gluon_launcher_refuses_the_masks_it_does_not_compute():
                                                  INV_N_PER_USER=False, ROWS=16, WINDOW=512, CONTEXTUAL=0, FP8=0)
 
 
-@pytest.mark.parametrize("tiling", [GluonTiling(variant="ASYNC"), GluonTiling(stages=2, variant="async")])
+@pytest.mark.parametrize("tiling", [GluonTiling(variant="WS"), GluonTiling(stages=3, variant="async")])
 def test_a_launcher_of_a_bad_variant_is_refused(tiling):
     with pytest.raises(ValueError, match="variant"):
         GluonAttention(tiling)
@@ -86,3 +87,8 @@ def test_a_launcher_of_a_bad_variant_is_refused(tiling):
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)
 def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
+
+
+def test_the_default_for_256_wide_heads_is_the_warp_specialised_64x2():
+    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws")
+    assert default_gluon_tiling(128).variant == "sync"
