@@ -77,7 +77,8 @@ def test_other_tilings_compute_the_same(tiling):
 # synchronous ones are above.
 VARIANTS = [GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"), GluonTiling(64, 2, "ws"),
             GluonTiling(64, 2, "ws", block_m=128, consumers=2), GluonTiling(64, 2, "ws", loader="tma"),
-            GluonTiling(32, 4, "ws", loader="tma"), GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma")]
+            GluonTiling(32, 4, "ws", loader="tma"), GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma"),
+            GluonTiling(64, 3, "ws", block_m=64, loader="tma")]
 
 
 def variant_id(tiling: GluonTiling) -> str:

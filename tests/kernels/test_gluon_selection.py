@@ -36,6 +36,7 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(block_n=64, stages=3, block_m=128), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 3, "ws", loader="tma"), "sm_90"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma"), "sm_90"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
@@ -45,7 +46,7 @@ def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_di
 
 
 def test_shared_memory_counts_the_query_block_and_the_ring():
-    assert shared_memory_bytes(128, 256, GluonTiling(block_n=32, stages=3)) == (128 + 192) * 512 + 16384
+    assert shared_memory_bytes(128, 256, GluonTiling(block_n=32, stages=3)) == (128 + 192) * 512 + 2048
 
 
 def test_auto_and_triton_take_the_tl_kernel_on_the_cpu(monkeypatch):
