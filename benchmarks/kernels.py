@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
 from layerflow.kernels.fp8 import MMA_CHOICES, page_views, quantise
-from layerflow.kernels.gluon_attention import GLUON_VARIANTS, KERNEL_CHOICES, GluonAttention, GluonTiling
+from layerflow.kernels.gluon_attention import GLUON_VARIANTS, KERNEL_CHOICES, GluonTiling
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 from layerflow.tier.layout import KV_CACHE_DTYPES, fp8_scale_rows
 
@@ -106,9 +106,7 @@ class Case:
         self.out = torch.empty_like(self.q)
         self.attn = PagedAttention(batch, tokens, pages, HEADS, head_dim, page_size, DTYPE, dev, head_dim ** -0.5,
                                    16384 + 512, tiling=tiling, kv_dtype=kv_dtype, kernel=kernel,
-                                   fp8_mma=fp8_mma)
-        if gluon_tiling is not None and self.attn.gluon is not None:
-            self.attn.gluon = GluonAttention(gluon_tiling)
+                                   fp8_mma=fp8_mma, gluon_tiling=gluon_tiling)
 
     def run(self, rotation: int) -> None:
         self.attn.run(self.q, self.k, self.v, self.pool, self.tables[rotation], self.offsets, self.hist_lens,
@@ -186,22 +184,44 @@ FP8_SWEEP = {
 }
 
 
+GLUON_OPTIONS = "m64 / m128 (query rows per program), c2 (two consumer warpgroups), tma (the TMA loader)"
+
+
 def gluon_tiling(text: str) -> GluonTiling:
-    """'32x3' -> GluonTiling(block_n=32, stages=3); '32x4:async' -> the same with variant 'async'."""
-    shape, _, variant = text.partition(":")
+    """'32x3' -> GluonTiling(block_n=32, stages=3); '64x2:ws' -> 64-key tiles two deep, variant 'ws';
+    '64x2:ws:m128:c2:tma' -> the same with 128-row query blocks, two consumers and the TMA loader."""
+    shape, *words = text.split(":")
+    usage = f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT][:OPTION...], e.g. 32x3 or 64x2:ws:tma"
     try:
         block_n, stages = (int(part) for part in shape.split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT], e.g. 32x3 or "
-                                         f"32x4:async") from None
-    if variant and variant not in GLUON_VARIANTS:
+        raise argparse.ArgumentTypeError(usage) from None
+    variant = words.pop(0) if words else GluonTiling.variant
+    if variant not in GLUON_VARIANTS:
         raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: variant {variant!r} is not one of {GLUON_VARIANTS}")
-    return GluonTiling(block_n=block_n, stages=stages, variant=variant or GluonTiling.variant)
+    options = dict(block_n=block_n, stages=stages, variant=variant)
+    for word in words:
+        if word in ("m64", "m128"):
+            options["block_m"] = int(word[1:])
+        elif word == "c2":
+            options["consumers"] = 2
+        elif word == "tma":
+            options["loader"] = "tma"
+        else:
+            raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: option {word!r} is not one of {GLUON_OPTIONS}")
+    return GluonTiling(**options)
 
 
 def gluon_label(tiling: dict) -> str:
     """A results row's Gluon tiling as the --gluon-tiling text that selects it."""
-    return f"gluon {tiling['block_n']}x{tiling['stages']}:{tiling.get('variant', 'sync')}"
+    words = [f"gluon {tiling['block_n']}x{tiling['stages']}", tiling.get("variant", "sync")]
+    if tiling.get("block_m"):
+        words.append(f"m{tiling['block_m']}")
+    if tiling.get("consumers", 1) == 2:
+        words.append("c2")
+    if tiling.get("loader") == "tma":
+        words.append("tma")
+    return ":".join(words)
 
 
 def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: argparse.Namespace,
@@ -217,6 +237,7 @@ def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: a
     except Exception as error:
         traceback.print_exc()
         row = dict(batch=batch, history=history, candidates=candidates, head_dim=head_dim, kernel=kernel,
+                   num_splits=tiling.num_splits if tiling else None,
                    gluon_tiling=asdict(g_tiling) if g_tiling else None, fp8_mma=fp8_mma, error=str(error)[:2000])
         print(f"# {kernel} {g_tiling}: {type(error).__name__}", flush=True)
     torch.cuda.empty_cache()
@@ -257,6 +278,8 @@ def main() -> None:
     parser.add_argument("--gluon-tiling", nargs="+", type=gluon_tiling, default=[None],
                         help="Gluon tilings KEYSxSTAGES[:VARIANT] to time with --kernel gluon (default: the "
                              "library's)")
+    parser.add_argument("--num-splits", type=int, nargs="+", default=[None],
+                        help="split counts to time (default: PagedAttention's choice)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="what the pages hold: auto (the model's dtype) or an fp8 format")
     parser.add_argument("--fp8-mma", nargs="+", choices=MMA_CHOICES, default=["model"],
@@ -309,9 +332,12 @@ def main() -> None:
         for bs in args.batch:
             for cand in args.candidates:
                 for hist, kernel, mma in ((h, k, a) for h in args.history for k in args.kernel for a in args.fp8_mma):
-                    for g_tiling in args.gluon_tiling if kernel == "gluon" else [None]:
-                        row = kernel_row(bs, hist, cand, d, args, chosen.get((d, cand)), kernel, g_tiling, mma,
-                                         copy_bw)
+                    for g_tiling, splits in ((g, n) for g in (args.gluon_tiling if kernel == "gluon" else [None])
+                                             for n in args.num_splits):
+                        tiling = chosen.get((d, cand))
+                        if splits is not None:
+                            tiling = replace(tiling or default_tiling(d, DTYPE, APPENDED + cand), num_splits=splits)
+                        row = kernel_row(bs, hist, cand, d, args, tiling, kernel, g_tiling, mma, copy_bw)
                         result["rows"].append(row)
                         save()
                 torch.cuda.empty_cache()

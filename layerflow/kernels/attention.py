@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
-from layerflow.kernels.gluon_attention import select_kernel
+from layerflow.kernels.gluon_attention import GluonTiling, select_kernel
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.model.config import HSTUConfig
 from layerflow.model.mask import MaskRule
@@ -260,13 +260,15 @@ class PagedAttention:
     only: their keys are never in the pages). `max_seq_len` is the N of the constant 1/N rule, used when `run` is
     given no 1/N tensor. `kv_dtype` None: the cache holds `dtype`; an fp8 dtype: the cache holds uint8 pages of codes
     and scale rows (layerflow.tier.layout), dequantised as they are read; `fp8_mma`: the MMA dtypes over them
-    (fp8.fp16_scores, fp8.value_unit). `kernel`: gluon_attention.select_kernel's choice of Gluon over the `tl` kernel.
+    (fp8.fp16_scores, fp8.value_unit). `kernel`: gluon_attention.select_kernel's choice of Gluon over the `tl` kernel,
+    `gluon_tiling` its tiling (None: gluon_attention.default_gluon_tiling; its block_m sets the query block).
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
-                 kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None,
+                 gluon_tiling: GluonTiling | None = None) -> None:
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens),
                             ("max_pages_per_user", max_pages_per_user), ("num_heads", num_heads),
                             ("max_seq_len", max_seq_len)):
@@ -288,14 +290,15 @@ class PagedAttention:
         self.device, self.alpha, self.max_seq_len = torch.device(device), float(alpha), max_seq_len
         self.constant_inv_n = torch.full((1,), 1.0 / max_seq_len, dtype=torch.float32, device=self.device)
         tiling = tiling or default_tiling(head_dim, dtype, triton.cdiv(max_tokens, max_batch))
+        self.gluon = select_kernel(kernel, self.device, dtype, kv_dtype, head_dim, tiling.block_m, mask.max_attn_len,
+                                   mask.contextual_len, gluon_tiling)
+        self.block_m = self.gluon.tiling.query_block(tiling.block_m) if self.gluon else tiling.block_m
         self.tiling, self.num_splits = tiling, tiling.num_splits or self._pick_splits(tiling)
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits={self.num_splits}: expected 1..{MAX_SPLITS}")
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
-        self.query_slots = (max_tokens + max_batch * (tiling.block_m - 1)) // tiling.block_m
+        self.query_slots = (max_tokens + max_batch * (self.block_m - 1)) // self.block_m
         self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
-        self.gluon = select_kernel(kernel, self.device, dtype, kv_dtype, head_dim, tiling.block_m, mask.max_attn_len,
-                                   mask.contextual_len)
         self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32,
                                      device=self.device) if self.num_splits > 1 else None)
 
@@ -313,7 +316,7 @@ class PagedAttention:
         """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90% (208
         programs on 132 SMs run two waves for 1.6 waves of work: the idle SMs cost as much as the split-K gains)."""
         per_user = triton.cdiv(self.max_tokens, self.max_batch)
-        programs = self.max_batch * triton.cdiv(per_user, tiling.block_m) * self.num_heads
+        programs = self.max_batch * triton.cdiv(per_user, self.block_m) * self.num_heads
         slots = sm_count(self.device) * tiling.programs_per_sm
         tiles = triton.cdiv(self.max_pages_per_user * self.page_size, tiling.block_n)
         best, best_fill = 1, 0.0
@@ -389,7 +392,7 @@ class PagedAttention:
             q.stride(0), k.stride(0), v.stride(0), page_table.stride(0), split_stride, self.max_batch, self.alpha,
             H=self.num_heads, D=self.head_dim, PAGE=self.page_size,
             BATCH_P2=max(2, triton.next_power_of_2(self.max_batch)),
-            NUM_SPLITS=self.num_splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,
+            NUM_SPLITS=self.num_splits, BLOCK_M=self.block_m, BLOCK_N=t.block_n, CHUNK_PAGES=self.chunk_pages,
             PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
             ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores, V_UNIT=self.value_unit,

@@ -5,7 +5,7 @@ It computes what attention.py's `tl` kernel computes for the default mask (causa
 no window, no contextual prefix) over a bf16/fp16 cache, with the same program grid (split, query block, head) and
 the same split-K partial layout, so the `tl` kernel's split reduction sums its partials. Each program keeps its
 query block in shared memory; per history tile S = Q K^T and O += SiLU(alpha S) V run on the tensor cores while
-later tiles are in flight (GluonTiling.variant picks how the loop overlaps them). A candidate's own key (not in the
+later tiles are in flight (GluonTiling.variant picks who issues the copies). A candidate's own key (not in the
 pages) is one more diagonal tile of the block's K/V rows, run by split 0 through the same loop, so no scalar dot
 product is needed at the end.
 
@@ -22,20 +22,25 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from layerflow.kernels.gluon_tiles import _issue_tile, _silu_of_seen, _store_partial, _tile_pages, _user_block
+from layerflow.kernels.gluon_tiles import (_issue_tile, _query_rows, _row_bounds, _silu_of_seen, _store_partial,
+                                           _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "prefetch", "async", "ws", "ws_async")
-# The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
+GLUON_VARIANTS = ("sync", "ws")
+GLUON_LOADERS = ("cp.async", "tma")
+# The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup); with two
+# consumers the second one's registers (its [64, D] fp32 accumulator alone takes 128 per thread), the first taking
+# what is left of the SM's 64K.
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGISTERS = gl.constexpr(64)
+CONSUMER_REGISTERS = gl.constexpr(224)
 
 
 @dataclass(frozen=True)
@@ -43,34 +48,47 @@ class GluonTiling:
     """The Gluon kernel's own launch knobs (the query block and split count are PagedAttention's): keys per tile,
     how many tiles the shared-memory ring holds, and the tile loop's schedule:
 
-    - "sync": each tile's page ids are loaded just before its copies are issued, both dots run synchronously;
-    - "prefetch": the page ids of the tile issued next are loaded one iteration early, so issuing a tile's copies
-      never waits on a global load;
-    - "async": prefetch, and QK^T of tile j + 1 runs on the tensor cores while SiLU of tile j runs on the ALUs
-      (needs stages >= 3: tiles j and j + 1 are read while j + 2 loads);
+    - "sync": the block's warps issue each tile's copies STAGES - 1 tiles ahead and run both dots synchronously;
     - "ws": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
-      per slot), the block's warps only wait for tiles and run the dots;
-    - "ws_async": "ws" with the block's warps overlapping QK^T of tile j + 1 with SiLU of tile j, as "async" does.
+      per slot), the block's warps only wait for tiles and run the dots.
+
+    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "ws",
+    `consumers` 2 gives each half of a 128-row block its own warpgroup partition, so one half's SiLU overlaps the
+    other's products, and `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs
+    page_size >= block_n / 2) instead of every loader thread's cp.async.
     """
 
     block_n: int = 32
     stages: int = 3
     variant: str = "sync"
+    block_m: int | None = None
+    consumers: int = 1
+    loader: str = "cp.async"
+
+    def query_block(self, tl_block_m: int) -> int:
+        """The query rows per program: block_m, else the `tl` tiling's."""
+        return self.block_m or tl_block_m
 
 
 def default_gluon_tiling(head_dim: int) -> GluonTiling:
-    """64-key tiles where three of them fit beside the query block, else 32-key tiles, three deep."""
-    return GluonTiling(block_n=64 if head_dim <= 128 else 32, stages=3)
+    """D=256: 64-key tiles two deep, warp-specialised (the H200's fastest at 16K with 0 and 256 candidates,
+    docs/performance.md); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise)."""
+    if head_dim == 256:
+        return GluonTiling(block_n=64, stages=2, variant="ws")
+    return GluonTiling(block_n=64, stages=3)
 
 
-@gluon.jit
+# The K/V ring's and the query block's shared-memory layout (128-byte swizzle, what wgmma reads), also the TMA boxes'.
+SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+@gluon.jit(do_not_specialize=["num_splits"])
 def _gluon_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
-    dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
-    H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr,
-    ROWS: gl.constexpr, PREFETCH: gl.constexpr, ASYNC_MMA: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-    num_warps: gl.constexpr,
+    dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, num_splits, cache_desc,
+    H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, CONSUMERS: gl.constexpr, TMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -82,12 +100,14 @@ def _gluon_attention_kernel(
     cols_per_warp: gl.constexpr = 32 if D // 8 >= 32 else D // 8
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_per_warp, cols_per_warp], [num_warps, 1],
                                                  [1, 0])
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    smem_layout: gl.constexpr = SMEM_LAYOUT
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # Each consumer warpgroup set (CONSUMERS of them under "ws") owns ROWS_M consecutive rows of the block.
+    ROWS_M: gl.constexpr = BLOCK_M // CONSUMERS
 
     q_start = gl.load(q_offsets_ptr + user)
     q_len = gl.load(q_offsets_ptr + user + 1) - q_start
@@ -98,31 +118,19 @@ def _gluon_attention_kernel(
     # The `tl` kernel's split of [0, hist) for the default mask: chunks of whole tiles, the block's last row
     # bounding what any of its rows sees.
     kv_end = gl.minimum(hist, hist - appended + last + 1)
-    chunk = gl.cdiv(gl.cdiv(hist, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = gl.cdiv(gl.cdiv(hist, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = gl.minimum(lo + chunk, kv_end)
     num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
     num_self = gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
     num_tiles = num_hist + num_self
 
-    # The query block, once, into shared memory (wgmma's A operand).
-    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_layout))
-    d_cols = gl.arange(0, D, layout=gl.SliceLayout(0, load_layout))
-    q_token = (q_start + row0 + q_rows).to(gl.int64)
-    q_tile = gl.load(q_ptr + q_token[:, None] * q_stride + head * D + d_cols[None, :],
-                     mask=(row0 + q_rows < q_len)[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
+    # The query block, once, into shared memory (wgmma's A operand), one buffer per consumer.
+    q_first = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout,
+                                        _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, ROWS_M,
+                                                    load_layout))
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
-
-    # Which keys each row sees: history key n < hist_end (causal for appended rows, all history for candidates,
-    # n < hi for the split); in a self tile, local key c + tile offset == the row's own index, candidates only.
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    j = row0 + r
-    history_row = j < appended
-    hist_end = gl.minimum(gl.where(history_row, hist - appended + j + 1, hist), hi)
-    self_end = gl.where(~history_row & (j < q_len), r + 1, r)
-    key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
     page_row = page_table_ptr + user * page_table_stride
     cache_h = cache_ptr + head * D
@@ -131,88 +139,91 @@ def _gluon_attention_kernel(
     else:
         inv_n = gl.load(inv_n_ptr)
     if WARP_SPECIALIZE:
-        # ready[s]: slot s holds its tile (the producer's copies landed); empty[s]: the consumers are done with it.
+        # ready[s]: slot s holds its tile (the producer's copies landed); empty[s]: every consumer is done with it.
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for t in gl.static_range(STAGES):
             mbarrier.init(ready.index(t), count=1)
-            mbarrier.init(empty.index(t), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-        gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
-                            hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H,
-                            D, BLOCK_M, BLOCK_N, STAGES, ASYNC_MMA, s_layout, o_layout, p_layout)),
-            (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, k_ptr,
-                            v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N,
-                            STAGES)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+            mbarrier.init(empty.index(t), count=CONSUMERS)
+        # What the loader reads whole history tiles through: the TMA descriptor, else the head's pointer (unused).
+        if TMA:
+            pool = cache_desc
+        else:
+            pool = cache_h
+        if CONSUMERS == 1:
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([
+                (_ws_consumer, (q_first, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
+                                hist, inv_n, dst_ptr, split, split_stride, q_start, row0, 0, q_len, head, H, D,
+                                ROWS_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
+                (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
+                               k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
+                               BLOCK_N, STAGES, TMA)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+        else:
+            q_second = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout,
+                                                 _query_rows(q_ptr, q_stride, q_start, row0 + ROWS_M, q_len, head,
+                                                             D, ROWS_M, load_layout))
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([
+                (_ws_consumer, (q_first, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
+                                hist, inv_n, dst_ptr, split, split_stride, q_start, row0, 0, q_len, head, H, D,
+                                ROWS_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
+                (_ws_consumer, (q_second, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha,
+                                appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0, ROWS_M, q_len,
+                                head, H, D, ROWS_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
+                (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
+                               k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
+                               BLOCK_N, STAGES, TMA)),
+            ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
     else:
+        # Which keys each row sees (_row_bounds), for the whole block.
+        r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
+        key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         for t in gl.static_range(STAGES - 1):
             _issue_tile(k_ring.index(t), v_ring.index(t), t,
                         _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, load_layout), num_hist, num_tiles, lo, hi,
                         cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
                         BLOCK_N, load_layout)
-        # With PREFETCH, `pages` holds the page ids of the next tile to issue, loaded an iteration before their use.
-        pages = _tile_pages(page_row, STAGES - 1, lo, hi, PAGE, BLOCK_N, load_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-        if ASYNC_MMA:
-            # S of tile `tile` arrives computed; the loop issues tile + 1's QK^T before SiLU and PV of `tile`.
+        for tile in range(num_tiles):
+            # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             fence_async_shared()
-            s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
-            for tile in range(num_tiles):
-                # Tile + 1 has landed for every thread; every warp is done with tile - 1's slot, refilled next.
-                async_copy.wait_group(STAGES - 3)
-                gl.thread_barrier()
-                fence_async_shared()
-                ahead = tile + STAGES - 1
-                _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
-                            num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
-                            row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
-                pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
-                s_next = warpgroup_mma(q_smem, k_ring.index((tile + 1) % STAGES).permute((1, 0)), s_zero,
-                                       use_acc=False, is_async=True)
-                p = _silu_of_seen(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
-                p = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc, is_async=True)
-                s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])
-        else:
-            for tile in range(num_tiles):
-                # Tile `tile` has landed for every thread, and every warp is done with the slot refilled next.
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                fence_async_shared()
-                ahead = tile + STAGES - 1
-                if not PREFETCH:
-                    pages = _tile_pages(page_row, ahead, lo, hi, PAGE, BLOCK_N, load_layout)
-                _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead, pages, num_hist,
-                            num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
-                            row0, H, D, PAGE, ROWS, BLOCK_N, load_layout)
-                if PREFETCH:
-                    pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, load_layout)
-                k_tile = k_ring.index(tile % STAGES)
-                s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
-                p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
-                p = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
+            ahead = tile + STAGES - 1
+            _issue_tile(k_ring.index(ahead % STAGES), v_ring.index(ahead % STAGES), ahead,
+                        _tile_pages(page_row, ahead, lo, hi, PAGE, BLOCK_N, load_layout), num_hist, num_tiles, lo,
+                        hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
+                        BLOCK_N, load_layout)
+            k_tile = k_ring.index(tile % STAGES)
+            s = warpgroup_mma(q_first, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
+            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            p = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
         async_copy.wait_group(0)
         _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
 
 
 def shared_memory_bytes(block_m: int, head_dim: int, tiling: GluonTiling, itemsize: int = 2) -> int:
-    """The query block plus the K/V ring, plus 16 KiB of slack for the compiler's layout-conversion scratch."""
-    return (block_m + 2 * tiling.stages * tiling.block_n) * head_dim * itemsize + 16 * 1024
+    """The query block plus the K/V ring, plus 2 KiB for the mbarriers and what the compiler adds (sm_90 builds of
+    every schedule, D=256, asked for at most 0.3 KiB beyond the buffers)."""
+    return (block_m + 2 * tiling.stages * tiling.block_n) * head_dim * itemsize + 2 * 1024
 
 
 def tiling_reason(tiling: GluonTiling) -> str | None:
     """What is wrong with `tiling` on any shape (None when nothing is)."""
     if tiling.block_n not in (32, 64) or tiling.stages < 2:
         return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
-    if tiling.variant not in GLUON_VARIANTS or (tiling.variant == "async" and tiling.stages < 3):
-        return f"{tiling}: variant must be one of {GLUON_VARIANTS}, and 'async' needs stages >= 3"
+    if tiling.variant not in GLUON_VARIANTS:
+        return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
+    if tiling.block_m not in (None, 64, 128) or tiling.consumers not in (1, 2) or tiling.loader not in GLUON_LOADERS:
+        return f"{tiling}: block_m must be None, 64 or 128, consumers 1 or 2, loader one of {GLUON_LOADERS}"
+    if (tiling.consumers == 2 or tiling.loader == "tma") and tiling.variant != "ws":
+        return f"{tiling}: two consumers and the TMA loader need variant 'ws'"
     return None
 
 
@@ -223,11 +234,14 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch
         return f"dtype={dtype}, kv_dtype={kv_dtype}: the Gluon kernel needs a bf16/fp16 cache"
     if window or contextual:
         return f"max_attn_len={window}, contextual_len={contextual}: the Gluon kernel serves the default mask only"
-    if block_m not in (64, 128) or head_dim not in (64, 128, 256):
-        return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
     reason = tiling_reason(tiling)
     if reason is not None:
         return reason
+    block_m = tiling.query_block(block_m)
+    if block_m not in (64, 128) or head_dim not in (64, 128, 256):
+        return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
+    if tiling.consumers == 2 and block_m != 128:
+        return f"{tiling} at block_m={block_m}: two consumers need a 128-row query block"
     if shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
         return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
@@ -254,13 +268,19 @@ class GluonAttention:
         if WINDOW or CONTEXTUAL or FP8:
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the Gluon kernel serves the "
                              "default mask over a bf16/fp16 cache only")
-        _gluon_attention_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS,
-                                      BLOCK_M=BLOCK_M, BLOCK_N=self.tiling.block_n, STAGES=self.tiling.stages,
-                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
-                                      PREFETCH=self.tiling.variant != "sync",
-                                      ASYNC_MMA=self.tiling.variant in ("async", "ws_async"),
-                                      WARP_SPECIALIZE=self.tiling.variant in ("ws", "ws_async"),
-                                      num_warps=BLOCK_M // 16)
+        t = self.tiling
+        cache_desc = None
+        if t.loader == "tma":
+            if 2 * PAGE < t.block_n:
+                raise ValueError(f"{t} at page_size={PAGE}: the TMA loader needs page_size >= block_n / 2")
+            kv_cache = args[3]
+            cache_desc = TensorDescriptor(kv_cache, [kv_cache.numel() // (H * D), H * D], [H * D, 1],
+                                          [min(PAGE, t.block_n), D], SMEM_LAYOUT.value)
+        _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc, H=H, D=D, PAGE=PAGE,
+                                      BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
+                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
+                                      CONSUMERS=t.consumers, TMA=t.loader == "tma",
+                                      num_warps=BLOCK_M // 16 // t.consumers)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -32,6 +32,30 @@ def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
+def _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D: gl.constexpr, ROWS_M: gl.constexpr,
+                layout: gl.constexpr):
+    """The block's query rows row0 .. row0 + ROWS_M of head `head` ([ROWS_M, D], zero past q_len)."""
+    rows = gl.arange(0, ROWS_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    token = (q_start + row0 + rows).to(gl.int64)
+    return gl.load(q_ptr + token[:, None] * q_stride + head * D + cols[None, :], mask=(row0 + rows < q_len)[:, None],
+                   other=0.0)
+
+
+@gluon.jit
+def _row_bounds(first_row, ROWS_M: gl.constexpr, row0, q_len, appended, hist, hi, layout: gl.constexpr):
+    """Which keys rows first_row .. first_row + ROWS_M of the block (r, numbered within the block) see: history
+    key n < hist_end (causal for appended rows, all history for candidates, below the split's hi), and in a self
+    tile the key numbered r, candidates only (self keys r .. self_end)."""
+    r = first_row + gl.arange(0, ROWS_M, layout=gl.SliceLayout(1, layout))
+    j = row0 + r
+    history_row = j < appended
+    hist_end = gl.minimum(gl.where(history_row, hist - appended + j + 1, hist), hi)
+    self_end = gl.where(~history_row & (j < q_len), r + 1, r)
+    return r, self_end, hist_end
+
+
+@gluon.jit
 def _tile_pages(page_row, tile, lo, hi, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
     """Page ids of history tile `tile`'s rows (0 for rows past hi, so any tile number is safe to ask for)."""
     n = lo + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))

@@ -1,43 +1,31 @@
-"""The warp-specialised schedules of the Gluon attention kernel (GluonTiling variants "ws", "ws_async"): a loader
-warpgroup copies each tile into the next free ring slot and the block's warps run both dots, handing slots back and
-forth through two mbarriers per slot (ready: the tile landed; empty: the dots are done with it)."""
+"""The warp-specialised schedule of the Gluon attention kernel (GluonTiling variant "ws"): a loader warpgroup copies
+each tile into the next free ring slot and one or two consumer warpgroup sets run both dots on their rows of the
+block, handing slots back and forth through two mbarriers per slot (ready: the tile landed; empty: every consumer is
+done with it). Two consumers own half the block each, so one's SiLU runs while the other's products use the tensor
+cores. The loader moves history tiles by cp.async (every thread, masked rows zeroed) or, with TMA, whole tiles by
+bulk tensor copies of page boxes (one thread, mbarrier expect-tx), the ragged last tile and self tiles by cp.async."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma)
 
-from layerflow.kernels.gluon_tiles import _issue_tile, _silu_of_seen, _store_partial, _tile_pages
+from layerflow.kernels.gluon_tiles import _issue_tile, _row_bounds, _silu_of_seen, _store_partial, _tile_pages
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end,
-                 key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
-                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 OVERLAP: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """The warp-specialised kernel's default partition: both dots of each tile once the producer says it has
-    landed, then the slot back to the producer, then the block's partial. With OVERLAP, QK^T of tile j + 1 runs
-    on the tensor cores while SiLU of tile j runs (its slot is only handed back after tile j + 1's turn)."""
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    if OVERLAP:
-        mbarrier.wait(ready.index(0), 0, pred=num_tiles > 0)
-        fence_async_shared()
-        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
-        for tile in range(num_tiles):
-            # Past the last tile the following slot holds a consumed tile: its scores are computed and dropped.
-            following = tile + 1
-            mbarrier.wait(ready.index(following % STAGES), (following // STAGES) & 1, pred=following < num_tiles)
-            fence_async_shared()
-            s_next = warpgroup_mma(q_smem, k_ring.index(following % STAGES).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
-            p = _silu_of_seen(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
-            p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc, is_async=True)
-            s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(tile % STAGES), count=1)
-    else:
+def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended, hist, inv_n,
+                 dst_ptr, split, split_stride, q_start, row0, first_row: gl.constexpr, q_len, head, H: gl.constexpr,
+                 D: gl.constexpr, ROWS_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One consumer: rows first_row .. first_row + ROWS_M of the block (query rows in q_smem). Both dots of each
+    tile once the producer says it has landed, the slot back to the producer, then those rows' partial. A consumer
+    whose rows are all past the user's queries only hands the slots back."""
+    if row0 + first_row < q_len:
+        r, self_end, hist_end = _row_bounds(first_row, ROWS_M, row0, q_len, appended, hist, hi, s_layout)
+        key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([ROWS_M, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([ROWS_M, D], gl.float32, o_layout)
         for tile in range(num_tiles):
             slot = tile % STAGES
             mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
@@ -48,25 +36,82 @@ def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, 
             acc = warpgroup_mma(p, v_ring.index(slot), acc)
             gl.thread_barrier()
             mbarrier.arrive(empty.index(slot), count=1)
-    _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
+        _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0 + first_row, q_len, head, H, D,
+                       ROWS_M, o_layout)
+    else:
+        for tile in range(num_tiles):
+            mbarrier.wait(ready.index(tile % STAGES), (tile // STAGES) & 1)
+            mbarrier.arrive(empty.index(tile % STAGES), count=1)
 
 
 @gluon.jit
-def _ws_producer(k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, k_ptr, v_ptr,
-                 k_stride, v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr,
-                 PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The warp-specialised kernel's loader partition: each tile's copies into the next free slot, page ids one
-    tile ahead; `ready` completes when this partition's thread 0 has arrived and every thread's copies landed."""
+def _tma_tile(cache_desc, k_buf, v_buf, bar, page_a, page_b, n0, head, D: gl.constexpr, PAGE: gl.constexpr,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Bulk copies of the whole history tile of keys n0 .. n0 + BLOCK_N (pages page_a, then page_b when a tile
+    spans two) into (k_buf, v_buf), completing `bar` when all its bytes landed. cache_desc views the pool as
+    [pages * 2 * ROWS, H * D] rows with [min(PAGE, BLOCK_N), D] boxes."""
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    mbarrier.expect(bar, 2 * BLOCK_N * D * 2)          # K and V, 16-bit values
+    k_row = page_a * (2 * ROWS) + n0 % PAGE
+    tma.async_copy_global_to_shared(cache_desc, [k_row, head * D], bar, k_buf.slice(0, BOX))
+    tma.async_copy_global_to_shared(cache_desc, [k_row + ROWS, head * D], bar, v_buf.slice(0, BOX))
+    if BOX < BLOCK_N:
+        k_row = page_b * (2 * ROWS)
+        tma.async_copy_global_to_shared(cache_desc, [k_row, head * D], bar, k_buf.slice(BOX, BOX))
+        tma.async_copy_global_to_shared(cache_desc, [k_row + ROWS, head * D], bar, v_buf.slice(BOX, BOX))
+
+
+@gluon.jit
+def _copy_tile(k_ring, v_ring, ready, empty, tile, pages, num_hist, num_tiles, lo, hi, page_row, cache_h, k_ptr, v_ptr,
+               k_stride, v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, layout: gl.constexpr):
+    """Tile `tile` by every loader thread's cp.async (page ids `pages`) once its slot is free, `ready` completing
+    when this partition's thread 0 has arrived and every thread's copies landed; returns the next tile's page ids."""
+    slot = tile % STAGES
+    mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
+    _issue_tile(k_ring.index(slot), v_ring.index(slot), tile, pages, num_hist, num_tiles, lo, hi, cache_h, k_ptr,
+                v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, layout)
+    next_pages = _tile_pages(page_row, tile + 1, lo, hi, PAGE, BLOCK_N, layout)
+    async_copy.mbarrier_arrive(ready.index(slot))
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(slot), count=1)
+    return next_pages
+
+
+@gluon.jit
+def _ws_producer(k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool, k_ptr,
+                 v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr,
+                 PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 TMA: gl.constexpr):
+    """The warp-specialised kernel's loader partition: each tile's copies into the next free slot, page ids
+    loaded before waiting for the slot. With TMA, `pool` is the page pool's descriptor (_tma_tile) and whole history
+    tiles go by TMA; every other tile (all of them without TMA) by cp.async (_copy_tile)."""
     cols_per_warp: gl.constexpr = 32 if D // 8 >= 32 else D // 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_per_warp, cols_per_warp], [gl.num_warps(), 1],
                                             [1, 0])
-    pages = _tile_pages(page_row, 0, lo, hi, PAGE, BLOCK_N, layout)
+    if TMA:
+        whole = gl.maximum(hi - lo, 0) // BLOCK_N
+    else:
+        whole = 0
+    pages = _tile_pages(page_row, whole, lo, hi, PAGE, BLOCK_N, layout)
     for tile in range(num_tiles):
         slot = tile % STAGES
-        mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
-        _issue_tile(k_ring.index(slot), v_ring.index(slot), tile, pages, num_hist, num_tiles, lo, hi, cache_h,
-                    k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, layout)
-        pages = _tile_pages(page_row, tile + 1, lo, hi, PAGE, BLOCK_N, layout)
-        async_copy.mbarrier_arrive(ready.index(slot))
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(slot), count=1)
+        if TMA:
+            if tile < whole:
+                n0 = lo + tile * BLOCK_N
+                page_a = gl.load(page_row + n0 // PAGE)
+                if PAGE < BLOCK_N:
+                    page_b = gl.load(page_row + n0 // PAGE + 1)
+                else:
+                    page_b = page_a
+                mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
+                _tma_tile(pool, k_ring.index(slot), v_ring.index(slot), ready.index(slot), page_a, page_b, n0, head,
+                          D, PAGE, ROWS, BLOCK_N)
+            else:
+                pages = _copy_tile(k_ring, v_ring, ready, empty, tile, pages, num_hist, num_tiles, lo, hi, page_row,
+                                   cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
+                                   ROWS, BLOCK_N, STAGES, layout)
+        else:
+            pages = _copy_tile(k_ring, v_ring, ready, empty, tile, pages, num_hist, num_tiles, lo, hi, page_row,
+                               cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
+                               ROWS, BLOCK_N, STAGES, layout)

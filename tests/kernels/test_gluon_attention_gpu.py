@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
-from layerflow.kernels.gluon_attention import GluonAttention, GluonTiling
+from layerflow.kernels.gluon_attention import GluonTiling
 from tests.kernels.cuda_graph import captured, replay_on
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
@@ -27,10 +27,8 @@ def run(batch: PagedBatch, kernel: str, head_dim: int, dtype: torch.dtype, tilin
     tokens = batch.q.shape[0]
     attn = PagedAttention(users, tokens, batch.page_table.shape[1], H, head_dim, PAGE, dtype, "cuda",
                           head_dim ** -0.5, MAX_SEQ_LEN, tiling=default_tiling(head_dim, dtype, tokens // users),
-                          kernel=kernel)
+                          kernel=kernel, gluon_tiling=tiling)
     assert (attn.gluon is not None) == (kernel == "gluon")
-    if tiling is not None:
-        attn.gluon = GluonAttention(tiling)
     return attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(batch.q))
 
 
@@ -75,14 +73,18 @@ def test_other_tilings_compute_the_same(tiling):
     check(appended_batch([4096 + 64, 700], [64, 64], [256, 0], 128, torch.bfloat16), 128, torch.bfloat16, tiling)
 
 
-# Round-2 schedules (GluonTiling.variant) at the tilings the H200 A/B times; the round-1 "sync" ones are above.
-VARIANTS = [GluonTiling(32, 3, "prefetch"), GluonTiling(64, 2, "prefetch"), GluonTiling(32, 3, "async"),
-            GluonTiling(32, 4, "async"), GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"),
-            GluonTiling(32, 3, "ws_async")]
+# The warp-specialised schedule at the tilings the H200 A/B times (two consumers, the TMA loader, both); the
+# synchronous ones are above.
+VARIANTS = [GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"), GluonTiling(64, 2, "ws"),
+            GluonTiling(64, 2, "ws", block_m=128, consumers=2), GluonTiling(64, 2, "ws", loader="tma"),
+            GluonTiling(32, 4, "ws", loader="tma"), GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma"),
+            GluonTiling(64, 3, "ws", block_m=64, loader="tma")]
 
 
 def variant_id(tiling: GluonTiling) -> str:
-    return f"{tiling.block_n}x{tiling.stages}:{tiling.variant}"
+    options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["c2"] * (tiling.consumers == 2) + \
+        ["tma"] * (tiling.loader == "tma")
+    return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 
 @pytest.mark.parametrize("tiling", VARIANTS, ids=variant_id)

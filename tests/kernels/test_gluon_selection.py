@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from layerflow.kernels import PagedAttention
-from layerflow.kernels.gluon_attention import (GLUON_VARIANTS, KERNEL_ENV, GluonAttention, GluonTiling, select_kernel,
-                                               shared_memory_bytes, unsupported_reason)
+from layerflow.kernels.gluon_attention import (GLUON_VARIANTS, KERNEL_ENV, GluonAttention, GluonTiling,
+                                               default_gluon_tiling, select_kernel, shared_memory_bytes,
+                                               unsupported_reason)
 
 CPU = torch.device("cpu")
 
@@ -24,9 +25,19 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_n=16), "block_n"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=1), "stages"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="pingpong"), "variant"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=2, variant="async"), "'async' needs stages >= 3"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="async"), "variant"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_m=32), "block_m must be"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", consumers=3), "consumers 1 or 2"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", loader="dma"), "loader one of"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(consumers=2), "need variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "need variant 'ws'"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 2, "ws", consumers=2), "128-row query block"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 2, "ws", block_m=64, consumers=2), "128-row"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(block_n=64, stages=3, block_m=128), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 3, "ws", loader="tma"), "sm_90"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma"), "sm_90"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
                                                         tiling, words):
@@ -35,7 +46,7 @@ def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_di
 
 
 def test_shared_memory_counts_the_query_block_and_the_ring():
-    assert shared_memory_bytes(128, 256, GluonTiling(block_n=32, stages=3)) == (128 + 192) * 512 + 16384
+    assert shared_memory_bytes(128, 256, GluonTiling(block_n=32, stages=3)) == (128 + 192) * 512 + 2048
 
 
 def test_auto_and_triton_take_the_tl_kernel_on_the_cpu(monkeypatch):
@@ -77,7 +88,7 @@ def test_the_gluon_launcher_refuses_the_masks_it_does_not_compute():
                                                  INV_N_PER_USER=False, ROWS=16, WINDOW=512, CONTEXTUAL=0, FP8=0)
 
 
-@pytest.mark.parametrize("tiling", [GluonTiling(variant="ASYNC"), GluonTiling(stages=2, variant="async")])
+@pytest.mark.parametrize("tiling", [GluonTiling(variant="WS"), GluonTiling(stages=3, variant="async")])
 def test_a_launcher_of_a_bad_variant_is_refused(tiling):
     with pytest.raises(ValueError, match="variant"):
         GluonAttention(tiling)
@@ -86,3 +97,20 @@ def test_a_launcher_of_a_bad_variant_is_refused(tiling):
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)
 def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
+
+
+def test_the_default_for_256_wide_heads_is_the_warp_specialised_64x2():
+    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws")
+    assert default_gluon_tiling(128).variant == "sync"
+
+
+def test_the_query_block_is_the_tilings_own_else_the_tl_tilings():
+    assert GluonTiling().query_block(64) == 64
+    assert GluonTiling(block_m=128).query_block(64) == 128
+
+
+def test_the_tma_loader_refuses_pages_shorter_than_half_a_tile():
+    launcher = GluonAttention(GluonTiling(64, 2, "ws", loader="tma"))
+    with pytest.raises(ValueError, match="page_size=16"):
+        launcher[(1, 1, 1)](*[None] * 17, H=1, D=64, PAGE=16, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=64,
+                            INV_N_PER_USER=False, ROWS=16, WINDOW=0, CONTEXTUAL=0, FP8=0)
