@@ -26,6 +26,7 @@ from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
 from layerflow.kernels.fp8 import MMA_CHOICES, page_views, quantise
 from layerflow.kernels.gluon_attention import GLUON_VARIANTS, KERNEL_CHOICES, GluonTiling
+from layerflow.kernels.gluon_fp8 import Fp8Tiling, GluonFp8Attention
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 from layerflow.tier.layout import KV_CACHE_DTYPES, fp8_scale_rows
 
@@ -106,7 +107,10 @@ class Case:
         self.out = torch.empty_like(self.q)
         self.attn = PagedAttention(batch, tokens, pages, HEADS, head_dim, page_size, DTYPE, dev, head_dim ** -0.5,
                                    16384 + 512, tiling=tiling, kv_dtype=kv_dtype, kernel=kernel,
-                                   fp8_mma=fp8_mma, gluon_tiling=gluon_tiling)
+                                   fp8_mma=fp8_mma, gluon_tiling=gluon_tiling if kv_dtype is None else None)
+        if gluon_tiling is not None and kv_dtype is not None and self.attn.gluon is not None:
+            self.attn.gluon = GluonFp8Attention(Fp8Tiling(block_n=gluon_tiling.block_n, stages=gluon_tiling.stages,
+                                                          variant=gluon_tiling.variant))
 
     def run(self, rotation: int) -> None:
         self.attn.run(self.q, self.k, self.v, self.pool, self.tables[rotation], self.offsets, self.hist_lens,
@@ -277,7 +281,7 @@ def main() -> None:
                         help="attention kernel(s) to time (PagedAttention's kernel argument)")
     parser.add_argument("--gluon-tiling", nargs="+", type=gluon_tiling, default=[None],
                         help="Gluon tilings KEYSxSTAGES[:VARIANT] to time with --kernel gluon (default: the "
-                             "library's)")
+                             "library's; over fp8 pages the variant is 'ws' or 'sync' of gluon_fp8.Fp8Tiling)")
     parser.add_argument("--num-splits", type=int, nargs="+", default=[None],
                         help="split counts to time (default: PagedAttention's choice)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",

@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from layerflow.kernels.gluon_fp8 import select_fp8_kernel
 from layerflow.kernels.gluon_tiles import (_issue_tile, _query_rows, _row_bounds, _silu_of_seen, _store_partial,
                                            _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
@@ -296,6 +297,8 @@ def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, 
         raise ValueError(f"kernel={choice!r}: expected one of {KERNEL_CHOICES} (argument or ${KERNEL_ENV})")
     if choice == "triton":
         return None
+    if kv_dtype is not None:
+        return select_fp8_kernel(choice, device, dtype, kv_dtype, head_dim, block_m, window, contextual)
     tiling = tiling or default_gluon_tiling(head_dim)
     reason = unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
     if reason is None:

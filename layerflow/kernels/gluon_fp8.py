@@ -1,0 +1,295 @@
+"""Paged HSTU attention over an fp8 cache on Hopper in Gluon: the fp8 codes of each K/V tile are copied (cp.async)
+into a ring of code slots, decoded and scaled in registers into a bf16/fp16 tile, and both dots run on wgmma over
+that tile exactly as in the bf16 Gluon kernel (layerflow.kernels.gluon_attention).
+
+Same grid, split and partial layout as the `tl` kernel (its split reduction sums the partials), default mask only.
+Numerics are the `tl` kernel's "model" fp8 path (layerflow.kernels.fp8): every fp8 code is exact in bf16/fp16 and a
+scale is a power of two, so code * 2^k in the tile gives the products the `tl` kernel forms by scaling q.k and the
+weights instead (bf16(p) * code * 2^kv == bf16(p * 2^kv) * code); only the order of the fp32 sums differs.
+
+Scale bytes are loaded with the tile's copies, held in registers for one iteration and only then stored into a
+small scale ring, so no thread waits on their load. Schedules (Fp8Tiling.variant):
+- "ws": a loader warpgroup issues the copies, decodes each landed tile into the next free slot of a bf16 ring and
+  signals it (mbarriers ready/empty per slot); the block's warps only run the dots, so decoding overlaps them;
+- "sync": the block's warps decode each landed tile into one bf16 tile themselves, then run the dots.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+
+from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile, _start_codes,
+                                              _tile_dots)
+from layerflow.kernels.gluon_tiles import _store_partial, _user_block
+from layerflow.tier.layout import FP8_DTYPES
+
+FP8_VARIANTS = ("sync", "ws")
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+SHARED_MEMORY_BYTES = 227 * 1024
+# `auto` keeps the `tl` kernel for fp8 caches until the H200 shows this kernel is correct and faster there.
+AUTO_TAKES_FP8 = False
+PRODUCER_WARPS = gl.constexpr(4)
+
+
+@dataclass(frozen=True)
+class Fp8Tiling:
+    """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read ("ws": a ring of `stages`;
+    "sync": one), code slots in flight (`code_stages` >= 3: the scale bytes of a tile reach the scale ring an
+    iteration after its copies are issued), the schedule, and the loader warpgroup's registers ("ws")."""
+
+    block_n: int = 32
+    stages: int = 2
+    code_stages: int = 4
+    variant: str = "ws"
+    producer_registers: int = 96
+
+
+def default_fp8_tiling(head_dim: int) -> Fp8Tiling:
+    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles."""
+    return Fp8Tiling(block_n=64 if head_dim <= 128 else 32)
+
+
+def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, itemsize: int = 2) -> int:
+    """Query block, bf16 K/V slots, K/V code slots and their fp32 scales, plus 16 KiB of layout-conversion slack."""
+    bf16_slots = tiling.stages if tiling.variant == "ws" else 1
+    tile_elements = 2 * tiling.block_n * head_dim
+    return (block_m * head_dim * itemsize + bf16_slots * tile_elements * itemsize
+            + tiling.code_stages * (tile_elements + 2 * tiling.block_n * 4) + 16 * 1024)
+
+
+def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
+    """What is wrong with `tiling` on any shape (None when nothing is)."""
+    if tiling.block_n not in (32, 64) or tiling.stages < 2 or tiling.code_stages < 3:
+        return f"{tiling}: block_n must be 32 or 64, stages >= 2 and code_stages >= 3"
+    if tiling.variant not in FP8_VARIANTS:
+        return f"{tiling}: variant must be one of {FP8_VARIANTS}"
+    if tiling.producer_registers % 8 or not 24 <= tiling.producer_registers <= 256:
+        return f"{tiling}: producer_registers must be a multiple of 8 in [24, 256]"
+    return None
+
+
+def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int,
+                           block_m: int, window: int, contextual: int, tiling: Fp8Tiling) -> str | None:
+    """Why the fp8 Gluon kernel cannot serve this attention (None when it can)."""
+    if dtype not in MODEL_DTYPES or kv_dtype not in FP8_DTYPES:
+        return f"dtype={dtype}, kv_dtype={kv_dtype}: the fp8 Gluon kernel needs a bf16/fp16 model over fp8 pages"
+    if window or contextual:
+        return f"max_attn_len={window}, contextual_len={contextual}: the fp8 Gluon kernel serves the default mask only"
+    if block_m not in (64, 128) or head_dim not in (64, 128, 256):
+        return f"block_m={block_m}, head_dim={head_dim}: the fp8 Gluon kernel needs block_m 64/128, head_dim 64/128/256"
+    reason = fp8_tiling_reason(tiling)
+    if reason is not None:
+        return reason
+    if fp8_shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
+        return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return f"device {device}: the fp8 Gluon kernel needs a CUDA sm_90 GPU"
+    return None
+
+
+@gluon.jit
+def _fp8_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end,
+                  key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """"ws" default partition: both dots of each tile once the loader says its slot is filled, the slot back to
+    the loader, then the block's partial."""
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    for tile in range(num_tiles):
+        slot = tile % STAGES
+        mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
+        acc = _tile_dots(q_smem, k_ring.index(slot), v_ring.index(slot), acc, s_zero, alpha, tile, num_hist, lo, r,
+                         self_end, hist_end, key_cols, BLOCK_N, p_layout)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)
+    _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
+
+
+@gluon.jit
+def _fp8_producer(k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, empty, num_tiles, num_hist, lo, hi,
+                  page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0,
+                  H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CODE_STAGES: gl.constexpr, FILL_ROWS: gl.constexpr, FP8: gl.constexpr):
+    """"ws" loader partition: the code pipeline, and each landed tile decoded into the next free bf16 slot;
+    `ready` completes once every loader thread's stores are visible to the tensor cores."""
+    layout: gl.constexpr = _code_layout(D, gl.num_warps())
+    pages, k_bytes, v_bytes = _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row, cache_h,
+                                           scales_h, H, D, PAGE, ROWS, BLOCK_N, CODE_STAGES, layout)
+    for tile in range(num_tiles):
+        pages, k_bytes, v_bytes = _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_scales,
+                                                 num_hist, lo, hi, page_row, cache_h, scales_h, H, D, PAGE, ROWS,
+                                                 BLOCK_N, CODE_STAGES, layout)
+        slot = tile % STAGES
+        code_slot = tile % CODE_STAGES
+        mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
+        _fill_tile(k_ring.index(slot), v_ring.index(slot), k_codes.index(code_slot), v_codes.index(code_slot),
+                   k_scales.index(code_slot), v_scales.index(code_slot), tile, num_hist, k_ptr, v_ptr, k_stride,
+                   v_stride, q_start, q_len, head, row0, D, BLOCK_N, FILL_ROWS, FP8, layout)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
+def _gluon_fp8_kernel(
+    q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
+    dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
+    H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
+    INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+    FILL_ROWS: gl.constexpr, PRODUCER_FILL_ROWS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    split = gl.program_id(0)
+    head = gl.program_id(2)
+    user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
+    if user >= max_batch:
+        return
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    layout: gl.constexpr = _code_layout(D, num_warps)
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    code_smem: gl.constexpr = _code_smem_layout(D)
+    scale_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    q_start = gl.load(q_offsets_ptr + user)
+    q_len = gl.load(q_offsets_ptr + user + 1) - q_start
+    hist = gl.load(history_lens_ptr + user)
+    appended = gl.load(appended_lens_ptr + user)
+    row0 = block * BLOCK_M
+    last = gl.minimum(row0 + BLOCK_M, q_len) - 1
+    # The split of [0, hist) of the bf16 Gluon kernel: whole tiles, the block's last row bounding what it sees;
+    # the candidates' own keys are BLOCK_M // BLOCK_N more tiles, run by split 0.
+    kv_end = gl.minimum(hist, hist - appended + last + 1)
+    chunk = gl.cdiv(gl.cdiv(hist, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, kv_end)
+    num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    num_tiles = num_hist + gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
+
+    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    q_token = (q_start + row0 + q_rows).to(gl.int64)
+    d_cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    q_tile = gl.load(q_ptr + q_token[:, None] * q_stride + head * D + d_cols[None, :],
+                     mask=(row0 + q_rows < q_len)[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
+    k_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
+    v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
+    k_scales = gl.allocate_shared_memory(gl.float32, [CODE_STAGES, BLOCK_N], scale_smem)
+    v_scales = gl.allocate_shared_memory(gl.float32, [CODE_STAGES, BLOCK_N], scale_smem)
+
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    j = row0 + r
+    history_row = j < appended
+    hist_end = gl.minimum(gl.where(history_row, hist - appended + j + 1, hist), hi)
+    self_end = gl.where(~history_row & (j < q_len), r + 1, r)
+    key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    page_row = page_table_ptr + user * page_table_stride
+    cache_h = cache_ptr + head * D
+    scales_h = cache_ptr + PAGE * H * D + head * PAGE
+    if INV_N_PER_USER:
+        inv_n = gl.load(inv_n_ptr + user)
+    else:
+        inv_n = gl.load(inv_n_ptr)
+    if WARP_SPECIALIZE:
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for t in gl.static_range(STAGES):
+            mbarrier.init(ready.index(t), count=1)
+            mbarrier.init(empty.index(t), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_fp8_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
+                             hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H,
+                             D, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
+            (_fp8_producer, (k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, empty, num_tiles, num_hist,
+                             lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len,
+                             head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES, PRODUCER_FILL_ROWS, FP8)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    else:
+        k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D], smem_layout)
+        v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D], smem_layout)
+        pages, k_bytes, v_bytes = _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row,
+                                               cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, CODE_STAGES, layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+        for tile in range(num_tiles):
+            # Every warp is past the previous tile's dots (the barrier in _advance_codes) before k_tile is refilled.
+            pages, k_bytes, v_bytes = _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales,
+                                                     v_scales, num_hist, lo, hi, page_row, cache_h, scales_h, H, D,
+                                                     PAGE, ROWS, BLOCK_N, CODE_STAGES, layout)
+            code_slot = tile % CODE_STAGES
+            _fill_tile(k_tile, v_tile, k_codes.index(code_slot), v_codes.index(code_slot), k_scales.index(code_slot),
+                       v_scales.index(code_slot), tile, num_hist, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len,
+                       head, row0, D, BLOCK_N, FILL_ROWS, FP8, layout)
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = _tile_dots(q_smem, k_tile, v_tile, acc, s_zero, alpha, tile, num_hist, lo, r, self_end, hist_end,
+                             key_cols, BLOCK_N, p_layout)
+        async_copy.wait_group(0)
+        _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
+
+
+def fill_rows(block_n: int, head_dim: int, warps: int) -> int:
+    """Rows decoded per step: at most 32 codes per thread of `warps` warps."""
+    return min(block_n, 32 * 32 * warps // head_dim)
+
+
+class GluonFp8Attention:
+    """The fp8 Gluon kernel behind the `tl` kernel's launch interface: `self[grid](*args, **constexprs)` takes
+    exactly what `_paged_attention_kernel[grid]` takes and ignores the `tl`-only knobs (its tiling, and the fp16 MMA
+    choice of layerflow.kernels.fp8: this kernel always runs the dots in the model's dtype)."""
+
+    def __init__(self, tiling: Fp8Tiling) -> None:
+        reason = fp8_tiling_reason(tiling)
+        if reason is not None:
+            raise ValueError(reason)
+        self.tiling = tiling
+
+    def __getitem__(self, grid: tuple[int, int, int]):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
+                BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
+                **tl_only) -> None:
+        if WINDOW or CONTEXTUAL or FP8 not in (1, 2):
+            raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the fp8 Gluon kernel serves the "
+                             "default mask over fp8 pages only")
+        t = self.tiling
+        num_warps = BLOCK_M // 16
+        _gluon_fp8_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M,
+                                BLOCK_N=t.block_n, STAGES=t.stages, CODE_STAGES=t.code_stages,
+                                INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, FP8=FP8,
+                                WARP_SPECIALIZE=t.variant == "ws", FILL_ROWS=fill_rows(t.block_n, D, num_warps),
+                                PRODUCER_FILL_ROWS=fill_rows(t.block_n, D, PRODUCER_WARPS.value),
+                                PRODUCER_REGISTERS=t.producer_registers, num_warps=num_warps)
+
+
+def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+                      block_m: int, window: int, contextual: int,
+                      tiling: Fp8Tiling | None = None) -> GluonFp8Attention | None:
+    """The fp8 Gluon launcher for an fp8 cache, or None for the `tl` kernel: `choice` "gluon" insists (ValueError
+    naming why it cannot run), "auto" takes it only once AUTO_TAKES_FP8 says the H200 has shown it wins."""
+    if choice not in ("auto", "gluon"):
+        raise ValueError(f"kernel={choice!r}: expected 'auto' or 'gluon' (the caller handles 'triton')")
+    tiling = tiling or default_fp8_tiling(head_dim)
+    reason = fp8_unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
+    if reason is None and (choice == "gluon" or AUTO_TAKES_FP8):
+        return GluonFp8Attention(tiling)
+    if reason is not None and choice == "gluon":
+        raise ValueError(f"kernel='gluon': {reason}")
+    return None

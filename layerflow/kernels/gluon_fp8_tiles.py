@@ -1,0 +1,145 @@
+"""The per-tile pieces of the fp8 Gluon attention kernel (layerflow.kernels.gluon_fp8): the code slots' layouts,
+the async copies of a tile's fp8 codes, its scale bytes, the decode of a landed tile into the dots' dtype, the code
+pipeline's prologue and step, and the two dots over a decoded tile."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+
+from layerflow.kernels.gluon_tiles import _silu_of_seen, _tile_pages
+
+
+@gluon.constexpr_function
+def _code_layout(D, num_warps):
+    """[rows, D] tiles of bytes: 16-byte vectors along D, warps stacked along the rows."""
+    cols_per_warp = min(32, D // 16)
+    return gl.BlockedLayout([1, 16], [32 // cols_per_warp, cols_per_warp], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _code_smem_layout(D):
+    """Code slots: rows of D bytes, swizzled across as many 16-byte units as a row holds (at most 8)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, D), element_bitwidth=8, rank=2)
+
+
+@gluon.jit
+def _issue_codes(k_codes, v_codes, tile, page, num_hist, lo, hi, cache_h, H: gl.constexpr, D: gl.constexpr,
+                 PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Start copying the K and V codes of history tile `tile` (pages `page`) into a code slot and commit one group
+    (empty for tiles past the history, so there is one group per tile); keys at or past hi are zeroed."""
+    if tile < num_hist:
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        n = lo + tile * BLOCK_N + rows
+        key_ok = n < hi
+        row_at = page.to(gl.int64) * (2 * ROWS * H * D) + ((n % PAGE) * (H * D)).to(gl.int64)
+        ptrs = cache_h + row_at[:, None] + cols[None, :]
+        async_copy.async_copy_global_to_shared(k_codes, ptrs, mask=key_ok[:, None])
+        async_copy.async_copy_global_to_shared(v_codes, ptrs + ROWS * H * D, mask=key_ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _load_scale_bytes(scales_h, tile, page, lo, hi, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                      ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """The K and V scale bytes (int32) of history tile `tile`'s keys (layerflow.tier.layout: `[H, PAGE]` bytes
+    after an fp8 page half's codes); 127 (a scale of 1) for keys at or past hi."""
+    n = lo + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    ok = n < hi
+    ptrs = scales_h + page.to(gl.int64) * (2 * ROWS * H * D) + n % PAGE
+    k_bytes = gl.load(ptrs, mask=ok, other=127)
+    v_bytes = gl.load(ptrs + ROWS * H * D, mask=ok, other=127)
+    return k_bytes.to(gl.int32), v_bytes.to(gl.int32)
+
+
+@gluon.jit
+def _scale_of(scale_bytes):
+    """2^(byte - 127) as fp32: a scale byte is the fp32 exponent field of its scale."""
+    return (scale_bytes << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _decode_rows(dst, codes, scales, FP8: gl.constexpr, layout: gl.constexpr):
+    """dst = codes * scales (one scale per row) in dst's dtype; exact: a code times a power of two."""
+    raw = codes.load(layout)
+    if FP8 == 1:
+        values = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    else:
+        values = raw.to(gl.float8e5, bitcast=True).to(gl.float32)
+    dst.store((values * scales.load(gl.SliceLayout(1, layout))[:, None]).to(dst.dtype))
+
+
+@gluon.jit
+def _fill_tile(k_dst, v_dst, k_codes, v_codes, k_scales, v_scales, tile, num_hist, k_ptr, v_ptr, k_stride, v_stride,
+               q_start, q_len, head, row0, D: gl.constexpr, BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr,
+               FP8: gl.constexpr, layout: gl.constexpr):
+    """Tile `tile`'s K and V in the dots' dtype into (k_dst, v_dst), FILL_ROWS rows at a time (bounding the
+    registers it takes): a history tile decoded from its landed code slot and scale slot, a self tile (past the
+    history) the block's own K/V rows, zero past q_len."""
+    if tile < num_hist:
+        for c in gl.static_range(BLOCK_N // FILL_ROWS):
+            _decode_rows(k_dst.slice(c * FILL_ROWS, FILL_ROWS), k_codes.slice(c * FILL_ROWS, FILL_ROWS),
+                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FP8, layout)
+            _decode_rows(v_dst.slice(c * FILL_ROWS, FILL_ROWS), v_codes.slice(c * FILL_ROWS, FILL_ROWS),
+                         v_scales.slice(c * FILL_ROWS, FILL_ROWS), FP8, layout)
+    else:
+        rows = gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
+        head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
+        for c in gl.static_range(BLOCK_N // FILL_ROWS):
+            j = row0 + (tile - num_hist) * BLOCK_N + c * FILL_ROWS + rows
+            token = (q_start + j).to(gl.int64)[:, None]
+            row_ok = (j < q_len)[:, None]
+            k_dst.slice(c * FILL_ROWS, FILL_ROWS).store(gl.load(k_ptr + token * k_stride + head_cols, mask=row_ok,
+                                                                other=0.0))
+            v_dst.slice(c * FILL_ROWS, FILL_ROWS).store(gl.load(v_ptr + token * v_stride + head_cols, mask=row_ok,
+                                                                other=0.0))
+
+
+@gluon.jit
+def _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row, cache_h, scales_h,
+                 H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CODE_STAGES: gl.constexpr, layout: gl.constexpr):
+    """The code pipeline's prologue: copies of tiles 0 .. CODE_STAGES - 2 issued, scales of all but the last of
+    them stored; returns (page ids of tile CODE_STAGES - 1, the last one's scale bytes, still in flight)."""
+    for t in gl.static_range(CODE_STAGES - 1):
+        _issue_codes(k_codes.index(t), v_codes.index(t), t, _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, layout),
+                     num_hist, lo, hi, cache_h, H, D, PAGE, ROWS, BLOCK_N, layout)
+    for t in gl.static_range(CODE_STAGES - 2):
+        k_bytes, v_bytes = _load_scale_bytes(scales_h, t, _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, layout), lo,
+                                             hi, H, D, PAGE, ROWS, BLOCK_N, layout)
+        k_scales.index(t).store(_scale_of(k_bytes))
+        v_scales.index(t).store(_scale_of(v_bytes))
+    last: gl.constexpr = CODE_STAGES - 2
+    k_bytes, v_bytes = _load_scale_bytes(scales_h, last, _tile_pages(page_row, last, lo, hi, PAGE, BLOCK_N, layout),
+                                         lo, hi, H, D, PAGE, ROWS, BLOCK_N, layout)
+    return _tile_pages(page_row, CODE_STAGES - 1, lo, hi, PAGE, BLOCK_N, layout), k_bytes, v_bytes
+
+
+@gluon.jit
+def _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row,
+                   cache_h, scales_h, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CODE_STAGES: gl.constexpr, layout: gl.constexpr):
+    """One step of the code pipeline at tile `tile`: issue the copies of tile + CODE_STAGES - 1 (pages `pages`)
+    and load its scale bytes, store the previous tile's (`k_bytes`, `v_bytes`, loaded a step ago), load the next
+    page ids, then wait until tile `tile`'s codes have landed for every thread of the partition. Returns the
+    carried (pages, k_bytes, v_bytes). A code or scale slot is refilled only after the tile it held was decoded."""
+    ahead = tile + CODE_STAGES - 1
+    _issue_codes(k_codes.index(ahead % CODE_STAGES), v_codes.index(ahead % CODE_STAGES), ahead, pages, num_hist, lo,
+                 hi, cache_h, H, D, PAGE, ROWS, BLOCK_N, layout)
+    next_k, next_v = _load_scale_bytes(scales_h, ahead, pages, lo, hi, H, D, PAGE, ROWS, BLOCK_N, layout)
+    k_scales.index((ahead - 1) % CODE_STAGES).store(_scale_of(k_bytes))
+    v_scales.index((ahead - 1) % CODE_STAGES).store(_scale_of(v_bytes))
+    pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, layout)
+    async_copy.wait_group(CODE_STAGES - 1)
+    gl.thread_barrier()
+    return pages, next_k, next_v
+
+
+@gluon.jit
+def _tile_dots(q_smem, k_tile, v_tile, acc, s_zero, alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols,
+               BLOCK_N: gl.constexpr, p_layout: gl.constexpr):
+    """acc + SiLU(alpha Q K^T) V over one filled tile, masked to the keys each row sees."""
+    fence_async_shared()
+    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
+    p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+    return warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_tile, acc)

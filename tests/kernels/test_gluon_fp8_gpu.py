@@ -1,0 +1,107 @@
+"""The fp8 Gluon kernel on an H200 against the torch fp8 reference and the `tl` kernel's fp8 path: small ragged
+batches with 0-history users for both formats, head dims and schedules, BS=1 16K at 0 and 256 candidates, and one
+CUDA graph replayed across lengths."""
+
+import pytest
+import torch
+
+from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
+from layerflow.kernels.gluon_fp8 import Fp8Tiling, GluonFp8Attention
+from tests.kernels.cuda_graph import captured, replay_on
+from tests.kernels.paged_batch import PagedBatch, make_paged_batch, quantised_batch
+
+pytestmark = pytest.mark.gpu
+
+H, PAGE, MAX_SEQ_LEN = 4, 32, 16384 + 512
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SMALL = ([0, 300, 2, 1500 + 64, 64], [0, 17, 2, 64, 64], [256, 3, 4, 0, 1])
+
+
+def fp8_batch(history, appended, candidates, head_dim, kv_dtype, **capacity) -> PagedBatch:
+    """A bf16 batch whose cache holds fp8 pages, after the appended tokens' fp8 append."""
+    exact = make_paged_batch(history, appended, candidates, num_heads=H, head_dim=head_dim, page_size=PAGE,
+                             dtype=torch.bfloat16, device="cuda", **capacity)
+    batch = quantised_batch(exact, kv_dtype, PAGE)
+    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths, kv_dtype=kv_dtype)
+    return batch
+
+
+def attention(batch: PagedBatch, kernel: str, head_dim: int, kv_dtype, tiling: Fp8Tiling | None = None):
+    users, tokens = batch.page_table.shape[0], batch.q.shape[0]
+    attn = PagedAttention(users, tokens, batch.page_table.shape[1], H, head_dim, PAGE, torch.bfloat16, "cuda",
+                          head_dim ** -0.5, MAX_SEQ_LEN,
+                          tiling=default_tiling(head_dim, torch.bfloat16, tokens // users), kv_dtype=kv_dtype,
+                          kernel=kernel)
+    assert isinstance(attn.gluon, GluonFp8Attention) == (kernel == "gluon")
+    if tiling is not None:
+        attn.gluon = GluonFp8Attention(tiling)
+    return attn
+
+
+def run(batch: PagedBatch, kernel: str, head_dim: int, kv_dtype, tiling: Fp8Tiling | None = None) -> torch.Tensor:
+    return attention(batch, kernel, head_dim, kv_dtype, tiling).run(batch.q, batch.k, batch.v, batch.kv_cache,
+                                                                     *batch.lengths, torch.zeros_like(batch.q))
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor, total: int) -> float:
+    out, expected = out[:total].float(), expected[:total].float()
+    assert torch.isfinite(out).all()
+    return float((out - expected).norm() / expected.norm())
+
+
+def check(batch: PagedBatch, head_dim: int, kv_dtype, tiling: Fp8Tiling | None = None) -> None:
+    """Within bf16 rounding of the fp32 reference over the same fp8 pages, and of the `tl` kernel's fp8 path."""
+    f32 = [t.float() for t in (batch.q, batch.k, batch.v)]
+    expected = paged_attention_reference(*f32, batch.kv_cache, *batch.lengths, torch.zeros_like(f32[0]),
+                                         alpha=head_dim ** -0.5, max_seq_len=MAX_SEQ_LEN, kv_dtype=kv_dtype)
+    gluon = run(batch, "gluon", head_dim, kv_dtype, tiling)
+    tl = run(batch, "triton", head_dim, kv_dtype)
+    total = batch.total_tokens
+    assert relative_error(gluon, expected, total) < 1e-2
+    assert relative_error(gluon, tl, total) < 1e-2
+
+
+def tiling_id(tiling: Fp8Tiling) -> str:
+    return f"{tiling.block_n}x{tiling.stages}:{tiling.variant}"
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("variant", ["ws", "sync"])
+def test_small_ragged_batch_matches_reference_and_tl(kv_dtype, head_dim, variant):
+    tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32, variant=variant)
+    check(fp8_batch(*SMALL, head_dim, kv_dtype), head_dim, kv_dtype, tiling)
+
+
+@pytest.mark.parametrize("tiling", [Fp8Tiling(32, 3), Fp8Tiling(32, 2, code_stages=3), Fp8Tiling(64, 2)],
+                         ids=tiling_id)
+def test_other_tilings_compute_the_same(tiling):
+    check(fp8_batch([4096 + 64, 700], [64, 64], [0, 256], 128, E4M3), 128, E4M3, tiling)
+
+
+@pytest.mark.parametrize("candidates", [0, 256])
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_bs1_16k_matches_reference_and_tl(kv_dtype, candidates):
+    check(fp8_batch([16384 + 64], [64], [candidates], 256, kv_dtype), 256, kv_dtype)
+
+
+def test_one_graph_replays_any_lengths_like_eager():
+    max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
+    cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),
+             ([0, 300], [0, 17], [256, 3])]
+
+    def batch_of(case) -> PagedBatch:
+        pages = sum(-(-h // PAGE) for h in case[0])
+        return fp8_batch(*case, 256, E4M3, max_batch=max_batch, max_tokens=max_tokens, max_pages_per_user=max_pages,
+                         spare_pages=num_pages - pages)
+
+    attn = PagedAttention(max_batch, max_tokens, max_pages, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5,
+                          MAX_SEQ_LEN, kv_dtype=E4M3, kernel="gluon")
+    static = batch_of(cases[0])
+    static_out = torch.zeros_like(static.q)
+    graph = captured(lambda: attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out))
+    for case in cases:
+        fresh = batch_of(case)
+        replay_on(graph, static, fresh, static_out)
+        eager = attn.run(fresh.q, fresh.k, fresh.v, fresh.kv_cache, *fresh.lengths, torch.zeros_like(fresh.q))
+        assert torch.equal(static_out[:fresh.total_tokens], eager[:fresh.total_tokens]), f"replay != eager: {case}"

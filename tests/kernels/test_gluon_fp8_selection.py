@@ -1,0 +1,95 @@
+"""Which kernel serves an fp8 cache: the fp8 Gluon kernel's shape rules, `auto` keeping the `tl` kernel until the
+H200 says otherwise, `gluon` insisting (with the reason it cannot run here), and the tiling checks."""
+
+import pytest
+import torch
+
+from layerflow.kernels import PagedAttention
+from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
+from layerflow.kernels.gluon_fp8 import (Fp8Tiling, GluonFp8Attention, default_fp8_tiling, fill_rows,
+                                         fp8_shared_memory_bytes, fp8_unsupported_reason, select_fp8_kernel)
+
+CPU = torch.device("cpu")
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, words", [
+    (torch.float32, E4M3, 256, 128, 0, 0, Fp8Tiling(), "bf16/fp16 model over fp8 pages"),
+    (torch.bfloat16, None, 256, 128, 0, 0, Fp8Tiling(), "bf16/fp16 model over fp8 pages"),
+    (torch.bfloat16, E4M3, 256, 128, 512, 0, Fp8Tiling(), "default mask"),
+    (torch.float16, torch.float8_e5m2, 128, 64, 0, 3, Fp8Tiling(), "default mask"),
+    (torch.bfloat16, E4M3, 256, 32, 0, 0, Fp8Tiling(), "block_m=32"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=16), "block_n"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(code_stages=2), "code_stages >= 3"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(variant="async"), "variant"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_registers=100), "producer_registers"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64), "shared memory"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
+])
+def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
+                                                        tiling, words):
+    reason = fp8_unsupported_reason(CPU, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
+    assert reason is not None and words in reason
+
+
+def test_shared_memory_counts_the_query_block_both_rings_and_the_scales():
+    # 128 x 256 bf16 queries, 2 bf16 K/V slots of 32 x 256, 4 code slots of 32 x 256 bytes with 2 x 32 fp32 scales
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling()) == 65536 + 65536 + 4 * (16384 + 256) + 16384
+    # "sync" decodes into one bf16 K/V pair
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(variant="sync")) == 65536 + 32768 + 4 * (16384 + 256) + 16384
+
+
+def test_default_tiling_fits_every_head_dim_at_both_query_blocks():
+    for head_dim in (64, 128, 256):
+        for block_m in (64, 128):
+            reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, head_dim, block_m, 0, 0,
+                                            default_fp8_tiling(head_dim))
+            assert "sm_90" in reason, reason
+
+
+def test_fill_rows_bound_the_codes_per_thread():
+    assert fill_rows(32, 256, 4) == 16 and fill_rows(32, 256, 8) == 32 and fill_rows(64, 64, 4) == 64
+
+
+def attention(**kwargs) -> PagedAttention:
+    return PagedAttention(2, 64, 4, 2, 64, 16, torch.bfloat16, "cpu", 0.125, 128, kv_dtype=E4M3, **kwargs)
+
+
+def test_auto_and_triton_keep_the_tl_kernel_for_fp8(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert attention().gluon is None
+    assert attention(kernel="triton").gluon is None
+    assert select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0) is None
+
+
+def test_auto_stays_on_tl_where_the_fp8_kernel_cannot_run_even_once_enabled(monkeypatch):
+    monkeypatch.setattr("layerflow.kernels.gluon_fp8.AUTO_TAKES_FP8", True)
+    assert select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0) is None
+
+
+def test_forcing_gluon_over_fp8_pages_says_why_it_cannot_run(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    with pytest.raises(ValueError, match="kernel='gluon'.*fp8 Gluon kernel needs a CUDA sm_90"):
+        attention(kernel="gluon")
+    with pytest.raises(ValueError, match="kernel='gluon'.*default mask"):
+        select_kernel("gluon", CPU, torch.bfloat16, E4M3, 256, 128, 512, 0)
+    monkeypatch.setenv(KERNEL_ENV, "gluon")
+    with pytest.raises(ValueError, match="kernel='gluon'.*sm_90"):
+        attention()
+
+
+def test_select_fp8_kernel_takes_only_the_gluon_choices():
+    with pytest.raises(ValueError, match="kernel='triton'"):
+        select_fp8_kernel("triton", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
+
+
+def test_the_launcher_rejects_a_bad_tiling_and_tl_only_masks():
+    with pytest.raises(ValueError, match="variant"):
+        GluonFp8Attention(Fp8Tiling(variant="pingpong"))
+    launch = GluonFp8Attention(Fp8Tiling())[(1, 1, 1)]
+    with pytest.raises(ValueError, match="WINDOW=512"):
+        launch(H=4, D=256, PAGE=32, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=128, INV_N_PER_USER=False, ROWS=33,
+               WINDOW=512, CONTEXTUAL=0, FP8=1)
+    with pytest.raises(ValueError, match="FP8=0"):
+        launch(H=4, D=256, PAGE=32, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=128, INV_N_PER_USER=False, ROWS=33,
+               WINDOW=0, CONTEXTUAL=0, FP8=0)
