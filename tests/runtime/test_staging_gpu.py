@@ -1,6 +1,6 @@
 """On the H200: the buffers' copies through ctypes ("cudart") give the scores torch's copies give, bit for bit, for
-graph replays and eager runs, GPU and host hits, across visits (so a refill after a larger batch is covered), and for
-a model whose caller brings the embeddings (its token rows go up and every row's output comes back)."""
+graph replays and eager runs, GPU and host hits, across visits (buffers refilled, a user's pages moved by an eviction),
+and for a model whose caller brings the embeddings (its token rows go up and every row's output comes back)."""
 
 from dataclasses import replace
 
