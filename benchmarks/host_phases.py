@@ -75,7 +75,7 @@ def main() -> None:
           f"{args.append_len} appended + {args.num_candidates} candidates, {args.iters} requests: host ms, median (p90)")
     for name in row_names():
         s = Summary.of([row[name] for row in samples])
-        print(f"  {name:16s} {s.median:8.3f} ({s.p90:.3f})")
+        print(f"  {name:26s} {s.median:8.3f} ({s.p90:.3f})")
     if profile is not None:
         profile.dump_stats(args.cprofile)
         stats = pstats.Stats(args.cprofile).sort_stats("tottime")

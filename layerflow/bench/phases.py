@@ -3,8 +3,9 @@
 `PhaseTimer.attach(engine)` wraps, on that one engine and its parts (never their classes), the methods each phase is
 made of; a wrapped call adds its host time to its phase only while a request is open (`start` .. `stop`), so staging,
 warm-up and probes are not counted. `rows` turns one request's phase times and its wall time into the reported rows:
-the three steps of `Engine.score`, their parts, what each step spends outside its parts ("other") and what the timed
-call spends outside the three steps (the engine's lock, splitting and converting the scores).
+the three steps of `Engine.score`, their parts (a part may have parts of its own), what each step or part spends
+outside its parts ("other") and what the timed call spends outside the three steps (the engine's lock, splitting and
+converting the scores).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Callable
 from layerflow.runtime.buffers import BatchBuffers, Bucket
 from layerflow.runtime.engine import Engine
 
-# (row, parent, what it times), in the order of the tables. A parent's "other" row is derived: the step's time less
-# its timed parts.
+# (row, parent, what it times), in the order of the tables. A parent's "other" row is derived: its time less its
+# timed parts.
 PHASES: tuple[tuple[str, str | None, str], ...] = (
     ("prepare", None, "Engine.prepare: validate, place, issue the onboarding"),
     ("prepare.tiers", "prepare", "tier lookups (KVManager._tier_for, every request)"),
@@ -27,9 +28,12 @@ PHASES: tuple[tuple[str, str | None, str], ...] = (
     ("launch", None, "Engine.launch"),
     ("launch.bucket", "launch", "bucket choice (Engine._bucket)"),
     ("launch.fill", "launch", "buffer fill and its host->device copy (BatchBuffers.fill)"),
+    ("launch.fill.copy", "launch.fill", "the host->device copy issue (BatchBuffers._to_device)"),
     ("launch.bind", "launch", "wait binding (LayerWait.bind)"),
     ("launch.forward", "launch", "graph replay or eager forward"),
     ("launch.offload", "launch", "history record and early offload issue (KVManager.offload_early)"),
+    ("launch.offload.tier", "launch.offload", "the tier's offload: host blocks and copies (KVTier.offload)"),
+    ("launch.offload.tier.copy", "launch.offload.tier", "the copy engine's offload issue (CopyEngine.offload)"),
     ("collect", None, "Engine.collect"),
     ("collect.fetch", "collect", "scores fetch incl. the device sync (BatchBuffers.fetch)"),
     ("collect.commit", "collect", "onboarding release and unpin (KVManager.commit)"),
@@ -38,19 +42,29 @@ STEPS = tuple(name for name, parent, _ in PHASES if parent is None)
 OUTSIDE = "outside"   # the timed call less its three steps
 
 
+PARTS = {name: [part for part, parent, _ in PHASES if parent == name] for name, _, _ in PHASES}
+
+
+def _subtree(name: str) -> list[str]:
+    """`name`, then each of its parts' rows in order, then its "other" if it has parts."""
+    names = [name]
+    for part in PARTS[name]:
+        names += _subtree(part)
+    return names + ([f"{name}.other"] if PARTS[name] else [])
+
+
 def row_names() -> list[str]:
-    """Every reported row in table order: each step, its parts, its "other"; then "outside" and "wall"."""
-    names = []
-    for step in STEPS:
-        names += [step] + [name for name, parent, _ in PHASES if parent == step] + [f"{step}.other"]
-    return names + [OUTSIDE, "wall"]
+    """Every reported row in table order: each step, its parts (each followed by its own parts), its "other"; then
+    "outside" and "wall"."""
+    return [name for step in STEPS for name in _subtree(step)] + [OUTSIDE, "wall"]
 
 
 def rows(phases: dict[str, float], wall_ms: float) -> dict[str, float]:
-    """One request's rows (ms): the timed phases (0 where a phase did not run), each step's other and outside."""
+    """One request's rows (ms): the timed phases (0 where a phase did not run), each parent's other and outside."""
     out = {name: phases.get(name, 0.0) for name, _, _ in PHASES}
-    for step in STEPS:
-        out[f"{step}.other"] = out[step] - sum(out[name] for name, parent, _ in PHASES if parent == step)
+    for name, parts in PARTS.items():
+        if parts:
+            out[f"{name}.other"] = out[name] - sum(out[part] for part in parts)
     out[OUTSIDE] = wall_ms - sum(out[step] for step in STEPS)
     out["wall"] = wall_ms
     return {name: out[name] for name in row_names()}
@@ -99,6 +113,10 @@ class PhaseTimer:
             self._wrap(engine.kv, method, phase)
         for wait in (engine.no_wait, engine.layer_wait):
             self._wrap(wait, "bind", "launch.bind")
+        self._wrap(engine.kv.below, "offload", "launch.offload.tier")
+        copies = getattr(engine.kv.below, "engine", None)   # the in-process tier's copy engine (none over a server)
+        if copies is not None:
+            self._wrap(copies, "offload", "launch.offload.tier.copy")
         self._wrap(engine.pipeline, "forward", "launch.forward")
         if engine.graphs is not None:
             self._wrap(engine.graphs, "replay", "launch.forward")
@@ -108,6 +126,7 @@ class PhaseTimer:
             found = bufs_of(bucket)
             if "fill" not in vars(found):   # each bucket's buffers are wrapped once, when first handed out
                 self._wrap(found, "fill", "launch.fill")
+                self._wrap(found, "_to_device", "launch.fill.copy")
                 self._wrap(found, "fetch", "collect.fetch")
             return found
         engine._bufs = bufs

@@ -1,11 +1,15 @@
 """Device-resident inputs and outputs of one shape bucket, at fixed addresses so a captured graph can replay them.
 
 Every per-batch integer (offsets, lengths, page table, token ids and positions, candidate rows) is packed into one
-pinned host buffer and reaches the device in a single copy; the scores come back in a single copy.
+pinned host buffer and reaches the device in a single copy; the scores come back in a single copy. On CUDA those
+copies are torch's `Tensor.copy_` or (`staging_copy`) one cudaMemcpyAsync each through ctypes on the current stream:
+the buffers live as long as the engine, so torch's dispatch and its pinned-memory event bookkeeping (which exists for
+buffers that are freed and reused while a copy may still read them) can be skipped.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -15,6 +19,20 @@ import torch
 from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
 from layerflow.model.reference import batch_n
+from layerflow.transfer import cudart
+
+STAGING_ENV = "LAYERFLOW_STAGING_COPY"
+STAGING_COPIES = ("torch", "cudart")
+
+
+def staging_copy(choice: str | None = None) -> str:
+    """How the buffers' host<->device copies are issued on CUDA: `choice`, else $LAYERFLOW_STAGING_COPY, else "torch"
+    (the proven path until the H200 shows "cudart" faster); ValueError for another name. The CPU path copies with
+    torch either way."""
+    choice = choice or os.environ.get(STAGING_ENV) or "torch"
+    if choice not in STAGING_COPIES:
+        raise ValueError(f"staging copy {choice!r}: expected one of {STAGING_COPIES} (argument or ${STAGING_ENV})")
+    return choice
 
 
 def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
@@ -45,9 +63,11 @@ class Bucket:
 
 
 class BatchBuffers:
-    """Static tensors of one bucket; `fill` writes a batch into them without allocating."""
+    """Static tensors of one bucket; `fill` writes a batch into them without allocating. `staging`: see
+    `staging_copy`."""
 
-    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig):
+    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig,
+                 staging: str = "torch"):
         b, t = bucket.max_batch, bucket.max_tokens
         self.bucket, self.max_pages, self.device, self.model = bucket, max_pages, device, model
         sizes = {"q_offsets": b + 1, "history_lens": b, "appended_lens": b, "page_table": b * max_pages,
@@ -63,6 +83,7 @@ class BatchBuffers:
             start += n
         self._staged = {name: self._host.numpy()[s] for name, s in slices.items()}   # numpy views of the host slab
         self._table = self._staged["page_table"].reshape(b, max_pages)
+        self._held: list[tuple[int, ...]] = [()] * b   # the pages each table row holds (zeros after them)
         view = {name: self._device[s] for name, s in slices.items()}
         self.q_offsets = view["q_offsets"]
         self.history_lens = view["history_lens"]
@@ -85,6 +106,35 @@ class BatchBuffers:
             self._x_bits = float_bits(self._x_host)
             self.outputs = torch.zeros(t, e, dtype=model.dtype, device=device)
             self._outputs_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
+        self._cudart = device.type == "cuda" and staging_copy(staging) == "cudart"
+
+    def _to_device(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        """The whole of `host` into `device` (same shape), ordered on the current stream."""
+        if self._cudart:
+            cudart.memcpy_async(device.data_ptr(), host.data_ptr(), host.nbytes, cudart.MEMCPY_HOST_TO_DEVICE,
+                                torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            device.copy_(host, non_blocking=True)
+
+    def _write_pages(self, page_rows: list[tuple[int, ...]]) -> None:
+        """Each user's GPU pages at the front of its page-table row, zeros after them and in the rows past the batch
+        (page 0 is valid: a kernel reading past a user's pages cannot fault). A row whose user holds the pages it held
+        in this row last time plus new ones (a returning GPU hit) is given only the new ones: converting a 16K
+        history's 528 page ids costs ~10 us."""
+        table, held = self._table, self._held
+        for b, old in enumerate(held):
+            new = page_rows[b] if b < len(page_rows) else ()
+            if type(new) is not tuple:
+                new = tuple(new)
+            if new == old:
+                continue
+            n, k = len(new), len(old)
+            if k <= n and new[:k] == old:
+                table[b, k:n] = new[k:]
+            else:
+                table[b, :n] = new
+                table[b, n:k] = 0
+            held[b] = new
 
     def _put(self, name: str, values: np.ndarray | list[int], tail: int = 0) -> None:
         """`values` at the front of the slab's `name` slice, `tail` after them."""
@@ -98,9 +148,7 @@ class BatchBuffers:
         self._put("q_offsets", q_offsets, tail=q_offsets[-1])   # users past the batch own no tokens
         self._put("history_lens", batch.history_lens)
         self._put("appended_lens", batch.appended_lens)
-        self._table.fill(0)  # page 0 is valid: a kernel reading past a user's pages cannot fault
-        for b, pages in enumerate(page_rows):
-            self._table[b, :len(pages)] = pages
+        self._write_pages(page_rows)
         staged = self._staged
         self.num_tokens = batch.pack_query(staged["ids"], staged["positions"], staged["candidate_rows"])
         self.num_candidates = len(batch.candidate_ids)
@@ -117,8 +165,8 @@ class BatchBuffers:
                 self._x_host[:self.num_tokens].copy_(batch.query_x)
             else:   # one thread's memcpy: torch's copy of a request's rows wakes its CPU thread pool
                 self._x_bits[:self.num_tokens] = rows
-            self.x.copy_(self._x_host, non_blocking=True)
-        self._device.copy_(self._host, non_blocking=True)
+            self._to_device(self.x, self._x_host)
+        self._to_device(self._device, self._host)
 
     def send_results(self) -> None:
         """Queue the bucket's whole result buffer to the host on the current stream: the block's last step (inside

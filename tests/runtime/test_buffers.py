@@ -24,3 +24,20 @@ def test_fill_writes_the_batch_and_clears_what_a_larger_one_left():
     assert bufs.positions.tolist() == [10, 11, 11] + [0] * 61
     assert bufs.candidate_rows.tolist() == [1, 2] + [0] * 62
     assert bufs.candidate_ids.tolist() == [30, 31] + [0] * 62
+
+
+def test_a_returning_users_row_gets_its_new_pages_and_every_other_row_is_rewritten():
+    bufs = BatchBuffers(Bucket(3, 64), 6, torch.device("cpu"), CONFIG)
+    batch = JaggedBatch.from_lists(CONFIG, [1, 1], [[1], [2]], [[3], [4]])
+    one = JaggedBatch.from_lists(CONFIG, [1], [[1]], [[3]])
+    steps = [
+        (batch, [(4, 5), (9,)], [[4, 5, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0]]),
+        (batch, [(4, 5, 6), (9,)], [[4, 5, 6, 0, 0, 0], [9, 0, 0, 0, 0, 0]]),       # pages added
+        (batch, [(4, 5, 6), [2, 3]], [[4, 5, 6, 0, 0, 0], [2, 3, 0, 0, 0, 0]]),     # another user (a list)
+        (batch, [(4, 7), (2, 3, 1, 0, 8, 9)], [[4, 7, 0, 0, 0, 0], [2, 3, 1, 0, 8, 9]]),   # shorter, then full
+        (one, [(4, 7)], [[4, 7, 0, 0, 0, 0], [0] * 6]),                             # a row past the batch
+        (batch, [(4, 7), (2, 3)], [[4, 7, 0, 0, 0, 0], [2, 3, 0, 0, 0, 0]]),
+    ]
+    for jagged, rows, table in steps:
+        bufs.fill(jagged, rows)
+        assert bufs.page_table.tolist() == table + [[0] * 6], rows
