@@ -130,6 +130,7 @@ TAIL_COLUMNS = (("signal lag", "signal_lag"), ("last compute", "last_compute"), 
                 ("wake", "wake"), ("post", "post"), ("first wait", "first_wait"), ("replay (dev)", "replay_call"),
                 ("host: acquired", "host.signal_acquired"), ("host: copy 0", "host.copy0_issued"),
                 ("host: all issued", "host.all_issued"), ("host: prepared", "host.prepare_end"),
+                ("host: filled", "host.fill_end"),
                 ("host: replay", "host.replay_call"), ("host: fetch", "host.fetch_call"),
                 ("host: collected", "host.collect_end"))
 

@@ -72,7 +72,8 @@ def test_gpu_run_with_timeline_splits_the_layerwise_request():
     assert len(lw.probes.timelines[0].layer_ms) == s.model.num_layers
     # The tail marks: every layer's release, and the host stamps in the order a request passes them.
     assert len(lw.probes.timelines[0].release_lags()) == s.model.num_layers
-    order = ["host.signal_acquired", "host.copy0_issued", "host.all_issued", "host.prepare_end", "host.replay_call",
+    order = ["host.signal_acquired", "host.copy0_issued", "host.all_issued", "host.prepare_end", "host.fill_end",
+             "host.replay_call",
              "host.fetch_call", "host.collect_end"]
     assert [t[k] for k in order] == sorted(t[k] for k in order)
     assert t["issue_ms"] + t["transfer_ms"] + t["tail_ms"] <= max(lw.wall.samples) * 1.01
