@@ -86,6 +86,7 @@ class TimedCudaCopyEngine(CudaCopyEngine):
         super().__init__(path=path, device=device)
         self.marks = marks
         self._issuing = threading.local()  # the event list of the transfer this thread is issuing
+        self.on_layer_issued: Callable[[int], None] | None = None   # called after each layer's copies (host stamps)
 
     def _onboard(self, job: CopyJob) -> TimedTransfer:
         return self._timed(super()._onboard, job)
@@ -104,6 +105,8 @@ class TimedCudaCopyEngine(CudaCopyEngine):
 
         def copy_and_mark(layer: int) -> None:
             copy_layer(layer)
+            if self.on_layer_issued is not None:
+                self.on_layer_issued(layer)
             if self.marks is Marks.LAYERS or layer == last:
                 events.append(_recorded(stream))
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from layerflow.bench.clocks import Clock, CudaClock, HostClock
 from layerflow.bench.copy_timing import Marks, TimedCudaCopyEngine
+from layerflow.bench.marks import TailMarks
 from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer, TransferTimer
 from layerflow.bench.recording import BenchCopyEngine
@@ -134,6 +135,7 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
     bucket = Bucket(settings.batch_size, settings.query_tokens)
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(bucket.max_batch,), token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine:
+        tail = TailMarks(engine, copy.inner) if timeline else None   # before warmup: a graph variant of its own
         engine.warmup()
         phases = None
         if settings.profile:
@@ -149,7 +151,7 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
             reference = as_scores(engine.score(workload.requests))
             copy.skip_offloads = settings.only_onboard
             ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters, settings.timed_iters,
-                          timeline, progress, reference, phases)
+                          timeline, progress, reference, phases, tail)
             for scenario in scenarios:
                 results.measured.append(scenario.measure(ctx))
             copy.skip_offloads = False

@@ -17,6 +17,7 @@ import torch
 
 from layerflow.bench.clocks import Clock
 from layerflow.bench.copy_timing import Marks, StampedThreadCopyEngine, TimedCudaCopyEngine, TimedTransfer
+from layerflow.bench.marks import HOST_STAMPS, TailMarks, TailTimes
 from layerflow.bench.recording import Onboarding
 from layerflow.bench.stats import layer_times
 from layerflow.runtime.buffers import BatchBuffers, Bucket
@@ -63,36 +64,64 @@ def layer_compute_ms(engine: Engine, clock: Clock, requests: list[Request], buck
 @dataclass(frozen=True)
 class Timeline:
     """Where one layerwise request's time went (ms, one device clock): score entry -> first copy issued, first
-    copy -> last layer landed (in the pipelined run), last layer landed -> scores returned."""
+    copy -> last layer landed (in the pipelined run), last layer landed -> scores returned; with `TailMarks`
+    installed, `tail_marks` has each layer's wait release, the replay and fetch marks and the host stamps."""
 
     issue_ms: float
     transfer_ms: float
     tail_ms: float
     layer_ms: tuple[float, ...]
+    tail_marks: TailTimes | None = None
+
+    def breakdown(self) -> dict[str, float]:
+        """The tail split at its marks (ms): last copy landed -> its wait released (`signal_lag`) -> graph done
+        (`last_compute`: the last layer and the scores) -> the host at the fetch (`host_late`, 0 when it was there
+        first) -> the host back from the fetch (`wake`) -> the timed call returned (`post`); `first_wait`: the first
+        layer's release after its copy landed (large: the compute is behind the copies); `replay_call`: when the
+        replay could start (device clock, from entry); the host stamps (`host.*`, host clock, from entry)."""
+        if self.tail_marks is None:
+            return {}
+        t, lags = self.tail_marks, self.release_lags()
+        dev, end = t.device, self.issue_ms + self.transfer_ms + self.tail_ms
+        at_fetch = max(dev["fetch_call"], dev["graph_end"])
+        out = {"signal_lag": lags[-1], "last_compute": dev["graph_end"] - t.released[-1],
+               "host_late": at_fetch - dev["graph_end"], "wake": dev["woke"] - at_fetch, "post": end - dev["woke"],
+               "first_wait": lags[0], "replay_call": dev["replay_call"]}
+        return out | {f"host.{name}": t.host[name] for name in HOST_STAMPS if name in t.host}
+
+    def release_lags(self) -> tuple[float, ...]:
+        """Per layer: its wait released (compute could go on) less its copy landed, ms; empty without TailMarks."""
+        if self.tail_marks is None:
+            return ()
+        landed = [self.issue_ms + sum(self.layer_ms[:layer + 1]) for layer in range(len(self.layer_ms))]
+        return tuple(r - a for r, a in zip(self.tail_marks.released, landed))
 
 
 class TimelineMarks:
     """CUDA events at score entry and exit on the compute stream, read against the onboarding's timing events (the
-    engine's copy engine is then a `TimedCudaCopyEngine` with `Marks.LAYERS`)."""
+    engine's copy engine is then a `TimedCudaCopyEngine` with `Marks.LAYERS`) and, given, the engine's `TailMarks`."""
 
-    def __init__(self) -> None:
+    def __init__(self, tail: TailMarks | None = None) -> None:
         self.entry, self.exit = cuda_api.create_event(timing=True), cuda_api.create_event(timing=True)
+        self.tail = tail
 
     def wrap(self, fn: Callable[[], T]) -> Callable[[], T]:
         def timed() -> T:
             cuda_api.record(self.entry, torch.cuda.current_stream().cuda_stream)
+            if self.tail is not None:
+                self.tail.host.open()
             result = fn()
             cuda_api.record(self.exit, torch.cuda.current_stream().cuda_stream)
             return result
         return timed
 
     def read(self, transfer: TimedTransfer) -> Timeline:
-        """The timeline of the request just timed; destroys every event it read."""
+        """The timeline of the request just timed; destroys the events it made (the tail's are reused)."""
         ev = transfer.events
         cuda_api.synchronize(self.exit)
         ms = cuda_api.elapsed_ms
         timeline = Timeline(ms(self.entry, ev[0]), ms(ev[0], ev[-1]), ms(ev[-1], self.exit),
-                            tuple(transfer.intervals_ms()))
+                            tuple(transfer.intervals_ms()), None if self.tail is None else self.tail.read(self.entry))
         transfer.release()
         for event in (self.entry, self.exit):
             cuda_api.destroy_event(event)

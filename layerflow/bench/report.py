@@ -111,10 +111,11 @@ def markdown(results: Results) -> str:
                   "per token over all layers.", "", _table(lens, detail)]
     timed = [m for m in results.measured if m.timeline() is not None]
     if timed:
-        def part(name: str) -> Callable[[int], str]:
+        def part(name: str, fmt: str = "{:.2f}") -> Callable[[int], str]:
             def cell(seq_len: int) -> str:
                 m = next((m for m in timed if m.seq_len == seq_len), None)
-                return "-" if m is None else f"{m.timeline()[name]:.2f}"
+                value = None if m is None else m.timeline().get(name)
+                return "-" if value is None else fmt.format(value)
             return cell
         parts += ["", "Timeline of the layerwise request (medians, device clock): score entry -> first copy issued, "
                   "first copy -> last layer landed, last layer landed -> scores returned.", "",
@@ -123,11 +124,26 @@ def markdown(results: Results) -> str:
                                 ("T_transfer alone ms", _bound(results, lambda b: b.t_transfer)),
                                 ("tail ms", part("tail_ms")),
                                 ("measured ms", _latency(results, "cpu_hit_layerwise"))])]
+        if "signal_lag" in timed[0].timeline():
+            parts += ["", "The tail and the issue at their marks (medians, ms): last copy landed -> its wait released "
+                      "(signal lag) -> graph done (last layer + scores) -> host at the fetch (host late) -> host back "
+                      "(wake) -> call returned (post); first wait: layer 0 released less landed; host columns: host "
+                      "clock from score entry.", "",
+                      _table(lens, [("seq_len", _length)] + [(label, part(name, "{:.3f}")) for label, name in TAIL_COLUMNS])]
     others = [n for n in ("no_cache", "ssd_hit", "ssd_hit_layerwise", "torch_eager") if n in ran]
     if others:
         parts += ["", _table(lens, [("seq_len", _length)]
                              + [(f"{SCENARIOS[n].label} ms", _latency(results, n)) for n in others])]
     return "\n".join(parts + _phase_tables(results))
+
+
+TAIL_COLUMNS = (("signal lag", "signal_lag"), ("last compute", "last_compute"), ("host late", "host_late"),
+                ("wake", "wake"), ("post", "post"), ("first wait", "first_wait"), ("replay (dev)", "replay_call"),
+                ("host: acquired", "host.signal_acquired"), ("host: copy 0", "host.copy0_issued"),
+                ("host: all issued", "host.all_issued"), ("host: prepared", "host.prepare_end"),
+                ("host: filled", "host.fill_end"),
+                ("host: replay", "host.replay_call"), ("host: fetch", "host.fetch_call"),
+                ("host: collected", "host.collect_end"))
 
 
 def _phase_label(name: str) -> str:

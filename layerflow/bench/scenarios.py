@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from layerflow.bench.clocks import Clock
 from layerflow.bench.eager import EagerBlock
+from layerflow.bench.marks import TailMarks
 from layerflow.bench.phases import PhaseTimer, rows
 from layerflow.bench.probes import Timeline, TimelineMarks, TransferTimer, TransferTiming, layer_compute_ms
 from layerflow.bench.recording import BenchCopyEngine
@@ -61,8 +62,11 @@ class Measured:
         rows = self.probes.timelines
         if not rows:
             return None
-        return {name: Summary.of([getattr(t, name) for t in rows]).median
-                for name in ("issue_ms", "transfer_ms", "tail_ms")}
+        medians = {name: Summary.of([getattr(t, name) for t in rows]).median
+                   for name in ("issue_ms", "transfer_ms", "tail_ms")}
+        parts = [t.breakdown() for t in rows]
+        common = [name for name in parts[0] if all(name in p for p in parts)]
+        return medians | {name: Summary.of([p[name] for p in parts]).median for name in common}
 
     def to_dict(self) -> dict:
         out = {"scenario": self.scenario, "seq_len": self.seq_len, "wall_ms": self.wall.to_dict(),
@@ -72,7 +76,9 @@ class Measured:
             out["phases_ms"] = {name: summary.to_dict() for name, summary in self.phases.items()}
         if self.probes.timelines:
             out["timeline_ms"] = self.timeline() | {
-                "layers": [Summary.of(col).median for col in zip(*(t.layer_ms for t in self.probes.timelines))]}
+                "layers": [Summary.of(col).median for col in zip(*(t.layer_ms for t in self.probes.timelines))],
+                "release_lags": [Summary.of(col).median
+                                 for col in zip(*(t.release_lags() for t in self.probes.timelines))]}
         return out
 
 
@@ -93,6 +99,7 @@ class Context:
     progress: tqdm
     reference_scores: list[torch.Tensor]
     phases: PhaseTimer | None = None   # attached to `engine` (`--profile`)
+    tail: TailMarks | None = None      # installed on `engine` (`--timeline` on a layerwise engine)
 
     @property
     def reference_scale(self) -> float:
@@ -183,7 +190,7 @@ class CpuHitLayerwise(CpuHit):
     def call(self, ctx: Context, batch: list[Request]) -> Callable[[], list[torch.Tensor]]:
         if not ctx.timeline:
             return super().call(ctx, batch)
-        self.marks = TimelineMarks()
+        self.marks = TimelineMarks(ctx.tail)
         return self.marks.wrap(super().call(ctx, batch))
 
     def after(self, ctx: Context, probes: Probes) -> None:

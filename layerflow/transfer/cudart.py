@@ -1,5 +1,6 @@
 """The CUDA runtime calls layerflow makes through ctypes on the process's libcudart (the one torch loaded): the two
-hot-path copies, the host-function launch of the runtime's wait nodes, and the plain copy benchmarks compare against.
+hot-path copies, the event record and wait of the native signal posts, the host-function launch of the runtime's
+wait nodes, and the plain copy benchmarks compare against.
 
 cuda.bindings converts every list element of cudaMemcpyBatchAsync into a Python object and back (about 0.7 ms per
 layer of 512 pages on the H200, which delays the first layer's copy); through ctypes the descriptors are numpy arrays
@@ -56,6 +57,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cudaMemcpyBatchAsync.argtypes = [*batch, _c.c_void_p]
     lib.cudaLaunchHostFunc.restype = _c.c_int
     lib.cudaLaunchHostFunc.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_void_p]
+    lib.cudaEventRecord.restype = _c.c_int
+    lib.cudaEventRecord.argtypes = [_c.c_void_p, _c.c_void_p]
+    lib.cudaStreamWaitEvent.restype = _c.c_int
+    lib.cudaStreamWaitEvent.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_uint]
     lib.cudaGetErrorString.restype = _c.c_char_p
     lib.cudaGetErrorString.argtypes = [_c.c_int]
 
@@ -89,6 +94,16 @@ class BatchCopier:
         """`count` copies whose destinations, sources and sizes are uint64 arrays at these addresses (the caller
         keeps the arrays alive and computes the addresses once: see cuda_copy._BatchedLayers)."""
         _check(lib().cudaMemcpyBatchAsync(dsts, srcs, sizes, count, *self._tail, stream), "cudaMemcpyBatchAsync")
+
+
+def event_record(event: int, stream: int) -> None:
+    """cudaEventRecord on a raw event handle (`int(cudaEvent_t)`), for the per-layer signal posts."""
+    _check(lib().cudaEventRecord(event, stream or None), "cudaEventRecord")
+
+
+def stream_wait_event(stream: int, event: int) -> None:
+    """cudaStreamWaitEvent(stream, event, 0) on raw handles."""
+    _check(lib().cudaStreamWaitEvent(stream or None, event, 0), "cudaStreamWaitEvent")
 
 
 def launch_host_func(stream: int, fn_addr: int, user_data: int) -> None:

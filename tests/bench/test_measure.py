@@ -68,7 +68,14 @@ def test_gpu_run_with_timeline_splits_the_layerwise_request():
         assert m.tiers == {tier: 2} and m.max_abs_diff == 0.0, name
     lw = r.get("cpu_hit_layerwise", 256)
     t = lw.timeline()
-    assert min(t.values()) >= 0 and len(lw.probes.timelines[0].layer_ms) == s.model.num_layers
+    assert min(t[k] for k in ("issue_ms", "transfer_ms", "tail_ms")) >= 0
+    assert len(lw.probes.timelines[0].layer_ms) == s.model.num_layers
+    # The tail marks: every layer's release, and the host stamps in the order a request passes them.
+    assert len(lw.probes.timelines[0].release_lags()) == s.model.num_layers
+    order = ["host.signal_acquired", "host.copy0_issued", "host.all_issued", "host.prepare_end", "host.fill_end",
+             "host.replay_call",
+             "host.fetch_call", "host.collect_end"]
+    assert [t[k] for k in order] == sorted(t[k] for k in order)
     assert t["issue_ms"] + t["transfer_ms"] + t["tail_ms"] <= max(lw.wall.samples) * 1.01
     eager = r.get("torch_eager", 256)
     assert r.bounds[256].transfer_efficiency > 0 and eager.max_abs_diff < 0.05 * eager.reference_scale

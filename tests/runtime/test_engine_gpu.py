@@ -11,6 +11,7 @@ from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
 from layerflow.config import SignalMode, Config
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signals.native_post import ENV
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +64,14 @@ def gpu_hit(bf16_weights):
 @pytest.mark.parametrize("graph", [True, False])
 def test_cpu_hit_equals_gpu_hit_bitwise(bf16_weights, gpu_hit, signal, graph):
     got = _serve(bf16_weights, Tier.HOST, signal=signal, graph=graph)
+    for a, b in zip(got, gpu_hit):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_cpu_hit_equals_gpu_hit_bitwise_with_native_waitvalue_posts(bf16_weights, gpu_hit, graph, monkeypatch):
+    monkeypatch.setenv(ENV, "native")
+    got = _serve(bf16_weights, Tier.HOST, signal=SignalMode.WAITVALUE, graph=graph)
     for a, b in zip(got, gpu_hit):
         assert torch.equal(a, b)
 

@@ -17,6 +17,8 @@ that target with a stream write on the launch stream just before the graph launc
 the replay it aims: no host write can retarget a replay already queued. Onboardings are issued in order on one H2D
 stream and their posts in the same order on the posting stream, so a word >= this onboarding's epoch means this
 onboarding's layer landed.
+
+Posting goes through cuda.bindings or, with `LAYERFLOW_WAITVALUE_POST=native`, through ctypes (`native_post`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from layerflow.transfer import cuda_api
 from layerflow.config import SignalMode
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.signals.base import LayerSignals, SignalHandle
+from layerflow.transfer.signals.native_post import NativePoster, post_path
 
 _MASK = 0xFFFFFFFF
 _SPACING = 4  # int32s between device words: every word 16-byte aligned, so one Triton specialization serves all
@@ -72,6 +75,7 @@ class WaitValueSignals(LayerSignals):
 
     def __init__(self, num_layers: int, num_counters: int = 4, timeout_s: float = 10.0) -> None:
         require_cuda("signal mode 'waitvalue'")
+        post = post_path()
         super().__init__(num_layers, num_counters, timeout_s)
         self._words = torch.zeros(num_counters * num_layers, dtype=torch.int32, pin_memory=True)
         self._host = self._words.numpy()
@@ -85,9 +89,15 @@ class WaitValueSignals(LayerSignals):
         self._post_ops = [[[_write_op(self._words.data_ptr() + 4 * self._index(counter, layer)),
                             _write_op(self._device_word(layer).data_ptr())] for layer in range(num_layers)]
                           for counter in range(num_counters)]
-        self._target_op = [_write_op(self._device_word(num_layers).data_ptr())]
+        self._target_op_address = self._device_word(num_layers).data_ptr()
+        self._target_op = [_write_op(self._target_op_address)]
         self._post_stream: int | None = cuda_api.create_stream()
         self._copied = [[cuda_api.create_event() for _ in range(num_layers)] for _ in range(num_counters)]
+        # The ctypes path (native_post) takes raw handles and addresses, all computed here.
+        self._native = NativePoster(self._post_stream) if post == "native" else None
+        self._post_targets = [[(int(self._copied[counter][layer]), self.word_address_of(counter, layer),
+                                self._device_word(layer).data_ptr()) for layer in range(num_layers)]
+                              for counter in range(num_counters)]
         _wait_geq_kernel[(1,)](self._device_word(0), self._device_word(num_layers), num_warps=1)
         torch.cuda.synchronize()
 
@@ -97,7 +107,11 @@ class WaitValueSignals(LayerSignals):
 
     def word_address(self, handle: SignalHandle, layer: int) -> int:
         """Device-visible (UVA) address of `handle`'s word for `layer`."""
-        return self._words.data_ptr() + 4 * self._index(handle.counter_id, layer)
+        return self.word_address_of(handle.counter_id, layer)
+
+    def word_address_of(self, counter: int, layer: int) -> int:
+        """The same for a counter by its index."""
+        return self._words.data_ptr() + 4 * self._index(counter, layer)
 
     def capture_gpu_wait(self, layer: int, stream: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -107,7 +121,10 @@ class WaitValueSignals(LayerSignals):
 
     def prepare_replay(self, handle: SignalHandle | None, stream: int) -> None:
         target = self._global if handle is None else self._targets[handle.counter_id]
-        _write(stream, self._target_op, [target])
+        if self._native is not None:
+            self._native.write(stream, self._target_op_address, target)
+        else:
+            _write(stream, self._target_op, [target])
 
     def close(self) -> None:
         if self._post_stream is None:
@@ -136,6 +153,9 @@ class WaitValueSignals(LayerSignals):
         for layer in layers:
             if stream is None:
                 self._host[self._index(counter, layer)] = epoch - 2**32 if epoch >= 2**31 else epoch
+            elif self._native is not None:
+                event, word, capture = self._post_targets[counter][layer]
+                self._native.post(event, stream, ((word, epoch), (capture, target)))
             else:
                 copied = self._copied[counter][layer]
                 cuda_api.record(copied, stream)
