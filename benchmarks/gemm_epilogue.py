@@ -20,6 +20,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from layerflow.bench.clocks import event_times_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 
 
@@ -70,15 +71,8 @@ def time_us(fn, calls: int = 20, replays: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    times = event_times_ms(graph.replay, replays)
+    return sorted(times)[len(times) // 2] * 1e3 / calls
 
 
 TILINGS = [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4),

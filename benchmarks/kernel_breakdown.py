@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from layerflow.bench.clocks import event_times_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
@@ -45,15 +46,7 @@ def ceilings(device: torch.device) -> dict[str, float]:
     """Dense bf16 GEMM TFLOP/s (8192^3) and D2D copy TB/s (1 GiB), best of 10 each."""
     def best_ms(fn) -> float:
         fn()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return min(times)
+        return min(event_times_ms(fn, 10))
 
     n = 8192
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from layerflow.bench.clocks import event_times_ms
 from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
 from layerflow.kernels.fp8 import MMA_CHOICES, page_views, quantise
@@ -36,15 +37,7 @@ L2_FLUSH_BYTES = 256 << 20
 
 def median_ms(fn, iters: int) -> float:
     """Median over `iters` timed calls (CUDA events around each)."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(fn, iters))
 
 
 def graph_of(fn, *, warmup: int = 2) -> torch.cuda.CUDAGraph:

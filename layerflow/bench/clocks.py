@@ -73,3 +73,16 @@ class CudaClock(Clock):
 
     def device_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         return self.ms(start, end)
+
+
+def event_times_ms(fn: Callable[[], object], iters: int) -> list[float]:
+    """`iters` calls of `fn` on the current stream, each timed by a pair of CUDA events (ms each)."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
