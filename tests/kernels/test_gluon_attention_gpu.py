@@ -73,17 +73,18 @@ def test_other_tilings_compute_the_same(tiling):
     check(appended_batch([4096 + 64, 700], [64, 64], [256, 0], 128, torch.bfloat16), 128, torch.bfloat16, tiling)
 
 
-# The warp-specialised schedule at the tilings the H200 A/B times (two consumers, the TMA loader, both); the
+# The warp-specialised schedule at the tilings the H200 A/B times (the TMA loader, the overlapped dots, both); the
 # synchronous ones are above.
 VARIANTS = [GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"), GluonTiling(64, 2, "ws"),
-            GluonTiling(64, 2, "ws", block_m=128, consumers=2), GluonTiling(64, 2, "ws", loader="tma"),
-            GluonTiling(32, 4, "ws", loader="tma"), GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma"),
-            GluonTiling(64, 3, "ws", block_m=64, loader="tma")]
+            GluonTiling(64, 2, "ws", loader="tma"), GluonTiling(32, 4, "ws", loader="tma"),
+            GluonTiling(64, 3, "ws", block_m=64, loader="tma"), GluonTiling(32, 4, "ws", overlap=True),
+            GluonTiling(32, 4, "ws", loader="tma", overlap=True),
+            GluonTiling(64, 3, "ws", block_m=64, loader="tma", overlap=True)]
 
 
 def variant_id(tiling: GluonTiling) -> str:
-    options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["c2"] * (tiling.consumers == 2) + \
-        ["tma"] * (tiling.loader == "tma")
+    options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["tma"] * (tiling.loader == "tma") + \
+        ["ov"] * tiling.overlap
     return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 
