@@ -188,7 +188,7 @@ FP8_SWEEP = {
 }
 
 
-GLUON_OPTIONS = "m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots)"
+GLUON_OPTIONS = "m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU)"
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -212,6 +212,8 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["loader"] = "tma"
         elif word == "ov":
             options["overlap"] = True
+        elif word == "tanh":
+            options["tanh_silu"] = True
         else:
             raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: option {word!r} is not one of {GLUON_OPTIONS}")
     return GluonTiling(**options)
@@ -226,6 +228,8 @@ def gluon_label(tiling: dict) -> str:
         words.append("tma")
     if tiling.get("overlap"):
         words.append("ov")
+    if tiling.get("tanh_silu"):
+        words.append("tanh")
     return ":".join(words)
 
 

@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
-from layerflow.kernels.gluon_tiles import (_issue_tile, _query_rows, _row_bounds, _silu_of_seen, _store_partial,
+from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _store_partial,
                                            _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
@@ -54,6 +54,7 @@ class GluonTiling:
     `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >= block_n / 2)
     instead of every loader thread's cp.async, and `overlap` runs the dots as asynchronous wgmma, the next tile's
     Q K^T on the tensor cores during this tile's SiLU (needs stages >= 3: the consumer holds two slots).
+    `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any variant.
     """
 
     block_n: int = 32
@@ -62,6 +63,7 @@ class GluonTiling:
     block_m: int | None = None
     loader: str = "cp.async"
     overlap: bool = False
+    tanh_silu: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -88,7 +90,8 @@ def _gluon_attention_kernel(
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, num_splits, cache_desc,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
-    WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -153,7 +156,7 @@ def _gluon_attention_kernel(
         gl.warp_specialize([
             (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended, hist,
                             inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N,
-                            STAGES, OVERLAP, s_layout, o_layout, p_layout)),
+                            STAGES, OVERLAP, TANH, s_layout, o_layout, p_layout)),
             (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool, k_ptr,
                            v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES,
                            TMA)),
@@ -181,7 +184,7 @@ def _gluon_attention_kernel(
                         BLOCK_N, load_layout)
             k_tile = k_ring.index(tile % STAGES)
             s = warpgroup_mma(q_block, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
-            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             p = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
         async_copy.wait_group(0)
@@ -262,7 +265,8 @@ class GluonAttention:
         _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc, H=H, D=D, PAGE=PAGE,
                                       BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
-                                      TMA=t.loader == "tma", OVERLAP=t.overlap, num_warps=BLOCK_M // 16)
+                                      TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
+                                      num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -9,17 +9,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from layerflow.kernels.gluon_tiles import _issue_tile, _row_bounds, _silu_of_seen, _store_partial, _tile_pages
+from layerflow.kernels.gluon_tiles import _issue_tile, _masked_silu, _row_bounds, _store_partial, _tile_pages
 
 
 @gluon.jit
 def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended, hist, inv_n,
                  dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr, D: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                 TANH: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """The block's warps: both dots of each tile once the producer says it has landed, the slot back to the
     producer, then the block's partial. With OVERLAP the next tile's S = Q K^T runs on the tensor cores while this
-    tile's SiLU runs (_overlapped_tiles)."""
+    tile's SiLU runs (_overlapped_tiles); TANH picks the SiLU (_masked_silu)."""
     r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -27,14 +27,14 @@ def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, 
     if OVERLAP:
         if num_tiles > 0:           # a split past the block's last key has no tile to wait for
             acc = _overlapped_tiles(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
-                                    hist_end, key_cols, s_zero, acc, BLOCK_N, STAGES, p_layout)
+                                    hist_end, key_cols, s_zero, acc, BLOCK_N, STAGES, TANH, p_layout)
     else:
         for tile in range(num_tiles):
             slot = tile % STAGES
             mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
             fence_async_shared()
             s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
-            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             acc = warpgroup_mma(p, v_ring.index(slot), acc)
             gl.thread_barrier()
@@ -44,7 +44,8 @@ def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, 
 
 @gluon.jit
 def _overlapped_tiles(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end,
-                      key_cols, s_zero, acc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, p_layout: gl.constexpr):
+                      key_cols, s_zero, acc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TANH: gl.constexpr,
+                      p_layout: gl.constexpr):
     """The consumer's tile loop with asynchronous wgmma: tile t + 1's S is issued before tile t's SiLU and tile t's
     P V after it; both are waited for (P among the dependencies, its registers being an operand) before tile t's
     slot goes back. The consumer holds two slots while the producer fills the others (STAGES >= 3). The last
@@ -60,7 +61,7 @@ def _overlapped_tiles(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist,
         fence_async_shared()
         s_next = warpgroup_mma(q_smem, k_ring.index(ahead % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-        p = _silu_of_seen(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+        p = _masked_silu(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
         p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         acc = warpgroup_mma(p, v_ring.index(slot), acc, is_async=True)
         s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])

@@ -7,7 +7,7 @@ import torch
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import (GLUON_VARIANTS, KERNEL_ENV, GluonAttention, GluonTiling,
                                                default_gluon_tiling, select_kernel, shared_memory_bytes,
-                                               unsupported_reason)
+                                               tiling_reason, unsupported_reason)
 
 CPU = torch.device("cpu")
 
@@ -109,6 +109,11 @@ def test_the_tma_loader_is_refused_for_pages_shorter_than_half_a_tile():
     reason = unsupported_reason(CPU, torch.bfloat16, None, 256, 64, 0, 0, tma, page_size=16)
     assert reason is not None and "page_size=16" in reason
     assert "sm_90" in unsupported_reason(CPU, torch.bfloat16, None, 256, 64, 0, 0, tma, page_size=32)
+
+
+def test_the_tanh_silu_is_an_option_of_every_variant():
+    for tiling in (GluonTiling(64, 3, tanh_silu=True), GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True)):
+        assert tiling_reason(tiling) is None
 
 
 def test_the_query_block_is_the_tilings_own_else_the_tl_tilings():
