@@ -181,12 +181,13 @@ FP8_SWEEP = {
 }
 
 
-GLUON_OPTIONS = "m64 / m128 (query rows per program), c2 (two consumer warpgroups), tma (the TMA loader)"
+GLUON_OPTIONS = "m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU)"
 
 
 def gluon_tiling(text: str) -> GluonTiling:
     """'32x3' -> GluonTiling(block_n=32, stages=3); '64x2:ws' -> 64-key tiles two deep, variant 'ws';
-    '64x2:ws:m128:c2:tma' -> the same with 128-row query blocks, two consumers and the TMA loader."""
+    '64x3:ws:m64:tma:ov' -> 64-key tiles three deep with 64-row query blocks, the TMA loader and the next tile's
+    Q K^T overlapping this tile's SiLU."""
     shape, *words = text.split(":")
     usage = f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT][:OPTION...], e.g. 32x3 or 64x2:ws:tma"
     try:
@@ -200,10 +201,12 @@ def gluon_tiling(text: str) -> GluonTiling:
     for word in words:
         if word in ("m64", "m128"):
             options["block_m"] = int(word[1:])
-        elif word == "c2":
-            options["consumers"] = 2
         elif word == "tma":
             options["loader"] = "tma"
+        elif word == "ov":
+            options["overlap"] = True
+        elif word == "tanh":
+            options["tanh_silu"] = True
         else:
             raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: option {word!r} is not one of {GLUON_OPTIONS}")
     return GluonTiling(**options)
@@ -214,10 +217,12 @@ def gluon_label(tiling: dict) -> str:
     words = [f"gluon {tiling['block_n']}x{tiling['stages']}", tiling.get("variant", "sync")]
     if tiling.get("block_m"):
         words.append(f"m{tiling['block_m']}")
-    if tiling.get("consumers", 1) == 2:
-        words.append("c2")
     if tiling.get("loader") == "tma":
         words.append("tma")
+    if tiling.get("overlap"):
+        words.append("ov")
+    if tiling.get("tanh_silu"):
+        words.append("tanh")
     return ":".join(words)
 
 

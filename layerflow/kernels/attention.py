@@ -291,7 +291,7 @@ class PagedAttention:
         self.constant_inv_n = torch.full((1,), 1.0 / max_seq_len, dtype=torch.float32, device=self.device)
         tiling = tiling or default_tiling(head_dim, dtype, triton.cdiv(max_tokens, max_batch))
         self.gluon = select_kernel(kernel, self.device, dtype, kv_dtype, head_dim, tiling.block_m, mask.max_attn_len,
-                                   mask.contextual_len, gluon_tiling)
+                                   mask.contextual_len, gluon_tiling, page_size=page_size)
         self.block_m = self.gluon.tiling.query_block(tiling.block_m) if self.gluon else tiling.block_m
         self.tiling, self.num_splits = tiling, tiling.num_splits or self._pick_splits(tiling)
         if not 1 <= self.num_splits <= MAX_SPLITS:

@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
-from layerflow.kernels.gluon_tiles import (_issue_tile, _query_rows, _row_bounds, _silu_of_seen, _store_partial,
+from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _store_partial,
                                            _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
@@ -36,12 +36,9 @@ GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 GLUON_VARIANTS = ("sync", "ws")
 GLUON_LOADERS = ("cp.async", "tma")
-# The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup); with two
-# consumers the second one's registers (its [64, D] fp32 accumulator alone takes 128 per thread), the first taking
-# what is left of the SM's 64K.
+# The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
 PRODUCER_REGISTERS = gl.constexpr(64)
-CONSUMER_REGISTERS = gl.constexpr(224)
 
 
 @dataclass(frozen=True)
@@ -54,28 +51,32 @@ class GluonTiling:
       per slot), the block's warps only wait for tiles and run the dots.
 
     `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "ws",
-    `consumers` 2 gives each half of a 128-row block its own warpgroup partition, so one half's SiLU overlaps the
-    other's products, and `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs
-    page_size >= block_n / 2) instead of every loader thread's cp.async.
+    `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >= block_n / 2)
+    instead of every loader thread's cp.async, and `overlap` runs the dots as asynchronous wgmma, the next tile's
+    Q K^T on the tensor cores during this tile's SiLU (needs stages >= 3: the consumer holds two slots).
+    `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any variant.
     """
 
     block_n: int = 32
     stages: int = 3
     variant: str = "sync"
     block_m: int | None = None
-    consumers: int = 1
     loader: str = "cp.async"
+    overlap: bool = False
+    tanh_silu: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
         return self.block_m or tl_block_m
 
 
-def default_gluon_tiling(head_dim: int) -> GluonTiling:
-    """D=256: 64-key tiles two deep, warp-specialised (the H200's fastest at 16K with 0 and 256 candidates,
-    docs/performance.md); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise)."""
+def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTiling:
+    """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys (the H200's
+    fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed to); smaller heads:
+    64-key tiles three deep, synchronous (not yet measured otherwise)."""
     if head_dim == 256:
-        return GluonTiling(block_n=64, stages=2, variant="ws")
+        tma = page_size is None or 2 * page_size >= 64
+        return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async")
     return GluonTiling(block_n=64, stages=3)
 
 
@@ -89,7 +90,8 @@ def _gluon_attention_kernel(
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, num_splits, cache_desc,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
-    WARP_SPECIALIZE: gl.constexpr, CONSUMERS: gl.constexpr, TMA: gl.constexpr, num_warps: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -107,8 +109,6 @@ def _gluon_attention_kernel(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # Each consumer warpgroup set (CONSUMERS of them under "ws") owns ROWS_M consecutive rows of the block.
-    ROWS_M: gl.constexpr = BLOCK_M // CONSUMERS
 
     q_start = gl.load(q_offsets_ptr + user)
     q_len = gl.load(q_offsets_ptr + user + 1) - q_start
@@ -126,9 +126,9 @@ def _gluon_attention_kernel(
     num_self = gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
     num_tiles = num_hist + num_self
 
-    # The query block, once, into shared memory (wgmma's A operand), one buffer per consumer.
-    q_first = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout,
-                                        _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, ROWS_M,
+    # The query block, once, into shared memory (wgmma's A operand).
+    q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
+                                        _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
                                                     load_layout))
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
@@ -140,45 +140,27 @@ def _gluon_attention_kernel(
     else:
         inv_n = gl.load(inv_n_ptr)
     if WARP_SPECIALIZE:
-        # ready[s]: slot s holds its tile (the producer's copies landed); empty[s]: every consumer is done with it.
+        # ready[s]: slot s holds its tile (the producer's copies landed); empty[s]: the consumer is done with it.
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for t in gl.static_range(STAGES):
             mbarrier.init(ready.index(t), count=1)
-            mbarrier.init(empty.index(t), count=CONSUMERS)
+            mbarrier.init(empty.index(t), count=1)
         # What the loader reads whole history tiles through: the TMA descriptor, else the head's pointer (unused).
         if TMA:
             pool = cache_desc
         else:
             pool = cache_h
-        if CONSUMERS == 1:
-            fence_async_shared()
-            gl.thread_barrier()
-            gl.warp_specialize([
-                (_ws_consumer, (q_first, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
-                                hist, inv_n, dst_ptr, split, split_stride, q_start, row0, 0, q_len, head, H, D,
-                                ROWS_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
-                (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
-                               k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
-                               BLOCK_N, STAGES, TMA)),
-            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
-        else:
-            q_second = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout,
-                                                 _query_rows(q_ptr, q_stride, q_start, row0 + ROWS_M, q_len, head,
-                                                             D, ROWS_M, load_layout))
-            fence_async_shared()
-            gl.thread_barrier()
-            gl.warp_specialize([
-                (_ws_consumer, (q_first, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
-                                hist, inv_n, dst_ptr, split, split_stride, q_start, row0, 0, q_len, head, H, D,
-                                ROWS_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
-                (_ws_consumer, (q_second, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha,
-                                appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0, ROWS_M, q_len,
-                                head, H, D, ROWS_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
-                (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
-                               k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
-                               BLOCK_N, STAGES, TMA)),
-            ], [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended, hist,
+                            inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N,
+                            STAGES, OVERLAP, TANH, s_layout, o_layout, p_layout)),
+            (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool, k_ptr,
+                           v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES,
+                           TMA)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         # Which keys each row sees (_row_bounds), for the whole block.
         r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
@@ -201,8 +183,8 @@ def _gluon_attention_kernel(
                         hi, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
                         BLOCK_N, load_layout)
             k_tile = k_ring.index(tile % STAGES)
-            s = warpgroup_mma(q_first, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
-            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            s = warpgroup_mma(q_block, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
+            p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             p = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p, v_ring.index(tile % STAGES), acc)
         async_copy.wait_group(0)
@@ -221,16 +203,19 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: block_n must be 32 or 64 and stages >= 2"
     if tiling.variant not in GLUON_VARIANTS:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
-    if tiling.block_m not in (None, 64, 128) or tiling.consumers not in (1, 2) or tiling.loader not in GLUON_LOADERS:
-        return f"{tiling}: block_m must be None, 64 or 128, consumers 1 or 2, loader one of {GLUON_LOADERS}"
-    if (tiling.consumers == 2 or tiling.loader == "tma") and tiling.variant != "ws":
-        return f"{tiling}: two consumers and the TMA loader need variant 'ws'"
+    if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
+        return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
+    if (tiling.overlap or tiling.loader == "tma") and tiling.variant != "ws":
+        return f"{tiling}: overlap and the TMA loader need variant 'ws'"
+    if tiling.overlap and tiling.stages < 3:
+        return f"{tiling}: overlap needs stages >= 3 (the consumer holds two slots)"
     return None
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int,
-                       block_m: int, window: int, contextual: int, tiling: GluonTiling) -> str | None:
-    """Why the Gluon kernel cannot serve this attention (None when it can)."""
+                       block_m: int, window: int, contextual: int, tiling: GluonTiling,
+                       page_size: int | None = None) -> str | None:
+    """Why the Gluon kernel cannot serve this attention (None when it can; page_size None: not checked)."""
     if dtype not in GLUON_DTYPES or kv_dtype is not None:
         return f"dtype={dtype}, kv_dtype={kv_dtype}: the Gluon kernel needs a bf16/fp16 cache"
     if window or contextual:
@@ -241,8 +226,8 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch
     block_m = tiling.query_block(block_m)
     if block_m not in (64, 128) or head_dim not in (64, 128, 256):
         return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
-    if tiling.consumers == 2 and block_m != 128:
-        return f"{tiling} at block_m={block_m}: two consumers need a 128-row query block"
+    if tiling.loader == "tma" and page_size is not None and 2 * page_size < tiling.block_n:
+        return f"{tiling} at page_size={page_size}: the TMA loader needs page_size >= block_n / 2"
     if shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
         return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
@@ -280,13 +265,13 @@ class GluonAttention:
         _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc, H=H, D=D, PAGE=PAGE,
                                       BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
-                                      CONSUMERS=t.consumers, TMA=t.loader == "tma",
-                                      num_warps=BLOCK_M // 16 // t.consumers)
+                                      TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
+                                      num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,
                   head_dim: int, block_m: int, window: int, contextual: int,
-                  tiling: GluonTiling | None = None) -> GluonAttention | None:
+                  tiling: GluonTiling | None = None, page_size: int | None = None) -> GluonAttention | None:
     """The Gluon launcher, or None for the `tl` kernel.
 
     `choice` (else the LAYERFLOW_ATTENTION_KERNEL variable, else "auto"): "auto" takes Gluon where it can run,
@@ -299,8 +284,8 @@ def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, 
         return None
     if kv_dtype is not None:
         return select_fp8_kernel(choice, device, dtype, kv_dtype, head_dim, block_m, window, contextual)
-    tiling = tiling or default_gluon_tiling(head_dim)
-    reason = unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
+    tiling = tiling or default_gluon_tiling(head_dim, page_size)
+    reason = unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, page_size)
     if reason is None:
         return GluonAttention(tiling)
     if choice == "gluon":

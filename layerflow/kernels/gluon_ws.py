@@ -1,47 +1,73 @@
 """The warp-specialised schedule of the Gluon attention kernel (GluonTiling variant "ws"): a loader warpgroup copies
-each tile into the next free ring slot and one or two consumer warpgroup sets run both dots on their rows of the
-block, handing slots back and forth through two mbarriers per slot (ready: the tile landed; empty: every consumer is
-done with it). Two consumers own half the block each, so one's SiLU runs while the other's products use the tensor
-cores. The loader moves history tiles by cp.async (every thread, masked rows zeroed) or, with TMA, whole tiles by
-bulk tensor copies of page boxes (one thread, mbarrier expect-tx), the ragged last tile and self tiles by cp.async."""
+each tile into the next free ring slot and the block's warps run both dots, handing slots back and forth through two
+mbarriers per slot (ready: the tile landed; empty: the consumer is done with it). The loader moves history tiles by
+cp.async (every thread, masked rows zeroed) or, with TMA, whole tiles by bulk tensor copies of page boxes (one
+thread, mbarrier expect-tx), the ragged last tile and self tiles by cp.async."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma)
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
-from layerflow.kernels.gluon_tiles import _issue_tile, _row_bounds, _silu_of_seen, _store_partial, _tile_pages
+from layerflow.kernels.gluon_tiles import _issue_tile, _masked_silu, _row_bounds, _store_partial, _tile_pages
 
 
 @gluon.jit
 def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended, hist, inv_n,
-                 dst_ptr, split, split_stride, q_start, row0, first_row: gl.constexpr, q_len, head, H: gl.constexpr,
-                 D: gl.constexpr, ROWS_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """One consumer: rows first_row .. first_row + ROWS_M of the block (query rows in q_smem). Both dots of each
-    tile once the producer says it has landed, the slot back to the producer, then those rows' partial. A consumer
-    whose rows are all past the user's queries only hands the slots back."""
-    if row0 + first_row < q_len:
-        r, self_end, hist_end = _row_bounds(first_row, ROWS_M, row0, q_len, appended, hist, hi, s_layout)
-        key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([ROWS_M, BLOCK_N], gl.float32, s_layout)
-        acc = gl.zeros([ROWS_M, D], gl.float32, o_layout)
+                 dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr, D: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                 TANH: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """The block's warps: both dots of each tile once the producer says it has landed, the slot back to the
+    producer, then the block's partial. With OVERLAP the next tile's S = Q K^T runs on the tensor cores while this
+    tile's SiLU runs (_overlapped_tiles); TANH picks the SiLU (_masked_silu)."""
+    r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
+    key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    if OVERLAP:
+        if num_tiles > 0:           # a split past the block's last key has no tile to wait for
+            acc = _overlapped_tiles(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
+                                    hist_end, key_cols, s_zero, acc, BLOCK_N, STAGES, TANH, p_layout)
+    else:
         for tile in range(num_tiles):
             slot = tile % STAGES
             mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
             fence_async_shared()
             s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
-            p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+            p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             acc = warpgroup_mma(p, v_ring.index(slot), acc)
             gl.thread_barrier()
             mbarrier.arrive(empty.index(slot), count=1)
-        _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0 + first_row, q_len, head, H, D,
-                       ROWS_M, o_layout)
-    else:
-        for tile in range(num_tiles):
-            mbarrier.wait(ready.index(tile % STAGES), (tile // STAGES) & 1)
-            mbarrier.arrive(empty.index(tile % STAGES), count=1)
+    _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
+
+
+@gluon.jit
+def _overlapped_tiles(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end,
+                      key_cols, s_zero, acc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TANH: gl.constexpr,
+                      p_layout: gl.constexpr):
+    """The consumer's tile loop with asynchronous wgmma: tile t + 1's S is issued before tile t's SiLU and tile t's
+    P V after it; both are waited for (P among the dependencies, its registers being an operand) before tile t's
+    slot goes back. The consumer holds two slots while the producer fills the others (STAGES >= 3). The last
+    iteration issues its own S again (result unused) rather than wait for a tile that is never loaded. Returns the
+    accumulator."""
+    mbarrier.wait(ready.index(0), 0)
+    fence_async_shared()
+    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+    for tile in range(num_tiles):
+        slot = tile % STAGES
+        ahead = gl.minimum(tile + 1, num_tiles - 1)
+        mbarrier.wait(ready.index(ahead % STAGES), (ahead // STAGES) & 1)
+        fence_async_shared()
+        s_next = warpgroup_mma(q_smem, k_ring.index(ahead % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        p = _masked_silu(s * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p, v_ring.index(slot), acc, is_async=True)
+        s, acc, p = warpgroup_mma_wait(0, deps=[s_next, acc, p])
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)
+    return acc
 
 
 @gluon.jit

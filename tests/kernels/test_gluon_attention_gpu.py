@@ -73,23 +73,33 @@ def test_other_tilings_compute_the_same(tiling):
     check(appended_batch([4096 + 64, 700], [64, 64], [256, 0], 128, torch.bfloat16), 128, torch.bfloat16, tiling)
 
 
-# The warp-specialised schedule at the tilings the H200 A/B times (two consumers, the TMA loader, both); the
-# synchronous ones are above.
+# The warp-specialised schedule at the tilings the H200 A/B times (the TMA loader, the overlapped dots, the tanh
+# SiLU); the synchronous ones are above.
 VARIANTS = [GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"), GluonTiling(64, 2, "ws"),
-            GluonTiling(64, 2, "ws", block_m=128, consumers=2), GluonTiling(64, 2, "ws", loader="tma"),
-            GluonTiling(32, 4, "ws", loader="tma"), GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma"),
-            GluonTiling(64, 3, "ws", block_m=64, loader="tma")]
+            GluonTiling(64, 2, "ws", loader="tma"), GluonTiling(32, 4, "ws", loader="tma"),
+            GluonTiling(64, 3, "ws", block_m=64, loader="tma"), GluonTiling(32, 4, "ws", overlap=True),
+            GluonTiling(32, 4, "ws", loader="tma", overlap=True),
+            GluonTiling(64, 3, "ws", block_m=64, loader="tma", overlap=True),
+            GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True),
+            GluonTiling(32, 4, "ws", loader="tma", overlap=True, tanh_silu=True)]
 
 
 def variant_id(tiling: GluonTiling) -> str:
-    options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["c2"] * (tiling.consumers == 2) + \
-        ["tma"] * (tiling.loader == "tma")
+    options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["tma"] * (tiling.loader == "tma") + \
+        ["ov"] * tiling.overlap + ["tanh"] * tiling.tanh_silu
     return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 
 @pytest.mark.parametrize("tiling", VARIANTS, ids=variant_id)
 def test_variants_match_tl_and_reference_on_a_small_batch(tiling):
     check(appended_batch(*SMALL, 256, torch.bfloat16), 256, torch.bfloat16, tiling)
+
+
+def test_the_tanh_silu_holds_the_fp16_tolerance():
+    """tanh.approx's ~2^-11 relative error against fp16's tighter bound, synchronous and warp-specialised."""
+    batch = appended_batch(*SMALL, 128, torch.float16)
+    for tiling in (GluonTiling(64, 3, tanh_silu=True), GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True)):
+        check(batch, 128, torch.float16, tiling)
 
 
 @pytest.mark.parametrize("users", [1, 8], ids=["bs1", "bs8"])

@@ -7,7 +7,7 @@ import torch
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import (GLUON_VARIANTS, KERNEL_ENV, GluonAttention, GluonTiling,
                                                default_gluon_tiling, select_kernel, shared_memory_bytes,
-                                               unsupported_reason)
+                                               tiling_reason, unsupported_reason)
 
 CPU = torch.device("cpu")
 
@@ -27,17 +27,15 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="pingpong"), "variant"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="async"), "variant"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_m=32), "block_m must be"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", consumers=3), "consumers 1 or 2"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", loader="dma"), "loader one of"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(consumers=2), "need variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "need variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 2, "ws", overlap=True), "stages >= 3"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "need variant 'ws'"),
-    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 2, "ws", consumers=2), "128-row query block"),
-    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 2, "ws", block_m=64, consumers=2), "128-row"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(block_n=64, stages=3, block_m=128), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 3, "ws", loader="tma"), "sm_90"),
-    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 2, "ws", block_m=128, consumers=2, loader="tma"), "sm_90"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(32, 4, "ws", loader="tma", overlap=True), "sm_90"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
                                                         tiling, words):
@@ -99,9 +97,23 @@ def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
 
 
-def test_the_default_for_256_wide_heads_is_the_warp_specialised_64x2():
-    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws")
+def test_the_default_for_256_wide_heads_is_the_warp_specialised_64x2_with_tma_where_pages_allow():
+    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws", loader="tma")
+    assert default_gluon_tiling(256, page_size=32).loader == "tma"
+    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="ws")
     assert default_gluon_tiling(128).variant == "sync"
+
+
+def test_the_tma_loader_is_refused_for_pages_shorter_than_half_a_tile():
+    tma = GluonTiling(64, 2, "ws", loader="tma")
+    reason = unsupported_reason(CPU, torch.bfloat16, None, 256, 64, 0, 0, tma, page_size=16)
+    assert reason is not None and "page_size=16" in reason
+    assert "sm_90" in unsupported_reason(CPU, torch.bfloat16, None, 256, 64, 0, 0, tma, page_size=32)
+
+
+def test_the_tanh_silu_is_an_option_of_every_variant():
+    for tiling in (GluonTiling(64, 3, tanh_silu=True), GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True)):
+        assert tiling_reason(tiling) is None
 
 
 def test_the_query_block_is_the_tilings_own_else_the_tl_tilings():
