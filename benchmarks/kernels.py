@@ -12,6 +12,7 @@ random values quantised by the cache's rule, and the KV bytes counted are those 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -27,7 +28,7 @@ from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
 from layerflow.kernels.fp8 import MMA_CHOICES, page_views, quantise
 from layerflow.kernels.gluon_attention import GLUON_VARIANTS, KERNEL_CHOICES, GluonTiling
-from layerflow.kernels.gluon_fp8 import Fp8Tiling, GluonFp8Attention
+from layerflow.kernels.gluon_fp8 import LOADER_WARPS, SCALE_COPIES, GluonFp8Attention
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 from layerflow.tier.layout import KV_CACHE_DTYPES, fp8_scale_rows
 
@@ -77,7 +78,8 @@ class Case:
 
     def __init__(self, batch: int, history: int, candidates: int, head_dim: int, page_size: int,
                  tiling: AttentionTiling | None, kv_dtype: torch.dtype | None = None, kernel: str = "auto",
-                 gluon_tiling: GluonTiling | None = None, fp8_mma: str = "model") -> None:
+                 gluon_tiling: GluonTiling | None = None, fp8_mma: str = "model",
+                 fp8_knobs: dict | None = None) -> None:
         self.batch, self.history, self.candidates, self.head_dim = batch, history, candidates, head_dim
         self.kv_dtype = kv_dtype
         self.hist_len = history + APPENDED
@@ -101,9 +103,11 @@ class Case:
         self.attn = PagedAttention(batch, tokens, pages, HEADS, head_dim, page_size, DTYPE, dev, head_dim ** -0.5,
                                    16384 + 512, tiling=tiling, kv_dtype=kv_dtype, kernel=kernel,
                                    fp8_mma=fp8_mma, gluon_tiling=gluon_tiling if kv_dtype is None else None)
-        if gluon_tiling is not None and kv_dtype is not None and self.attn.gluon is not None:
-            self.attn.gluon = GluonFp8Attention(Fp8Tiling(block_n=gluon_tiling.block_n, stages=gluon_tiling.stages,
-                                                          variant=gluon_tiling.variant))
+        knobs = dict(fp8_knobs or {})
+        if gluon_tiling is not None:
+            knobs.update(block_n=gluon_tiling.block_n, stages=gluon_tiling.stages)
+        if knobs and kv_dtype is not None and self.attn.gluon is not None:
+            self.attn.gluon = GluonFp8Attention(replace(self.attn.gluon.tiling, **knobs))
 
     def run(self, rotation: int) -> None:
         self.attn.run(self.q, self.k, self.v, self.pool, self.tables[rotation], self.offsets, self.hist_lens,
@@ -214,7 +218,10 @@ def gluon_tiling(text: str) -> GluonTiling:
 
 def gluon_label(tiling: dict) -> str:
     """A results row's Gluon tiling as the --gluon-tiling text that selects it."""
-    words = [f"gluon {tiling['block_n']}x{tiling['stages']}", tiling.get("variant", "sync")]
+    words = [f"gluon {tiling['block_n']}x{tiling['stages']}"]
+    if "scale_copy" in tiling:      # the fp8 kernel's knobs (gluon_fp8.Fp8Tiling)
+        return ":".join(words + [f"c{tiling['code_stages']}", tiling["scale_copy"], f"w{tiling['producer_warps']}"])
+    words.append(tiling.get("variant", "sync"))
     if tiling.get("block_m"):
         words.append(f"m{tiling['block_m']}")
     if tiling.get("loader") == "tma":
@@ -228,12 +235,12 @@ def gluon_label(tiling: dict) -> str:
 
 def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: argparse.Namespace,
                tiling: AttentionTiling | None, kernel: str, g_tiling: GluonTiling | None, fp8_mma: str,
-               copy_bw: float) -> dict:
+               copy_bw: float, fp8_knobs: dict | None = None) -> dict:
     """One timed row, or the failure (with its traceback printed) as the row: a kernel that does not compile on
     this GPU is a result too."""
     try:
         case = Case(batch, history, candidates, head_dim, args.page_size, tiling, KV_CACHE_DTYPES[args.kv_cache_dtype],
-                    kernel, g_tiling, fp8_mma)
+                    kernel, g_tiling, fp8_mma, fp8_knobs)
         row = attention_row(case, copy_bw, args.iters, not args.no_reference)
         print(markdown([row]).splitlines()[-1], flush=True)
     except Exception as error:
@@ -244,6 +251,12 @@ def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: a
         print(f"# {kernel} {g_tiling}: {type(error).__name__}", flush=True)
     torch.cuda.empty_cache()
     return row
+
+
+def fp8_knobs(scale_copy: str | None, code_stages: int | None, producer_warps: int | None) -> dict:
+    """The Fp8Tiling fields the command line sets (the library's default for the others)."""
+    knobs = dict(scale_copy=scale_copy, code_stages=code_stages, producer_warps=producer_warps)
+    return {name: value for name, value in knobs.items() if value is not None}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -279,7 +292,14 @@ def main() -> None:
                         help="attention kernel(s) to time (PagedAttention's kernel argument)")
     parser.add_argument("--gluon-tiling", nargs="+", type=gluon_tiling, default=[None],
                         help="Gluon tilings KEYSxSTAGES[:VARIANT] to time with --kernel gluon (default: the "
-                             "library's; over fp8 pages the variant is 'ws' or 'sync' of gluon_fp8.Fp8Tiling)")
+                             "library's; over fp8 pages only KEYSxSTAGES applies)")
+    parser.add_argument("--fp8-scale-copy", nargs="+", choices=SCALE_COPIES, default=[None],
+                        help="scale copies of the fp8 Gluon kernel to time (default: $LAYERFLOW_FP8_SCALE_COPY, "
+                             "else load)")
+    parser.add_argument("--fp8-code-stages", type=int, nargs="+", default=[None],
+                        help="code slots in flight of the fp8 Gluon kernel to time (default: the library's)")
+    parser.add_argument("--fp8-producer-warps", type=int, nargs="+", choices=LOADER_WARPS, default=[None],
+                        help="loader warps of the fp8 Gluon kernel to time (8: 64-row query blocks only)")
     parser.add_argument("--num-splits", type=int, nargs="+", default=[None],
                         help="split counts to time (default: PagedAttention's choice)")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
@@ -334,12 +354,16 @@ def main() -> None:
         for bs in args.batch:
             for cand in args.candidates:
                 for hist, kernel, mma in ((h, k, a) for h in args.history for k in args.kernel for a in args.fp8_mma):
-                    for g_tiling, splits in ((g, n) for g in (args.gluon_tiling if kernel == "gluon" else [None])
-                                             for n in args.num_splits):
+                    fp8_gluon = kernel == "gluon" and kv_dtype is not None
+                    fp8_sets = (list(itertools.product(args.fp8_scale_copy, args.fp8_code_stages,
+                                                       args.fp8_producer_warps)) if fp8_gluon else [(None, None, None)])
+                    for g_tiling, splits, knobs in ((g, n, fp8_knobs(*f)) for g in (args.gluon_tiling if
+                                                    kernel == "gluon" else [None]) for n in args.num_splits
+                                                    for f in fp8_sets):
                         tiling = chosen.get((d, cand))
                         if splits is not None:
                             tiling = replace(tiling or default_tiling(d, DTYPE, APPENDED + cand), num_splits=splits)
-                        row = kernel_row(bs, hist, cand, d, args, tiling, kernel, g_tiling, mma, copy_bw)
+                        row = kernel_row(bs, hist, cand, d, args, tiling, kernel, g_tiling, mma, copy_bw, knobs)
                         result["rows"].append(row)
                         save()
                 torch.cuda.empty_cache()

@@ -7,59 +7,73 @@ Numerics are the `tl` kernel's "model" fp8 path (layerflow.kernels.fp8): every f
 scale is a power of two, so code * 2^k in the tile gives the products the `tl` kernel forms by scaling q.k and the
 weights instead (bf16(p) * code * 2^kv == bf16(p * 2^kv) * code); only the order of the fp32 sums differs.
 
-Scale bytes are loaded with the tile's copies, held in registers for one iteration and only then stored into a
-small scale ring, so no thread waits on their load. Schedules (Fp8Tiling.variant):
-- "ws": a loader warpgroup issues the copies, decodes each landed tile into the next free slot of a bf16 ring and
-  signals it (mbarriers ready/empty per slot); the block's warps only run the dots, so decoding overlaps them;
-- "sync": the block's warps decode each landed tile into one bf16 tile themselves, then run the dots.
+A loader warpgroup issues the copies, decodes each landed tile into the next free slot of a bf16 ring and signals
+it (mbarriers ready/empty per slot); the block's warps only run the dots, so decoding overlaps them. How a tile's
+scale bytes reach the scale ring (Fp8Tiling.scale_copy, else $LAYERFLOW_FP8_SCALE_COPY):
+- "load": loaded into registers with the tile's copies and stored into the ring an iteration later;
+- "async": the 4-byte words holding them are copied by cp.async in the tile's own copy group, so the loader never
+  waits on a register load of bytes from HBM (it did once per tile with "load").
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile, _start_codes,
                                               _tile_dots)
 from layerflow.kernels.gluon_tiles import _store_partial, _user_block
 from layerflow.tier.layout import FP8_DTYPES
 
-FP8_VARIANTS = ("sync", "ws")
+SCALE_COPIES = ("load", "async")
+SCALE_COPY_ENV = "LAYERFLOW_FP8_SCALE_COPY"
+# "load" is the path the H200 has proven; "async" becomes the default once it shows it correct and faster.
+DEFAULT_SCALE_COPY = "load"
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-# `auto` keeps the `tl` kernel for fp8 caches until the H200 shows this kernel is correct and faster there.
-AUTO_TAKES_FP8 = False
-PRODUCER_WARPS = gl.constexpr(4)
+# The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
+AUTO_TAKES_FP8 = True
+LOADER_WARPS = (4, 8)
+MAX_WARPS = 12
+# One loader warpgroup is the proven path; 8 (two, sharing the decode) only fits beside 64-row query blocks.
+LOADER_WARPS_AT_M64 = 4
 
 
 @dataclass(frozen=True)
 class Fp8Tiling:
-    """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read ("ws": a ring of `stages`;
-    "sync": one), code slots in flight (`code_stages` >= 3: the scale bytes of a tile reach the scale ring an
-    iteration after its copies are issued), the schedule, and the loader warpgroup's registers ("ws")."""
+    """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read, code slots in flight
+    (`code_stages` >= 3: with "load" the scale bytes of a tile reach the scale ring an iteration after its copies
+    are issued), how the scale bytes travel (SCALE_COPIES), and the loader's warps (one or two warpgroups share the
+    decode) and their registers each."""
 
     block_n: int = 32
     stages: int = 2
     code_stages: int = 4
-    variant: str = "ws"
+    scale_copy: str = DEFAULT_SCALE_COPY
     producer_registers: int = 96
+    producer_warps: int = 4
 
 
-def default_fp8_tiling(head_dim: int) -> Fp8Tiling:
-    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles."""
-    return Fp8Tiling(block_n=64 if head_dim <= 128 else 32)
+def default_fp8_tiling(head_dim: int, block_m: int = 128) -> Fp8Tiling:
+    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy of
+    $LAYERFLOW_FP8_SCALE_COPY (else DEFAULT_SCALE_COPY); LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
+    scale_copy = os.environ.get(SCALE_COPY_ENV) or DEFAULT_SCALE_COPY
+    if scale_copy not in SCALE_COPIES:
+        raise ValueError(f"${SCALE_COPY_ENV}={scale_copy!r}: expected one of {SCALE_COPIES}")
+    return Fp8Tiling(block_n=64 if head_dim <= 128 else 32, scale_copy=scale_copy,
+                     producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4)
 
 
 def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, itemsize: int = 2) -> int:
-    """Query block, bf16 K/V slots, K/V code slots and their fp32 scales, plus 16 KiB of layout-conversion slack."""
-    bf16_slots = tiling.stages if tiling.variant == "ws" else 1
+    """Query block, bf16 K/V slots, K/V code slots and their 4-byte scales, plus 16 KiB of layout-conversion slack."""
     tile_elements = 2 * tiling.block_n * head_dim
-    return (block_m * head_dim * itemsize + bf16_slots * tile_elements * itemsize
+    return (block_m * head_dim * itemsize + tiling.stages * tile_elements * itemsize
             + tiling.code_stages * (tile_elements + 2 * tiling.block_n * 4) + 16 * 1024)
 
 
@@ -67,10 +81,12 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
     """What is wrong with `tiling` on any shape (None when nothing is)."""
     if tiling.block_n not in (32, 64) or tiling.stages < 2 or tiling.code_stages < 3:
         return f"{tiling}: block_n must be 32 or 64, stages >= 2 and code_stages >= 3"
-    if tiling.variant not in FP8_VARIANTS:
-        return f"{tiling}: variant must be one of {FP8_VARIANTS}"
+    if tiling.scale_copy not in SCALE_COPIES:
+        return f"{tiling}: scale_copy must be one of {SCALE_COPIES} (field or ${SCALE_COPY_ENV})"
     if tiling.producer_registers % 8 or not 24 <= tiling.producer_registers <= 256:
         return f"{tiling}: producer_registers must be a multiple of 8 in [24, 256]"
+    if tiling.producer_warps not in LOADER_WARPS:
+        return f"{tiling}: producer_warps must be one of {LOADER_WARPS}"
     return None
 
 
@@ -86,6 +102,9 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
     reason = fp8_tiling_reason(tiling)
     if reason is not None:
         return reason
+    if block_m // 16 + tiling.producer_warps > MAX_WARPS:
+        return (f"{tiling} at block_m={block_m}: over {MAX_WARPS} warps (the dots' accumulators would not fit "
+                "the registers left per thread)")
     if fp8_shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
         return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
@@ -98,7 +117,7 @@ def _fp8_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo,
                   key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
                   D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """"ws" default partition: both dots of each tile once the loader says its slot is filled, the slot back to
+    """Default partition: both dots of each tile once the loader says its slot is filled, the slot back to
     the loader, then the block's partial."""
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -116,22 +135,23 @@ def _fp8_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo,
 def _fp8_producer(k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, empty, num_tiles, num_hist, lo, hi,
                   page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0,
                   H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CODE_STAGES: gl.constexpr, FILL_ROWS: gl.constexpr, FP8: gl.constexpr):
-    """"ws" loader partition: the code pipeline, and each landed tile decoded into the next free bf16 slot;
+                  STAGES: gl.constexpr, CODE_STAGES: gl.constexpr, FILL_ROWS: gl.constexpr, FP8: gl.constexpr,
+                  ASYNC_SCALES: gl.constexpr):
+    """Loader partition: the code pipeline, and each landed tile decoded into the next free bf16 slot;
     `ready` completes once every loader thread's stores are visible to the tensor cores."""
     layout: gl.constexpr = _code_layout(D, gl.num_warps())
     pages, k_bytes, v_bytes = _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row, cache_h,
-                                           scales_h, H, D, PAGE, ROWS, BLOCK_N, CODE_STAGES, layout)
+                                           scales_h, H, D, PAGE, ROWS, BLOCK_N, CODE_STAGES, ASYNC_SCALES, layout)
     for tile in range(num_tiles):
         pages, k_bytes, v_bytes = _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_scales,
                                                  num_hist, lo, hi, page_row, cache_h, scales_h, H, D, PAGE, ROWS,
-                                                 BLOCK_N, CODE_STAGES, layout)
+                                                 BLOCK_N, CODE_STAGES, ASYNC_SCALES, layout)
         slot = tile % STAGES
         code_slot = tile % CODE_STAGES
         mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
         _fill_tile(k_ring.index(slot), v_ring.index(slot), k_codes.index(code_slot), v_codes.index(code_slot),
                    k_scales.index(code_slot), v_scales.index(code_slot), tile, num_hist, k_ptr, v_ptr, k_stride,
-                   v_stride, q_start, q_len, head, row0, D, BLOCK_N, FILL_ROWS, FP8, layout)
+                   v_stride, q_start, q_len, head, row0, D, BLOCK_N, FILL_ROWS, FP8, ASYNC_SCALES, layout)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(slot), count=1)
@@ -143,8 +163,8 @@ def _gluon_fp8_kernel(
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
-    INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-    FILL_ROWS: gl.constexpr, PRODUCER_FILL_ROWS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
+    INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
+    FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
@@ -186,8 +206,10 @@ def _gluon_fp8_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
     k_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
     v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
-    k_scales = gl.allocate_shared_memory(gl.float32, [CODE_STAGES, BLOCK_N], scale_smem)
-    v_scales = gl.allocate_shared_memory(gl.float32, [CODE_STAGES, BLOCK_N], scale_smem)
+    # "async": each key's slot holds the int32 word its scale byte lies in; "load": the fp32 scale itself.
+    scale_dtype: gl.constexpr = gl.int32 if ASYNC_SCALES else gl.float32
+    k_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
+    v_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
 
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     j = row0 + r
@@ -202,46 +224,23 @@ def _gluon_fp8_kernel(
         inv_n = gl.load(inv_n_ptr + user)
     else:
         inv_n = gl.load(inv_n_ptr)
-    if WARP_SPECIALIZE:
-        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(STAGES):
-            mbarrier.init(ready.index(t), count=1)
-            mbarrier.init(empty.index(t), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-        gl.warp_specialize([
-            (_fp8_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
-                             hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H,
-                             D, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
-            (_fp8_producer, (k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, empty, num_tiles, num_hist,
-                             lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len,
-                             head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES, PRODUCER_FILL_ROWS, FP8)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
-    else:
-        k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D], smem_layout)
-        v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D], smem_layout)
-        pages, k_bytes, v_bytes = _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row,
-                                               cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, CODE_STAGES, layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-        for tile in range(num_tiles):
-            # Every warp is past the previous tile's dots (the barrier in _advance_codes) before k_tile is refilled.
-            pages, k_bytes, v_bytes = _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales,
-                                                     v_scales, num_hist, lo, hi, page_row, cache_h, scales_h, H, D,
-                                                     PAGE, ROWS, BLOCK_N, CODE_STAGES, layout)
-            code_slot = tile % CODE_STAGES
-            _fill_tile(k_tile, v_tile, k_codes.index(code_slot), v_codes.index(code_slot), k_scales.index(code_slot),
-                       v_scales.index(code_slot), tile, num_hist, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len,
-                       head, row0, D, BLOCK_N, FILL_ROWS, FP8, layout)
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = _tile_dots(q_smem, k_tile, v_tile, acc, s_zero, alpha, tile, num_hist, lo, r, self_end, hist_end,
-                             key_cols, BLOCK_N, p_layout)
-        async_copy.wait_group(0)
-        _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(STAGES):
+        mbarrier.init(ready.index(t), count=1)
+        mbarrier.init(empty.index(t), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize([
+        (_fp8_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
+                         hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D,
+                         BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
+        (_fp8_producer, (k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, empty, num_tiles, num_hist, lo,
+                         hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
+                         row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES, FILL_ROWS, FP8, ASYNC_SCALES)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
 def fill_rows(block_n: int, head_dim: int, warps: int) -> int:
@@ -270,23 +269,27 @@ class GluonFp8Attention:
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the fp8 Gluon kernel serves the "
                              "default mask over fp8 pages only")
         t = self.tiling
+        if t.scale_copy == "async" and PAGE % 4:
+            raise ValueError(f"PAGE={PAGE}: scale_copy='async' copies 4-byte words of scales, so pages must hold a "
+                             "multiple of 4 tokens")
         num_warps = BLOCK_M // 16
         _gluon_fp8_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M,
                                 BLOCK_N=t.block_n, STAGES=t.stages, CODE_STAGES=t.code_stages,
                                 INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, FP8=FP8,
-                                WARP_SPECIALIZE=t.variant == "ws", FILL_ROWS=fill_rows(t.block_n, D, num_warps),
-                                PRODUCER_FILL_ROWS=fill_rows(t.block_n, D, PRODUCER_WARPS.value),
-                                PRODUCER_REGISTERS=t.producer_registers, num_warps=num_warps)
+                                ASYNC_SCALES=t.scale_copy == "async",
+                                FILL_ROWS=fill_rows(t.block_n, D, t.producer_warps),
+                                PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
+                                num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
                       block_m: int, window: int, contextual: int,
                       tiling: Fp8Tiling | None = None) -> GluonFp8Attention | None:
     """The fp8 Gluon launcher for an fp8 cache, or None for the `tl` kernel: `choice` "gluon" insists (ValueError
-    naming why it cannot run), "auto" takes it only once AUTO_TAKES_FP8 says the H200 has shown it wins."""
+    naming why it cannot run), "auto" takes it where it can run while AUTO_TAKES_FP8 says it wins on the H200."""
     if choice not in ("auto", "gluon"):
         raise ValueError(f"kernel={choice!r}: expected 'auto' or 'gluon' (the caller handles 'triton')")
-    tiling = tiling or default_fp8_tiling(head_dim)
+    tiling = tiling or default_fp8_tiling(head_dim, block_m)
     reason = fp8_unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
     if reason is None and (choice == "gluon" or AUTO_TAKES_FP8):
         return GluonFp8Attention(tiling)

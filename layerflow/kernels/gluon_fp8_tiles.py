@@ -23,19 +23,27 @@ def _code_smem_layout(D):
 
 
 @gluon.jit
-def _issue_codes(k_codes, v_codes, tile, page, num_hist, lo, hi, cache_h, H: gl.constexpr, D: gl.constexpr,
-                 PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """Start copying the K and V codes of history tile `tile` (pages `page`) into a code slot and commit one group
-    (empty for tiles past the history, so there is one group per tile); keys at or past hi are zeroed."""
+def _issue_codes(k_codes, v_codes, k_words, v_words, tile, page, num_hist, lo, hi, cache_h, scales_h,
+                 H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
+    """Start copying the K and V codes of history tile `tile` (pages `page`) into a code slot, with ASYNC_SCALES
+    each key's scale word into (k_words, v_words), and commit one group (empty for tiles past the history, so there
+    is one group per tile); keys at or past hi are zeroed (codes and scale words)."""
     if tile < num_hist:
         rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
         n = lo + tile * BLOCK_N + rows
         key_ok = n < hi
-        row_at = page.to(gl.int64) * (2 * ROWS * H * D) + ((n % PAGE) * (H * D)).to(gl.int64)
-        ptrs = cache_h + row_at[:, None] + cols[None, :]
+        page_at = page.to(gl.int64) * (2 * ROWS * H * D)
+        ptrs = cache_h + (page_at + ((n % PAGE) * (H * D)).to(gl.int64))[:, None] + cols[None, :]
         async_copy.async_copy_global_to_shared(k_codes, ptrs, mask=key_ok[:, None])
         async_copy.async_copy_global_to_shared(v_codes, ptrs + ROWS * H * D, mask=key_ok[:, None])
+        if ASYNC_SCALES:
+            word_at = scales_h + page_at + (n % PAGE - n % 4)
+            async_copy.async_copy_global_to_shared(k_words, word_at.to(gl.pointer_type(gl.int32), bitcast=True),
+                                                   mask=key_ok)
+            async_copy.async_copy_global_to_shared(
+                v_words, (word_at + ROWS * H * D).to(gl.pointer_type(gl.int32), bitcast=True), mask=key_ok)
     async_copy.commit_group()
 
 
@@ -59,29 +67,42 @@ def _scale_of(scale_bytes):
 
 
 @gluon.jit
-def _decode_rows(dst, codes, scales, FP8: gl.constexpr, layout: gl.constexpr):
+def _row_scales(scales, ROWS_N: gl.constexpr, ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
+    """The fp32 scales of a slot's ROWS_N rows (the slice starts at a multiple of 4 rows): stored as they are, or
+    (ASYNC_SCALES) byte n % 4 of each key n's little-endian scale word; a zeroed word gives a scale of 0."""
+    if ASYNC_SCALES:
+        words = scales.load(gl.SliceLayout(1, layout))
+        shift = 8 * (gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, layout)) % 4)
+        return _scale_of((words >> shift) & 255)
+    else:
+        return scales.load(gl.SliceLayout(1, layout))
+
+
+@gluon.jit
+def _decode_rows(dst, codes, scales, ROWS_N: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
+                 layout: gl.constexpr):
     """dst = codes * scales (one scale per row) in dst's dtype; exact: a code times a power of two."""
     raw = codes.load(layout)
     if FP8 == 1:
         values = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     else:
         values = raw.to(gl.float8e5, bitcast=True).to(gl.float32)
-    dst.store((values * scales.load(gl.SliceLayout(1, layout))[:, None]).to(dst.dtype))
+    dst.store((values * _row_scales(scales, ROWS_N, ASYNC_SCALES, layout)[:, None]).to(dst.dtype))
 
 
 @gluon.jit
 def _fill_tile(k_dst, v_dst, k_codes, v_codes, k_scales, v_scales, tile, num_hist, k_ptr, v_ptr, k_stride, v_stride,
                q_start, q_len, head, row0, D: gl.constexpr, BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr,
-               FP8: gl.constexpr, layout: gl.constexpr):
+               FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
     """Tile `tile`'s K and V in the dots' dtype into (k_dst, v_dst), FILL_ROWS rows at a time (bounding the
     registers it takes): a history tile decoded from its landed code slot and scale slot, a self tile (past the
     history) the block's own K/V rows, zero past q_len."""
     if tile < num_hist:
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
             _decode_rows(k_dst.slice(c * FILL_ROWS, FILL_ROWS), k_codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FP8, layout)
+                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, layout)
             _decode_rows(v_dst.slice(c * FILL_ROWS, FILL_ROWS), v_codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         v_scales.slice(c * FILL_ROWS, FILL_ROWS), FP8, layout)
+                         v_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, layout)
     else:
         rows = gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
         head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
@@ -96,43 +117,62 @@ def _fill_tile(k_dst, v_dst, k_codes, v_codes, k_scales, v_scales, tile, num_his
 
 
 @gluon.jit
+def _store_scales(k_scales, v_scales, k_bytes, v_bytes):
+    """A tile's scale bytes (loaded a step earlier) into its scale slot as fp32 scales."""
+    k_scales.store(_scale_of(k_bytes))
+    v_scales.store(_scale_of(v_bytes))
+
+
+@gluon.jit
 def _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row, cache_h, scales_h,
                  H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CODE_STAGES: gl.constexpr, layout: gl.constexpr):
-    """The code pipeline's prologue: copies of tiles 0 .. CODE_STAGES - 2 issued, scales of all but the last of
-    them stored; returns (page ids of tile CODE_STAGES - 1, the last one's scale bytes, still in flight)."""
+                 CODE_STAGES: gl.constexpr, ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
+    """The code pipeline's prologue: copies of tiles 0 .. CODE_STAGES - 2 issued; without ASYNC_SCALES their scales
+    stored but the last one's. Returns (page ids of tile CODE_STAGES - 1, the last tile's scale bytes still in
+    flight; 127 placeholders with ASYNC_SCALES, where the scale words travel with the codes)."""
     for t in gl.static_range(CODE_STAGES - 1):
-        _issue_codes(k_codes.index(t), v_codes.index(t), t, _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, layout),
-                     num_hist, lo, hi, cache_h, H, D, PAGE, ROWS, BLOCK_N, layout)
-    for t in gl.static_range(CODE_STAGES - 2):
-        k_bytes, v_bytes = _load_scale_bytes(scales_h, t, _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, layout), lo,
-                                             hi, H, D, PAGE, ROWS, BLOCK_N, layout)
-        k_scales.index(t).store(_scale_of(k_bytes))
-        v_scales.index(t).store(_scale_of(v_bytes))
+        _issue_codes(k_codes.index(t), v_codes.index(t), k_scales.index(t), v_scales.index(t), t,
+                     _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, layout), num_hist, lo, hi, cache_h, scales_h, H,
+                     D, PAGE, ROWS, BLOCK_N, ASYNC_SCALES, layout)
     last: gl.constexpr = CODE_STAGES - 2
-    k_bytes, v_bytes = _load_scale_bytes(scales_h, last, _tile_pages(page_row, last, lo, hi, PAGE, BLOCK_N, layout),
-                                         lo, hi, H, D, PAGE, ROWS, BLOCK_N, layout)
+    if ASYNC_SCALES:
+        k_bytes = gl.full([BLOCK_N], 127, gl.int32, gl.SliceLayout(1, layout))
+        v_bytes = k_bytes
+    else:
+        for t in gl.static_range(CODE_STAGES - 2):
+            k_bytes, v_bytes = _load_scale_bytes(scales_h, t, _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N,
+                                                                          layout), lo, hi, H, D, PAGE, ROWS, BLOCK_N,
+                                                 layout)
+            _store_scales(k_scales.index(t), v_scales.index(t), k_bytes, v_bytes)
+        k_bytes, v_bytes = _load_scale_bytes(scales_h, last, _tile_pages(page_row, last, lo, hi, PAGE, BLOCK_N,
+                                                                         layout), lo, hi, H, D, PAGE, ROWS, BLOCK_N,
+                                             layout)
     return _tile_pages(page_row, CODE_STAGES - 1, lo, hi, PAGE, BLOCK_N, layout), k_bytes, v_bytes
 
 
 @gluon.jit
 def _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row,
                    cache_h, scales_h, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
-                   BLOCK_N: gl.constexpr, CODE_STAGES: gl.constexpr, layout: gl.constexpr):
-    """One step of the code pipeline at tile `tile`: issue the copies of tile + CODE_STAGES - 1 (pages `pages`)
-    and load its scale bytes, store the previous tile's (`k_bytes`, `v_bytes`, loaded a step ago), load the next
-    page ids, then wait until tile `tile`'s codes have landed for every thread of the partition. Returns the
-    carried (pages, k_bytes, v_bytes). A code or scale slot is refilled only after the tile it held was decoded."""
+                   BLOCK_N: gl.constexpr, CODE_STAGES: gl.constexpr, ASYNC_SCALES: gl.constexpr,
+                   layout: gl.constexpr):
+    """One step of the code pipeline at tile `tile`: issue the copies of tile + CODE_STAGES - 1 (pages `pages`);
+    without ASYNC_SCALES load its scale bytes and store the previous tile's (`k_bytes`, `v_bytes`, loaded a step
+    ago); load the next page ids, then wait until tile `tile`'s copies have landed for every thread of the
+    partition. Returns the carried (pages, k_bytes, v_bytes). A code or scale slot is refilled only after the tile
+    it held was decoded."""
     ahead = tile + CODE_STAGES - 1
-    _issue_codes(k_codes.index(ahead % CODE_STAGES), v_codes.index(ahead % CODE_STAGES), ahead, pages, num_hist, lo,
-                 hi, cache_h, H, D, PAGE, ROWS, BLOCK_N, layout)
-    next_k, next_v = _load_scale_bytes(scales_h, ahead, pages, lo, hi, H, D, PAGE, ROWS, BLOCK_N, layout)
-    k_scales.index((ahead - 1) % CODE_STAGES).store(_scale_of(k_bytes))
-    v_scales.index((ahead - 1) % CODE_STAGES).store(_scale_of(v_bytes))
+    slot = ahead % CODE_STAGES
+    _issue_codes(k_codes.index(slot), v_codes.index(slot), k_scales.index(slot), v_scales.index(slot), ahead, pages,
+                 num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, ASYNC_SCALES, layout)
+    if not ASYNC_SCALES:
+        next_k, next_v = _load_scale_bytes(scales_h, ahead, pages, lo, hi, H, D, PAGE, ROWS, BLOCK_N, layout)
+        _store_scales(k_scales.index((ahead - 1) % CODE_STAGES), v_scales.index((ahead - 1) % CODE_STAGES), k_bytes,
+                      v_bytes)
+        k_bytes, v_bytes = next_k, next_v
     pages = _tile_pages(page_row, ahead + 1, lo, hi, PAGE, BLOCK_N, layout)
     async_copy.wait_group(CODE_STAGES - 1)
     gl.thread_barrier()
-    return pages, next_k, next_v
+    return pages, k_bytes, v_bytes
 
 
 @gluon.jit

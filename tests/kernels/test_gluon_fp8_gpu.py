@@ -1,11 +1,12 @@
 """The fp8 Gluon kernel on an H200 against the torch fp8 reference and the `tl` kernel's fp8 path: small ragged
-batches with 0-history users for both formats, head dims and schedules, BS=1 16K at 0 and 256 candidates, and one
-CUDA graph replayed across lengths."""
+batches with 0-history users for both formats, head dims and scale copies, BS=1 16K at 0 and 256 candidates, `auto`
+taking the kernel, and one CUDA graph replayed across lengths."""
 
 import pytest
 import torch
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
+from layerflow.kernels.gluon_attention import KERNEL_ENV
 from layerflow.kernels.gluon_fp8 import Fp8Tiling, GluonFp8Attention
 from tests.kernels.cuda_graph import captured, replay_on
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch, quantised_batch
@@ -62,27 +63,41 @@ def check(batch: PagedBatch, head_dim: int, kv_dtype, tiling: Fp8Tiling | None =
 
 
 def tiling_id(tiling: Fp8Tiling) -> str:
-    return f"{tiling.block_n}x{tiling.stages}:{tiling.variant}"
+    return f"{tiling.block_n}x{tiling.stages}c{tiling.code_stages}:{tiling.scale_copy}"
 
 
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("variant", ["ws", "sync"])
-def test_small_ragged_batch_matches_reference_and_tl(kv_dtype, head_dim, variant):
-    tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32, variant=variant)
+@pytest.mark.parametrize("scale_copy", ["load", "async"])
+def test_small_ragged_batch_matches_reference_and_tl(kv_dtype, head_dim, scale_copy):
+    tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32, scale_copy=scale_copy)
     check(fp8_batch(*SMALL, head_dim, kv_dtype), head_dim, kv_dtype, tiling)
 
 
-@pytest.mark.parametrize("tiling", [Fp8Tiling(32, 3), Fp8Tiling(32, 2, code_stages=3), Fp8Tiling(64, 2)],
-                         ids=tiling_id)
+@pytest.mark.parametrize("tiling", [Fp8Tiling(32, 3), Fp8Tiling(32, 2, code_stages=3), Fp8Tiling(64, 2),
+                                    Fp8Tiling(32, 2, code_stages=3, scale_copy="async"),
+                                    Fp8Tiling(32, 3, code_stages=5, scale_copy="async")], ids=tiling_id)
 def test_other_tilings_compute_the_same(tiling):
     check(fp8_batch([4096 + 64, 700], [64, 64], [0, 256], 128, E4M3), 128, E4M3, tiling)
 
 
 @pytest.mark.parametrize("candidates", [0, 256])
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_bs1_16k_matches_reference_and_tl(kv_dtype, candidates):
-    check(fp8_batch([16384 + 64], [64], [candidates], 256, kv_dtype), 256, kv_dtype)
+@pytest.mark.parametrize("scale_copy", ["load", "async"])
+def test_bs1_16k_matches_reference_and_tl(kv_dtype, candidates, scale_copy):
+    check(fp8_batch([16384 + 64], [64], [candidates], 256, kv_dtype), 256, kv_dtype,
+          Fp8Tiling(block_n=32, scale_copy=scale_copy))
+
+
+def test_two_loader_warpgroups_compute_the_same():
+    check(fp8_batch([16384 + 64], [64], [0], 256, E4M3), 256, E4M3,
+          Fp8Tiling(block_n=32, scale_copy="async", producer_warps=8))
+
+
+def test_auto_takes_the_fp8_kernel_on_the_h200(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    attn = PagedAttention(1, 64, 4, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5, MAX_SEQ_LEN, kv_dtype=E4M3)
+    assert isinstance(attn.gluon, GluonFp8Attention)
 
 
 def test_one_graph_replays_any_lengths_like_eager():

@@ -1,13 +1,14 @@
-"""Which kernel serves an fp8 cache: the fp8 Gluon kernel's shape rules, `auto` keeping the `tl` kernel until the
-H200 says otherwise, `gluon` insisting (with the reason it cannot run here), and the tiling checks."""
+"""Which kernel serves an fp8 cache: the fp8 Gluon kernel's shape rules, `auto` taking it only where it can run,
+`gluon` insisting (with the reason it cannot run here), the tiling checks and the scale-copy switch."""
 
 import pytest
 import torch
 
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
-from layerflow.kernels.gluon_fp8 import (Fp8Tiling, GluonFp8Attention, default_fp8_tiling, fill_rows,
-                                         fp8_shared_memory_bytes, fp8_unsupported_reason, select_fp8_kernel)
+from layerflow.kernels.gluon_fp8 import (DEFAULT_SCALE_COPY, SCALE_COPY_ENV, Fp8Tiling, GluonFp8Attention,
+                                         default_fp8_tiling, fill_rows, fp8_shared_memory_bytes,
+                                         fp8_unsupported_reason, select_fp8_kernel)
 
 CPU = torch.device("cpu")
 E4M3 = torch.float8_e4m3fn
@@ -21,8 +22,10 @@ E4M3 = torch.float8_e4m3fn
     (torch.bfloat16, E4M3, 256, 32, 0, 0, Fp8Tiling(), "block_m=32"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=16), "block_n"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(code_stages=2), "code_stages >= 3"),
-    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(variant="async"), "variant"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(scale_copy="bytes"), "scale_copy"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_registers=100), "producer_registers"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_warps=6), "producer_warps"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_warps=8), "over 12 warps"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64), "shared memory"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
 ])
@@ -35,16 +38,27 @@ def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_di
 def test_shared_memory_counts_the_query_block_both_rings_and_the_scales():
     # 128 x 256 bf16 queries, 2 bf16 K/V slots of 32 x 256, 4 code slots of 32 x 256 bytes with 2 x 32 fp32 scales
     assert fp8_shared_memory_bytes(128, 256, Fp8Tiling()) == 65536 + 65536 + 4 * (16384 + 256) + 16384
-    # "sync" decodes into one bf16 K/V pair
-    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(variant="sync")) == 65536 + 32768 + 4 * (16384 + 256) + 16384
+    # 3 bf16 slots, 6 code slots; the scale words of "async" take the fp32 scales' room
+    expected = 65536 + 3 * 32768 + 6 * (16384 + 256) + 16384
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(stages=3, code_stages=6, scale_copy="async")) == expected
 
 
-def test_default_tiling_fits_every_head_dim_at_both_query_blocks():
+@pytest.mark.parametrize("loader_warps_at_m64", [4, 8])
+def test_default_tiling_fits_every_head_dim_at_both_query_blocks(monkeypatch, loader_warps_at_m64):
+    monkeypatch.setattr("layerflow.kernels.gluon_fp8.LOADER_WARPS_AT_M64", loader_warps_at_m64)
     for head_dim in (64, 128, 256):
         for block_m in (64, 128):
             reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, head_dim, block_m, 0, 0,
-                                            default_fp8_tiling(head_dim))
+                                            default_fp8_tiling(head_dim, block_m))
             assert "sm_90" in reason, reason
+
+
+def test_two_loader_warpgroups_fit_beside_a_64_row_query_block_only(monkeypatch):
+    reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, 256, 64, 0, 0, Fp8Tiling(producer_warps=8))
+    assert "sm_90" in reason, reason
+    monkeypatch.setattr("layerflow.kernels.gluon_fp8.LOADER_WARPS_AT_M64", 8)
+    assert default_fp8_tiling(256, 64).producer_warps == 8
+    assert default_fp8_tiling(256, 128).producer_warps == 4
 
 
 def test_fill_rows_bound_the_codes_per_thread():
@@ -55,16 +69,21 @@ def attention(**kwargs) -> PagedAttention:
     return PagedAttention(2, 64, 4, 2, 64, 16, torch.bfloat16, "cpu", 0.125, 128, kv_dtype=E4M3, **kwargs)
 
 
-def test_auto_and_triton_keep_the_tl_kernel_for_fp8(monkeypatch):
+def test_auto_stays_on_tl_where_the_fp8_kernel_cannot_run_and_triton_always_does(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     assert attention().gluon is None
     assert attention(kernel="triton").gluon is None
     assert select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0) is None
 
 
-def test_auto_stays_on_tl_where_the_fp8_kernel_cannot_run_even_once_enabled(monkeypatch):
-    monkeypatch.setattr("layerflow.kernels.gluon_fp8.AUTO_TAKES_FP8", True)
-    assert select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0) is None
+def test_the_scale_copy_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.delenv(SCALE_COPY_ENV, raising=False)
+    assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_copy=DEFAULT_SCALE_COPY)
+    monkeypatch.setenv(SCALE_COPY_ENV, "async")
+    assert default_fp8_tiling(128) == Fp8Tiling(block_n=64, scale_copy="async")
+    monkeypatch.setenv(SCALE_COPY_ENV, "bytes")
+    with pytest.raises(ValueError, match="LAYERFLOW_FP8_SCALE_COPY='bytes'"):
+        select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
 
 
 def test_forcing_gluon_over_fp8_pages_says_why_it_cannot_run(monkeypatch):
@@ -84,8 +103,12 @@ def test_select_fp8_kernel_takes_only_the_gluon_choices():
 
 
 def test_the_launcher_rejects_a_bad_tiling_and_tl_only_masks():
-    with pytest.raises(ValueError, match="variant"):
-        GluonFp8Attention(Fp8Tiling(variant="pingpong"))
+    with pytest.raises(ValueError, match="scale_copy"):
+        GluonFp8Attention(Fp8Tiling(scale_copy="pingpong"))
+    with pytest.raises(ValueError, match="PAGE=30"):
+        GluonFp8Attention(Fp8Tiling(scale_copy="async"))[(1, 1, 1)](
+            H=4, D=256, PAGE=30, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=128, INV_N_PER_USER=False, ROWS=31, WINDOW=0,
+            CONTEXTUAL=0, FP8=1)
     launch = GluonFp8Attention(Fp8Tiling())[(1, 1, 1)]
     with pytest.raises(ValueError, match="WINDOW=512"):
         launch(H=4, D=256, PAGE=32, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=128, INV_N_PER_USER=False, ROWS=33,
