@@ -165,7 +165,9 @@ class CudaCopyEngine(CopyEngine):
 
     def _after_current_stream(self, stream: int) -> None:
         event = self._pool.take()
-        cuda_api.record(event, torch.cuda.current_stream(self.device).cuda_stream)
+        # torch's current stream as a raw handle (what Triton launches on): torch.cuda.current_stream() builds a
+        # Stream object and resolves the device, ~7.5 us a call on the H200's host.
+        cuda_api.record(event, torch._C._cuda_getCurrentRawStream(self.device))
         cuda_api.stream_wait(stream, event)
         self._pool.give(event)
 
