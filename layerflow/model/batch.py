@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate, chain
 
@@ -136,6 +136,8 @@ class JaggedBatch:
     appended_ids: torch.Tensor   # int64 [sum appended] (empty for an embeddings-in batch)
     candidate_ids: torch.Tensor  # int64 [sum candidates] (empty for an embeddings-in batch)
     query_x: torch.Tensor | None = None   # [sum (appended + candidates), E]: an embeddings-in batch's token rows
+    # The two id tensors' numpy arrays when the batch was built from them (`id_arrays`).
+    id_numpy: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_embeddings(cls, config: HSTUConfig, cached_lens: list[int], appended: list[torch.Tensor],
@@ -190,7 +192,16 @@ class JaggedBatch:
             candidate_lens=[len(k) for k in candidates],
             appended_ids=torch.from_numpy(appended_ids),
             candidate_ids=torch.from_numpy(candidate_ids),
+            id_numpy=(appended_ids, candidate_ids),
         )
+
+    def id_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(appended ids, candidate ids) as int64 numpy arrays sharing the tensors' memory: the ones `from_lists`
+        built them from (the runtime reads them several times per request, and `Tensor.numpy` costs ~5 us a call on
+        the H200's host), else the tensors' views."""
+        if self.id_numpy is not None:
+            return self.id_numpy
+        return self.appended_ids.numpy(), self.candidate_ids.numpy()
 
     @property
     def batch_size(self) -> int:
@@ -226,7 +237,7 @@ class JaggedBatch:
         `ids` and `positions`, and each candidate's query row to the front of `candidate_rows`; returns the number of
         query tokens. A few slices per user and nothing the size of the batch in between: the runtime packs its
         buffers with it per request."""
-        appended, candidates = self.appended_ids.numpy(), self.candidate_ids.numpy()
+        appended, candidates = self.id_arrays()
         row = first_appended = first_candidate = 0
         for cached, a, k in zip(self.cached_lens, self.appended_lens, self.candidate_lens):
             ids[row:row + a] = appended[first_appended:first_appended + a]

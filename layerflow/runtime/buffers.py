@@ -1,15 +1,12 @@
 """Device-resident inputs and outputs of one shape bucket, at fixed addresses so a captured graph can replay them.
 
 Every per-batch integer (offsets, lengths, page table, token ids and positions, candidate rows) is packed into one
-pinned host buffer and reaches the device in a single copy; the scores come back in a single copy. On CUDA those
-copies are torch's `Tensor.copy_` or (`staging_copy`) one cudaMemcpyAsync each through ctypes on the current stream:
-the buffers live as long as the engine, so torch's dispatch and its pinned-memory event bookkeeping (which exists for
-buffers that are freed and reused while a copy may still read them) can be skipped.
+pinned host buffer and reaches the device in a single copy; the scores come back in a single copy (torch's
+`Tensor.copy_`: on the H200 a ctypes cudaMemcpyAsync was slower, docs/performance.md).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -19,21 +16,6 @@ import torch
 from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
 from layerflow.model.reference import batch_n
-from layerflow.transfer import cudart
-
-STAGING_ENV = "LAYERFLOW_STAGING_COPY"
-STAGING_COPIES = ("torch", "cudart")
-
-
-def staging_copy(choice: str | None = None) -> str:
-    """How the buffers' host<->device copies are issued on CUDA: `choice`, else $LAYERFLOW_STAGING_COPY, else "torch"
-    (the proven path until the H200 shows "cudart" faster); ValueError for another name. The CPU path copies with
-    torch either way."""
-    choice = choice or os.environ.get(STAGING_ENV) or "torch"
-    if choice not in STAGING_COPIES:
-        raise ValueError(f"staging copy {choice!r}: expected one of {STAGING_COPIES} (argument or ${STAGING_ENV})")
-    return choice
-
 
 def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
     """Token capacities from `smallest` to `largest` (powers of two, `smallest` >= `steps`): in each octave [p, 2p),
@@ -63,11 +45,10 @@ class Bucket:
 
 
 class BatchBuffers:
-    """Static tensors of one bucket; `fill` writes a batch into them without allocating. `staging`: see
-    `staging_copy`."""
+    """Static tensors of one bucket; `fill` writes a batch into them without allocating. The engine issues every batch
+    on the stream that was current when its buffers were made."""
 
-    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig,
-                 staging: str = "torch"):
+    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig):
         b, t = bucket.max_batch, bucket.max_tokens
         self.bucket, self.max_pages, self.device, self.model = bucket, max_pages, device, model
         sizes = {"q_offsets": b + 1, "history_lens": b, "appended_lens": b, "page_table": b * max_pages,
@@ -106,15 +87,16 @@ class BatchBuffers:
             self._x_bits = float_bits(self._x_host)
             self.outputs = torch.zeros(t, e, dtype=model.dtype, device=device)
             self._outputs_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
-        self._cudart = device.type == "cuda" and staging_copy(staging) == "cudart"
+        results = self._scores_host if model.embedding_tables else self._outputs_host
+        self._results = results, float_bits(results)   # the host results and a numpy view of their bits
+        # The compute stream (the current one when the buffers are made: the engine's), kept: fetch and the serving
+        # scheduler's marks use it, and torch.cuda.current_stream() costs ~7.5 us a call on the H200's host.
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-    def _to_device(self, device: torch.Tensor, host: torch.Tensor) -> None:
+    @staticmethod
+    def _to_device(device: torch.Tensor, host: torch.Tensor) -> None:
         """The whole of `host` into `device` (same shape), ordered on the current stream."""
-        if self._cudart:
-            cudart.memcpy_async(device.data_ptr(), host.data_ptr(), host.nbytes, cudart.MEMCPY_HOST_TO_DEVICE,
-                                torch.cuda.current_stream(self.device).cuda_stream)
-        else:
-            device.copy_(host, non_blocking=True)
+        device.copy_(host, non_blocking=True)
 
     def _write_pages(self, page_rows: list[tuple[int, ...]]) -> None:
         """Each user's GPU pages at the front of its page-table row, zeros after them and in the rows past the batch
@@ -151,11 +133,12 @@ class BatchBuffers:
         self._write_pages(page_rows)
         staged = self._staged
         self.num_tokens = batch.pack_query(staged["ids"], staged["positions"], staged["candidate_rows"])
-        self.num_candidates = len(batch.candidate_ids)
+        candidate_ids = batch.id_arrays()[1]
+        self.num_candidates = len(candidate_ids)
         for name in ("ids", "positions"):
             staged[name][self.num_tokens:] = 0
         staged["candidate_rows"][self.num_candidates:] = 0
-        self._put("candidate_ids", batch.candidate_ids.numpy())
+        self._put("candidate_ids", candidate_ids)
         if self.inv_n is not None:
             n = batch_n(self.model, batch.cached_lens, batch.query_lens)
             self._put("inv_n", np.array([1.0 / n], dtype=np.float32).view(np.int32))
@@ -178,11 +161,12 @@ class BatchBuffers:
 
     def fetch(self) -> torch.Tensor:
         """The batch's results on the host (sent by `send_results`): candidate scores (fp32), or every query row's
-        output for an embeddings-in model. Synchronises with the compute stream: the designed sync."""
-        if self.model.embedding_tables:
-            host, n = self._scores_host, self.num_candidates
-        else:
-            host, n = self._outputs_host, self.num_tokens
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return host[:n].clone()
+        output for an embeddings-in model, in a fresh tensor. Synchronises with the compute stream: the designed sync.
+        The copy goes through numpy: `Tensor.clone` of the pinned buffer cost ~22 us on the H200's host."""
+        n = self.num_candidates if self.model.embedding_tables else self.num_tokens
+        if self.stream is not None:
+            self.stream.synchronize()
+        host, bits = self._results
+        if bits is None:
+            return host[:n].clone()
+        return torch.from_numpy(bits[:n].copy()).view(host.dtype)

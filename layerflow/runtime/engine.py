@@ -24,7 +24,7 @@ import torch
 from layerflow.config import Config
 from layerflow.model.batch import JaggedBatch
 from layerflow.model.weights import HSTUWeights
-from layerflow.runtime.buffers import BatchBuffers, Bucket, staging_copy, token_ladder
+from layerflow.runtime.buffers import BatchBuffers, Bucket, token_ladder
 from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
@@ -104,18 +104,15 @@ class Engine:
     moves while this one computes), `launch` (one batch on the device at a time) and `collect` (its scores). Every step
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
-    the engine closes it at `close()`. `staging` picks how the bucket buffers' copies are issued
-    (`buffers.staging_copy`: "torch" or "cudart"; default $LAYERFLOW_STAGING_COPY, else "torch"). The captured shapes
-    are every size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding
-    to 12.5%); a batch runs in the smallest that fits.
+    the engine closes it at `close()`. The captured shapes are every size of `batch_buckets` with every size of
+    `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
-                 copy_engine: CopyEngine | None = None, staging: str | None = None):
+                 copy_engine: CopyEngine | None = None):
         self.config = config or Config()
-        self.staging = staging_copy(staging)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         check_config(self.config, self.device)
@@ -274,8 +271,7 @@ class Engine:
 
     def _bufs(self, bucket: Bucket) -> BatchBuffers:
         if bucket not in self._buffers:
-            self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device, self.weights.config,
-                                                 self.staging)
+            self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device, self.weights.config)
         return self._buffers[bucket]
 
     def _bucket(self, batch_size: int, num_tokens: int) -> Bucket:

@@ -263,7 +263,7 @@ class KVManager:
         batch = plan.batch
         if batch.query_x is None:
             start = sum(batch.appended_lens[:b])
-            entry.history.extend(batch.appended_ids.numpy()[start:start + batch.appended_lens[b]].tolist())
+            entry.history.extend(batch.id_arrays()[0][start:start + batch.appended_lens[b]].tolist())
         else:
             start = sum(batch.query_lens[:b])
             entry.history.extend(batch.query_x[start:start + batch.appended_lens[b]])

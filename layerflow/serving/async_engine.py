@@ -260,7 +260,7 @@ class AsyncEngine:
             self.metrics.failed_batches.inc()
             self._retry.extend(prepared.batch)
             return
-        self._flight = InFlight(flight, prepared, DeviceMark(self.engine.device))
+        self._flight = InFlight(flight, prepared, DeviceMark(flight.bufs.stream))
 
     def _collect(self) -> None:
         in_flight, self._flight = self._flight, None

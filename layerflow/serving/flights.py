@@ -18,14 +18,14 @@ from layerflow.serving.queue import Pending
 
 
 class DeviceMark:
-    """The work enqueued so far on `device`'s current stream (the stream `Engine.launch` ran on, in this thread).
-    On the CPU the engine's steps run synchronously, so the mark is reached as soon as it is made."""
+    """The work enqueued so far on `stream` (the launched batch's: `BatchBuffers.stream`). None: the CPU, where the
+    engine's steps run synchronously, so the mark is reached as soon as it is made."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
         self._event: torch.cuda.Event | None = None
-        if device.type == "cuda":
+        if stream is not None:
             self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(device))
+            self._event.record(stream)
 
     def reached(self) -> bool:
         return self._event is None or self._event.query()

@@ -176,8 +176,8 @@ class UserPages:
                     on_evict(victim)
                 self.free(victim)
             evicted = victims
-        new = self.allocator.allocate(max(need, 0), after=pages[-1] if pages else None)
-        pages = pages + new
+        new = self.allocator.allocate(need, after=pages[-1] if pages else None) if need > 0 else []
+        pages.extend(new)   # in place: the user's own list (or the fresh one above)
         self._owned[user] = pages
         self._owned.move_to_end(user)
         return Allocation(tuple(pages), tuple(new), tuple(evicted))

@@ -7,9 +7,6 @@ copy-engine call costs the copy engine a few microseconds when it ends, entries 
 per-run 2D copies lose to one batch per layer from two runs up and win only for a single run (docs/performance.md,
 Transfers, has the figures).
 
-An offload may instead go as one cudaMemcpyBatchAsync of every layer's pages (`offload_copy`, "batch"): nothing
-waits for its layers one by one, so one call and one copy-engine completion can replace one per layer.
-
 One H2D and one D2H non-blocking stream per engine, so every onboarding is issued in order on one stream (the signal
 modes rely on that). Onboarding issues each layer's copies, then posts that layer's signal on the stream, all before
 returning; the addresses are computed once per transfer in numpy.
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 import time
 from itertools import pairwise
 from typing import Callable
@@ -40,26 +36,12 @@ from layerflow.transfer.copy_plan import ramp_bounds
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
 
-OFFLOAD_ENV = "LAYERFLOW_OFFLOAD_COPY"
-OFFLOAD_COPIES = ("layers", "batch")
-
-
-def offload_copy(choice: str | None = None) -> str:
-    """How an offload is issued: `choice`, else $LAYERFLOW_OFFLOAD_COPY, else "layers" (per layer, as an onboarding:
-    the proven path); "batch": every layer's pages in one cudaMemcpyBatchAsync. ValueError for another name."""
-    choice = choice or os.environ.get(OFFLOAD_ENV) or "layers"
-    if choice not in OFFLOAD_COPIES:
-        raise ValueError(f"offload copy {choice!r}: expected one of {OFFLOAD_COPIES} (argument or ${OFFLOAD_ENV})")
-    return choice
-
-
 class CudaTransfer(Transfer):
     """Done when the event after the transfer's last copy completed; an issue-time error is reported then too."""
 
     def __init__(self, job: CopyJob, pool: cuda_api.EventPool) -> None:
         self.error: BaseException | None = None
         self._job: CopyJob | None = job
-        self._arrays: tuple[np.ndarray, ...] = ()   # copy descriptors a batched issue handed to the driver
         self._pool = pool
         self._event: rt.cudaEvent_t | None = None
         self._finished = False
@@ -77,7 +59,6 @@ class CudaTransfer(Transfer):
             self._event = None
         self._finished = True
         self._job = None
-        self._arrays = ()
         return True
 
     def wait(self, timeout: float | None = None) -> None:
@@ -130,33 +111,15 @@ def resolved_path(path: CopyPath, num_runs: int) -> CopyPath:
     return CopyPath.RUNS if num_runs <= 1 else CopyPath.PAGES
 
 
-def _page_addresses(job: CopyJob) -> tuple[np.ndarray, np.ndarray]:
-    """uint64 [layers, pages] addresses of every page of the job on the GPU and on the host (block-first: a block's
-    layers are `layer_page_bytes` apart, its blocks `num_layers` times that)."""
-    u64, page = np.uint64, np.uint64(job.layer_page_bytes)
-    layers = np.arange(job.num_layers, dtype=u64)
-    gpu_bases = np.fromiter((t.data_ptr() for t in job.gpu_layers), dtype=u64, count=job.num_layers)
-    host_layers = u64(job.host.data_ptr()) + layers * page
-    gpu = gpu_bases[:, None] + (job.plan.gpu_pages.astype(u64) * page)[None, :]
-    host = host_layers[:, None] + (job.plan.host_blocks.astype(u64) * (page * u64(job.num_layers)))[None, :]
-    return gpu, host
-
-
 class CudaCopyEngine(CopyEngine):
-    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device). `offload`:
-    see `offload_copy`; a subclass that wraps the per-layer seam (`_layer_copier`: fault injection, timing) keeps
-    per-layer offloads, so what it wraps is what runs."""
+    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device)."""
 
-    def __init__(self, path: CopyPath = CopyPath.AUTO, device: int | None = None,
-                 offload: str | None = None) -> None:
+    def __init__(self, path: CopyPath = CopyPath.AUTO, device: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
         super().__init__()
         self.device = torch.cuda.current_device() if device is None else device
         cuda_api.set_device(self.device)
         self.path = path
-        self.offload_copy = offload_copy(offload)
-        self._batch_offloads = self.offload_copy == "batch" and \
-            type(self)._layer_copier is CudaCopyEngine._layer_copier
         self.h2d_stream = cuda_api.create_stream()
         self.d2h_stream = cuda_api.create_stream()
         self._pool = cuda_api.EventPool()
@@ -174,29 +137,7 @@ class CudaCopyEngine(CopyEngine):
         return self._issue(job, self.h2d_stream, to_gpu=True)
 
     def _offload(self, job: CopyJob) -> Transfer:
-        if self._batch_offloads:
-            return self._offload_batched(job)
         return self._issue(job, self.d2h_stream, to_gpu=False)
-
-    def _offload_batched(self, job: CopyJob) -> CudaTransfer:
-        """Every layer's pages in one cudaMemcpyBatchAsync after the current stream's work: an offload is signalled
-        to no one layer by layer, so one driver call (and one copy-engine completion) can replace one per layer."""
-        cuda_api.set_device(self.device)
-        transfer = CudaTransfer(job, self._pool)
-        try:
-            self._after_current_stream(self.d2h_stream)
-            gpu, host = _page_addresses(job)
-            sizes = np.full(gpu.size, job.layer_page_bytes, dtype=np.uint64)
-            transfer._arrays = (gpu, host, sizes)
-            if gpu.size:
-                self._batch.copy(host.ctypes.data, gpu.ctypes.data, sizes.ctypes.data, gpu.size, self.d2h_stream)
-        except Exception as exc:  # noqa: BLE001 - any failure must reach the waiters, whatever raised it
-            transfer.error = exc if isinstance(exc, TransferError) else TransferError(f"issuing the offload failed: "
-                                                                                    f"{exc!r}")
-        event = self._pool.take()
-        cuda_api.record(event, self.d2h_stream)
-        transfer._event = event
-        return transfer
 
     def _issue(self, job: CopyJob, stream: int, to_gpu: bool) -> CudaTransfer:
         # The engine's device is made current on the issuing thread: its events (and a notifier's) are created there,
@@ -224,7 +165,9 @@ class CudaCopyEngine(CopyEngine):
 
     def _after_current_stream(self, stream: int) -> None:
         event = self._pool.take()
-        cuda_api.record(event, torch.cuda.current_stream(self.device).cuda_stream)
+        # torch's current stream as a raw handle (what Triton launches on): torch.cuda.current_stream() builds a
+        # Stream object and resolves the device, ~7.5 us a call on the H200's host.
+        cuda_api.record(event, torch._C._cuda_getCurrentRawStream(self.device))
         cuda_api.stream_wait(stream, event)
         self._pool.give(event)
 

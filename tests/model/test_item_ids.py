@@ -83,3 +83,15 @@ def test_plain_ints_vouched_for_skip_the_type_scan_but_not_the_vocabulary():
         lists["candidates"][1] = [6, bad]
         with pytest.raises(ValueError, match=match):
             JaggedBatch.from_lists(CONFIG, **lists, plain_ints=True)
+
+
+def test_the_id_arrays_are_the_id_tensors_memory():
+    batch = JaggedBatch.from_lists(CONFIG, [0, 2], [[1, 2], [3]], [[4], [5, 6]])
+    built = JaggedBatch(batch.cached_lens, batch.appended_lens, batch.candidate_lens, batch.appended_ids.clone(),
+                        batch.candidate_ids.clone())
+    for b in (batch, built):
+        appended, candidates = b.id_arrays()
+        assert appended.tolist() == [1, 2, 3] and candidates.tolist() == [4, 5, 6]
+        assert appended.dtype == candidates.dtype == np.int64
+        b.candidate_ids[0] = 9
+        assert candidates[0] == 9

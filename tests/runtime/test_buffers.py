@@ -41,3 +41,16 @@ def test_a_returning_users_row_gets_its_new_pages_and_every_other_row_is_rewritt
     for jagged, rows, table in steps:
         bufs.fill(jagged, rows)
         assert bufs.page_table.tolist() == table + [[0] * 6], rows
+
+
+def test_fetch_hands_out_a_copy_the_next_batch_does_not_change():
+    bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cpu"), CONFIG)
+    bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
+    bufs.scores[:3] = torch.tensor([0.5, -1.0, 2.0])
+    bufs.send_results()
+    first = bufs.fetch()
+    bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[5]]), [(0,)])
+    bufs.scores[:1] = 9.0
+    bufs.send_results()
+    assert bufs.fetch().tolist() == [9.0]
+    assert first.dtype == torch.float32 and first.tolist() == [0.5, -1.0, 2.0]

@@ -165,14 +165,13 @@ GPU_PLACEMENTS = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("offload", ["layers", "batch"])
 @pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES"])
 @pytest.mark.parametrize("placement", GPU_PLACEMENTS)
-def test_cuda_onboard_offload_byte_exact(placement, path, offload):
+def test_cuda_onboard_offload_byte_exact(placement, path):
     from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
 
     pages, blocks = (a.tolist() for a in GPU_PLACEMENTS[placement])
-    engine = CudaCopyEngine(path=CopyPath[path], offload=offload)
+    engine = CudaCopyEngine(path=CopyPath[path])
     try:
         gpu, host = make_tensors("cuda", pages=256, blocks=256, layers=4, page=32, heads=4, dim=64,
                                  dtype=torch.bfloat16)
