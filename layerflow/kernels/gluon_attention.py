@@ -71,12 +71,12 @@ class GluonTiling:
 
 
 def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTiling:
-    """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys (the H200's
-    fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed to); smaller heads:
-    64-key tiles three deep, synchronous (not yet measured otherwise)."""
+    """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys, SiLU by one
+    tanh.approx per score (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size
+    None: assumed to); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
-        return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async")
+        return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async", tanh_silu=True)
     return GluonTiling(block_n=64, stages=3)
 
 

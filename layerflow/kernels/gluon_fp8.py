@@ -59,6 +59,10 @@ class Fp8Tiling:
     producer_registers: int = 96
     producer_warps: int = 4
 
+    def query_block(self, tl_block_m: int) -> int:
+        """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
+        return tl_block_m
+
 
 def default_fp8_tiling(head_dim: int, block_m: int = 128) -> Fp8Tiling:
     """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy of

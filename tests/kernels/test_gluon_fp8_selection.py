@@ -116,3 +116,8 @@ def test_the_launcher_rejects_a_bad_tiling_and_tl_only_masks():
     with pytest.raises(ValueError, match="FP8=0"):
         launch(H=4, D=256, PAGE=32, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=128, INV_N_PER_USER=False, ROWS=33,
                WINDOW=0, CONTEXTUAL=0, FP8=0)
+
+
+def test_the_fp8_tiling_takes_the_query_block_of_the_tl_tiling():
+    """PagedAttention sizes its grid from the launcher's `tiling.query_block`: the fp8 kernel keeps the tl block."""
+    assert Fp8Tiling().query_block(128) == 128 and Fp8Tiling().query_block(64) == 64
