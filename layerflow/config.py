@@ -24,11 +24,13 @@ CONFIG_ENV = "LAYERFLOW_CONFIG"
 
 
 class SignalMode(enum.Enum):
-    """How a waiter learns that one layer's KV has landed on the GPU."""
+    """How a waiter learns that one layer's KV has landed on the GPU. AUTO is a choice, not a signal: the engine
+    resolves it to the fastest mode its tier can serve (layerflow.runtime.tiers.resolve_signal)."""
 
     EVENTFD = "eventfd"
     EVENT = "event"
     WAITVALUE = "waitvalue"
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Config:
     ssd_cache_gb: float = 0.0
     ssd_cache_dir: str | None = None
     enable_layerwise: bool = True
-    signal: SignalMode = SignalMode.EVENTFD
+    signal: SignalMode = SignalMode.AUTO
     page_size: int = 32
     gpu_cache_gb: float = 8.0
     num_counters: int = 4

@@ -187,3 +187,9 @@ def test_missing_file_named_by_the_environment_names_the_variable(tmp_path):
     absent = tmp_path / "absent.yaml"
     with pytest.raises(FileNotFoundError, match=rf"LAYERFLOW_CONFIG={str(absent)!r}: no such file"):
         load_config(env={"LAYERFLOW_CONFIG": str(absent)})
+
+
+def test_signal_auto_from_yaml_and_env(tmp_path):
+    assert load_config(write(tmp_path, "signal: auto\n"), env={}).signal is SignalMode.AUTO
+    assert load_config(env={"LAYERFLOW_SIGNAL": "AUTO"}).signal is SignalMode.AUTO
+    assert Config().to_dict()["signal"] == "auto"

@@ -36,6 +36,17 @@ def uses_server(config: Config) -> bool:
     return config.spawn_server or config.server_socket is not None
 
 
+def resolve_signal(config: Config, device: torch.device) -> SignalMode:
+    """The signal the config's `signal` stands for on `device`. `auto` is `waitvalue` for an in-process tier on CUDA
+    (a GPU-side wait releases a layer without a host node waking up for it; docs/performance.md has the figures),
+    else `eventfd`, the only mode a transfer server or a CPU engine can post."""
+    if config.signal is not SignalMode.AUTO:
+        return config.signal
+    if uses_server(config) or device.type != "cuda":
+        return SignalMode.EVENTFD
+    return SignalMode.WAITVALUE
+
+
 def check_config(config: Config, device: torch.device, num_layers: int = 0) -> None:
     """Refuse settings the KV tiers cannot serve on `device` (or a process's open-file limit: the signal ring holds
     `num_counters` x `num_layers` eventfds), before anything is allocated."""
@@ -44,11 +55,12 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
     if soft != resource.RLIM_INFINITY and eventfds > soft // 2:
         raise ValueError(f"num_counters={config.num_counters}: {eventfds} eventfds for {num_layers} layers, more than "
                          f"half of this process's open-file limit ({soft})")
-    if uses_server(config) and config.signal is not SignalMode.EVENTFD:
-        raise ValueError(f"signal={config.signal.value!r} with a transfer server: the server posts eventfds, "
-                         f"use 'eventfd'")
-    if device.type != "cuda" and config.signal is not SignalMode.EVENTFD:
-        raise ValueError(f"signal={config.signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
+    signal = resolve_signal(config, device)
+    if uses_server(config) and signal is not SignalMode.EVENTFD:
+        raise ValueError(f"signal={signal.value!r} with a transfer server: the server posts eventfds, "
+                         f"use 'eventfd' or 'auto'")
+    if device.type != "cuda" and signal is not SignalMode.EVENTFD:
+        raise ValueError(f"signal={signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
     if uses_server(config) and config.remote_url is not None:
         raise ValueError("remote_url with a transfer server: the remote tier is in-process only for now")
 
@@ -111,7 +123,8 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
                             namespace=config.remote_namespace, timeout_s=config.remote_timeout_s,
                             connections=config.remote_connections,
                             password=read_secret(config.remote_password_file, config.remote_password_env))
-    signals = make_signals(config.signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
+    signals = make_signals(resolve_signal(config, gpu.device), layout.num_layers, config.num_counters,
+                           config.transfer_timeout_s)
     engine = copy_engine or _default_copy_engine(gpu.device)
     return InProcessTier(HostCache(host, ssd, remote, config.remote_write), layout, gpu.kv, engine, signals,
                          config.transfer_timeout_s, owns_engine=copy_engine is None)

@@ -13,7 +13,7 @@ import torch
 from layerflow.config import SignalMode
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.eventfd import EventfdSignals
-from layerflow.transfer.signals import make_signals
+from layerflow.transfer.signals import SIGNALS, make_signals
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
 
@@ -220,7 +220,7 @@ def assert_snapshot_is_host(snapshot, host, *context) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(SignalMode))
+@pytest.mark.parametrize("mode", list(SIGNALS))
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_gpu_host_wait_every_mode(mode, layerwise):
     with gpu_ring(mode) as (ring, engine):
@@ -284,7 +284,7 @@ def test_captured_graph_replays_for_two_onboardings(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(SignalMode))
+@pytest.mark.parametrize("mode", list(SIGNALS))
 def test_gpu_injected_failure_poisons_every_mode(mode):
     with gpu_ring(mode, fail_at_layer=2) as (ring, engine):
         gpu, host = tensors(0, **BIG)

@@ -29,6 +29,9 @@ def make_signals(mode: SignalMode, num_layers: int, num_counters: int = 4, timeo
     """The ring for `mode`; CUDA-only modes raise TransferError on a machine without a GPU."""
     if not isinstance(mode, SignalMode):
         raise ValueError(f"mode={mode!r}: expected a SignalMode")
+    if mode not in SIGNALS:
+        raise ValueError(f"mode={mode.value!r} is a choice, not a signal: resolve it first "
+                         f"(layerflow.runtime.tiers.resolve_signal)")
     return SIGNALS[mode](num_layers, num_counters, timeout_s)
 
 
