@@ -9,10 +9,12 @@ mkdir -p "$out"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)" | tee -a "$log"; start=$(date +%s)
          timeout "$limit" "$@" >>"$log" 2>&1; echo "=== rc=$? in $(( $(date +%s) - start ))s" | tee -a "$log"; }
 nvidia-smi -L | tee -a "$log"
-# the suite (~110 tests) takes ~6 min in one process; with pytest-xdist it runs on 4 workers sharing the GPU
-workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
-step 400 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 $workers -o junit_family=xunit2 \
+# the suite (232 tests) runs on 6 pytest-xdist workers sharing the GPU where xdist is installed (228 of them finished
+# within 230 s on an H200 in session 9; one process takes several times longer)
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6 --dist loadfile")
+step 420 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 150 $workers -o junit_family=xunit2 \
      --junitxml="$out/gpu-tests.xml"
+step 45 python3 benchmarks/kernel_breakdown.py --seq-lens 2K,16K --out "$out/kernel-breakdown-h200.json"
 bench() { step "$1" python3 -m layerflow.cli bench "${@:2}"; }
 bench 110 --seq-lens 2K,4K,8K,16K --timed-iters 10 --warmup-iters 3 \
       --scenarios gpu_hit,cpu_hit,cpu_hit_layerwise --out "$out/inference-h200.json"
