@@ -1,15 +1,13 @@
 """Paged HSTU attention for the cached path, split over the history (split-K) and CUDA-graph capturable.
 
 HSTU has no softmax, so the output over the history is a plain sum of per-chunk partial sums: each program takes one
-chunk of one user's history for one block of its queries and one head, writes an fp32 partial, and a second kernel
-adds the partials in split order (deterministic). Splitting is what fills a 132-SM GPU at batch size 1. Lengths,
-offsets and page indices are read from device tensors, the grid is sized from the capacity and programs past the
-batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity.
-The mask is the model's (layerflow.model.mask): token ids with the contextual shift and the target clamp, the window
-W and the contextual rows are compile-time options, and a program reads only the history keys its rows may see, so
-with a window it reads only the pages `MaskRule.cached_read_start` names (the engine may leave earlier ones
-unloaded). The 1/N factor is read from a device tensor ([1], or one value per user), so one captured graph serves
-the batch rule's N that changes with every batch. K and V share one head dim in the paged cache (dqk == dv).
+chunk of one user's history for one block of its queries and one head and writes an fp32 partial; the partials are
+added in split order (deterministic) by a second kernel, or by their consumer (`run(reduce=False)`). Splitting fills
+a 132-SM GPU at batch size 1. Lengths, offsets and page indices are read from device tensors and programs past the
+batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity. The mask is the
+model's (layerflow.model.mask; window and contextual rows compile-time options); a program reads only the history
+keys its rows may see, so with a window only the pages `MaskRule.cached_read_start` names. 1/N is read from a device
+tensor ([1] or per user), so one graph serves the batch rule's changing N. K and V share one head dim (dqk == dv).
 An fp8 cache (layerflow.kernels.fp8) is dequantised inside the tile loop, on load: there is no pass over the cache.
 """
 
@@ -239,8 +237,8 @@ def _paged_attention_kernel(
 @triton.jit
 def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_batch,
                        HD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum of the split partials over the batch's tokens only, all loaded at once (a loop would wait on one L2
-    round trip per split) and reduced by a tree fixed at compile time: the same bits on every run."""
+    """out = the sum of the split partials over the batch's tokens, all loaded at once and reduced by a tree fixed at
+    compile time: the same bits on every run."""
     total = tl.load(q_offsets_ptr + max_batch).to(tl.int64) * HD
     start = tl.program_id(0).to(tl.int64) * BLOCK
     if start >= total:
@@ -254,14 +252,12 @@ def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_ba
 
 
 class PagedAttention:
-    """HSTU attention of one batch's queries over their users' paged history, with workspaces sized at construction.
-    `run` allocates nothing and reads every length from device tensors, so it can be captured in a CUDA graph once
-    and replayed for any batch within the capacity. `mask` holds the model's mask options (target-aware candidates
-    only: their keys are never in the pages). `max_seq_len` is the N of the constant 1/N rule, used when `run` is
-    given no 1/N tensor. `kv_dtype` None: the cache holds `dtype`; an fp8 dtype: the cache holds uint8 pages of codes
-    and scale rows (layerflow.tier.layout), dequantised as they are read; `fp8_mma`: the MMA dtypes over them
-    (fp8.fp16_scores, fp8.value_unit). `kernel`: gluon_attention.select_kernel's choice of Gluon over the `tl` kernel,
-    `gluon_tiling` its tiling (None: gluon_attention.default_gluon_tiling; its block_m sets the query block).
+    """HSTU attention of one batch's queries over their users' paged history, with workspaces sized at construction:
+    `run` allocates nothing and reads every length from device tensors, so one captured graph replays any batch within
+    the capacity. `mask`: the model's mask options (target-aware candidates only). `max_seq_len`: the constant rule's
+    N when `run` gets no 1/N tensor. `kv_dtype` None: the cache holds `dtype`, else uint8 pages of fp8 codes and scale
+    rows (layerflow.tier.layout); `fp8_mma`: the tl kernel's MMA dtypes over them. `kernel`: select_kernel's choice of
+    a Gluon kernel over the `tl` one, `gluon_tiling` its tiling (None: the default; its block_m sets the query block).
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
@@ -376,10 +372,9 @@ class PagedAttention:
             page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
             appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor | None = None,
             reduce: bool = True) -> torch.Tensor:
-        """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees (see the module docstring); `inv_n`
-        holds 1/N on the device, for the batch ([1]) or per user ([max_batch]); without it, 1/max_seq_len.
-        With `reduce=False` a split kernel's fp32 partials [splits, max_tokens, H, D] are returned unsummed, for a
-        consumer that sums them as it reads them (the output gate); `out` is returned when there is one split."""
+        """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees; `inv_n`: 1/N on the device ([1] or
+        [max_batch]; None: 1/max_seq_len). `reduce=False` returns a split kernel's fp32 partials [splits, max_tokens,
+        H, D] unsummed, for a consumer that sums them as it reads them (the output gate); one split: `out`."""
         inv_n = self.constant_inv_n if inv_n is None else inv_n
         self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out, inv_n)
         t = self.tiling
