@@ -26,8 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
-from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _store_partial,
-                                           _tile_pages, _user_block)
+from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _split_range,
+                                           _store_partial, _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
@@ -110,21 +110,8 @@ def _gluon_attention_kernel(
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
-    q_start = gl.load(q_offsets_ptr + user)
-    q_len = gl.load(q_offsets_ptr + user + 1) - q_start
-    hist = gl.load(history_lens_ptr + user)
-    appended = gl.load(appended_lens_ptr + user)
-    row0 = block * BLOCK_M
-    last = gl.minimum(row0 + BLOCK_M, q_len) - 1
-    # The `tl` kernel's split of [0, hist) for the default mask: chunks of whole tiles, the block's last row
-    # bounding what any of its rows sees.
-    kv_end = gl.minimum(hist, hist - appended + last + 1)
-    chunk = gl.cdiv(gl.cdiv(hist, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, kv_end)
-    num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    num_self = gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
-    num_tiles = num_hist + num_self
+    q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
+        q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
 
     # The query block, once, into shared memory (wgmma's A operand).
     q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile, _start_codes,
                                               _tile_dots)
-from layerflow.kernels.gluon_tiles import _store_partial, _user_block
+from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _user_block
 from layerflow.tier.layout import FP8_DTYPES
 
 SCALE_COPIES = ("load", "async")
@@ -187,20 +187,8 @@ def _gluon_fp8_kernel(
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
-    q_start = gl.load(q_offsets_ptr + user)
-    q_len = gl.load(q_offsets_ptr + user + 1) - q_start
-    hist = gl.load(history_lens_ptr + user)
-    appended = gl.load(appended_lens_ptr + user)
-    row0 = block * BLOCK_M
-    last = gl.minimum(row0 + BLOCK_M, q_len) - 1
-    # The split of [0, hist) of the bf16 Gluon kernel: whole tiles, the block's last row bounding what it sees;
-    # the candidates' own keys are BLOCK_M // BLOCK_N more tiles, run by split 0.
-    kv_end = gl.minimum(hist, hist - appended + last + 1)
-    chunk = gl.cdiv(gl.cdiv(hist, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = gl.minimum(lo + chunk, kv_end)
-    num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    num_tiles = num_hist + gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
+    q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
+        q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, NUM_SPLITS, BLOCK_M, BLOCK_N)
 
     q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     q_token = (q_start + row0 + q_rows).to(gl.int64)

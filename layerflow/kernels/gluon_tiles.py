@@ -32,6 +32,27 @@ def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
+def _split_range(q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The program's rows and keys: (q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles). History keys
+    [lo, hi) are the `tl` kernel's split of [0, hist) for the default mask (chunks of whole tiles, the block's last row
+    bounding what any of its rows sees); the candidates' own keys are BLOCK_M // BLOCK_N more tiles, run by split 0."""
+    q_start = gl.load(q_offsets_ptr + user)
+    q_len = gl.load(q_offsets_ptr + user + 1) - q_start
+    hist = gl.load(history_lens_ptr + user)
+    appended = gl.load(appended_lens_ptr + user)
+    row0 = block * BLOCK_M
+    last = gl.minimum(row0 + BLOCK_M, q_len) - 1
+    kv_end = gl.minimum(hist, hist - appended + last + 1)
+    chunk = gl.cdiv(gl.cdiv(hist, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, kv_end)
+    num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    num_tiles = num_hist + gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
+    return q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles
+
+
+@gluon.jit
 def _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D: gl.constexpr, ROWS_M: gl.constexpr,
                 layout: gl.constexpr):
     """The block's query rows row0 .. row0 + ROWS_M of head `head` ([ROWS_M, D], zero past q_len)."""
