@@ -142,10 +142,9 @@ def _paged_attention_kernel(
     hist = tl.load(history_lens_ptr + user)
     appended = tl.load(appended_lens_ptr + user)
     # Query j < appended is history position hist - appended + j; candidates sit at hist (their id clamps to m).
-    # Each row sees the history keys [row_lo, row_hi); for m <= 0 (a history shorter than the prefix) only a
-    # subset of that, so no tile is taken as fully seen. Ids grow with j, so row_lo does, and so does row_hi but
-    # for the contextual rows (all history): the block's bounds come from its first and last rows, else from a
-    # reduction over the rows.
+    # Each row sees the history keys [row_lo, row_hi) (for m <= 0 only a subset: no tile is fully seen). Ids grow
+    # with j, and so do row_lo and, but for the contextual rows, row_hi: the block's bounds are its end rows' (else
+    # a reduction over the rows).
     j = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = j < q_len
     history_row = j < appended
@@ -265,9 +264,8 @@ class PagedAttention:
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
                  kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None,
                  gluon_tiling: GluonTiling | None = None) -> None:
-        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens),
-                            ("max_pages_per_user", max_pages_per_user), ("num_heads", num_heads),
-                            ("max_seq_len", max_seq_len)):
+        for name, value in dict(max_batch=max_batch, max_tokens=max_tokens, max_pages_per_user=max_pages_per_user,
+                                num_heads=num_heads, max_seq_len=max_seq_len).items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
         for name, value, allowed in (("head_dim", head_dim, HEAD_DIMS), ("page_size", page_size, PAGE_SIZES),
@@ -327,9 +325,8 @@ class PagedAttention:
 
     def _chunk_pages(self) -> int:
         """Page-table entries one program's chunk can touch (power of two for the register slice)."""
-        t = self.tiling
-        longest = self.max_pages_per_user * self.page_size
-        chunk = triton.cdiv(triton.cdiv(longest, self.num_splits), t.block_n) * t.block_n
+        longest, block_n = self.max_pages_per_user * self.page_size, self.tiling.block_n
+        chunk = triton.cdiv(triton.cdiv(longest, self.num_splits), block_n) * block_n
         return triton.next_power_of_2(triton.cdiv(chunk, self.page_size) + 1)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
