@@ -15,7 +15,6 @@ for the other in a single call; `select_kernel` decides which one a PagedAttenti
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
+from layerflow.kernels.gluon_launcher import GluonLauncher, chosen
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _split_range,
                                            _store_partial, _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
@@ -222,18 +222,10 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch
     return None
 
 
-class GluonAttention:
-    """The Gluon kernel behind the `tl` kernel's launch interface: `self[grid](*args, **constexprs)` takes exactly
-    what `_paged_attention_kernel[grid]` takes and ignores the `tl`-only tiling knobs."""
+class GluonAttention(GluonLauncher):
+    """The bf16/fp16 Gluon kernel behind the `tl` kernel's launch interface (it ignores the `tl`-only tiling knobs)."""
 
-    def __init__(self, tiling: GluonTiling) -> None:
-        reason = tiling_reason(tiling)
-        if reason is not None:
-            raise ValueError(reason)
-        self.tiling = tiling
-
-    def __getitem__(self, grid: tuple[int, int, int]):
-        return functools.partial(self._launch, grid)
+    tiling_reason = staticmethod(tiling_reason)
 
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
@@ -273,8 +265,4 @@ def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, 
         return select_fp8_kernel(choice, device, dtype, kv_dtype, head_dim, block_m, window, contextual)
     tiling = tiling or default_gluon_tiling(head_dim, page_size)
     reason = unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, page_size)
-    if reason is None:
-        return GluonAttention(tiling)
-    if choice == "gluon":
-        raise ValueError(f"kernel='gluon': {reason}")
-    return None
+    return chosen(choice, reason, lambda: GluonAttention(tiling))

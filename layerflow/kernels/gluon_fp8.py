@@ -17,7 +17,6 @@ scale bytes reach the scale ring (Fp8Tiling.scale_copy, else $LAYERFLOW_FP8_SCAL
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile, _start_codes,
                                               _tile_dots)
+from layerflow.kernels.gluon_launcher import GluonLauncher, chosen
 from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _user_block
 from layerflow.tier.layout import FP8_DTYPES
 
@@ -240,19 +240,11 @@ def fill_rows(block_n: int, head_dim: int, warps: int) -> int:
     return min(block_n, 32 * 32 * warps // head_dim)
 
 
-class GluonFp8Attention:
-    """The fp8 Gluon kernel behind the `tl` kernel's launch interface: `self[grid](*args, **constexprs)` takes
-    exactly what `_paged_attention_kernel[grid]` takes and ignores the `tl`-only knobs (its tiling, and the fp16 MMA
-    choice of layerflow.kernels.fp8: this kernel always runs the dots in the model's dtype)."""
+class GluonFp8Attention(GluonLauncher):
+    """The fp8 Gluon kernel behind the `tl` kernel's launch interface; it ignores the `tl`-only knobs (its tiling, and
+    the fp16 MMA choice of layerflow.kernels.fp8: this kernel always runs the dots in the model's dtype)."""
 
-    def __init__(self, tiling: Fp8Tiling) -> None:
-        reason = fp8_tiling_reason(tiling)
-        if reason is not None:
-            raise ValueError(reason)
-        self.tiling = tiling
-
-    def __getitem__(self, grid: tuple[int, int, int]):
-        return functools.partial(self._launch, grid)
+    tiling_reason = staticmethod(fp8_tiling_reason)
 
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
@@ -283,8 +275,4 @@ def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_
         raise ValueError(f"kernel={choice!r}: expected 'auto' or 'gluon' (the caller handles 'triton')")
     tiling = tiling or default_fp8_tiling(head_dim, block_m)
     reason = fp8_unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
-    if reason is None and (choice == "gluon" or AUTO_TAKES_FP8):
-        return GluonFp8Attention(tiling)
-    if reason is not None and choice == "gluon":
-        raise ValueError(f"kernel='gluon': {reason}")
-    return None
+    return chosen(choice, reason, lambda: GluonFp8Attention(tiling), AUTO_TAKES_FP8)
