@@ -185,7 +185,8 @@ FP8_SWEEP = {
 }
 
 
-GLUON_OPTIONS = "m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU)"
+GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU), "
+                 "rN (the loader's registers per thread)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -211,6 +212,8 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["overlap"] = True
         elif word == "tanh":
             options["tanh_silu"] = True
+        elif word[:1] == "r" and word[1:].isdigit():
+            options["producer_registers"] = int(word[1:])
         else:
             raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: option {word!r} is not one of {GLUON_OPTIONS}")
     return GluonTiling(**options)
@@ -230,6 +233,8 @@ def gluon_label(tiling: dict) -> str:
         words.append("ov")
     if tiling.get("tanh_silu"):
         words.append("tanh")
+    if tiling.get("producer_registers", GluonTiling.producer_registers) != GluonTiling.producer_registers:
+        words.append(f"r{tiling['producer_registers']}")
     return ":".join(words)
 
 

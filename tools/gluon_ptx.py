@@ -59,10 +59,13 @@ def main() -> None:
                                 128),
         "64x2:ws m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=False, OVERLAP=False, TANH=False), 128),
         "64x3:sync m64": (dict(BLOCK_N=64, STAGES=3, WARP_SPECIALIZE=False, TMA=False, OVERLAP=False, TANH=False), 64),
+        "64x2:ws:tma:tanh:r96 m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
+                                           TANH=True, PRODUCER_REGISTERS=96), 128),
     }
     for name, (tiling, block_m) in variants.items():
         types = dict(bf16, cache_desc=mangle_type(desc)) if tiling["TMA"] else bf16
-        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m, **tiling, **({} if tiling["TMA"] else {"cache_desc": None}))
+        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m, **{"PRODUCER_REGISTERS": 64, **tiling},
+                          **({} if tiling["TMA"] else {"cache_desc": None}))
         print(f"bf16 {name}: {instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)}")
     fp8_types = dict(zip(POINTERS, ["*bf16"] * 3 + ["*u8"] + ["*i32"] * 4 + ["*fp32"] * 2))
     for scales in (False, True):

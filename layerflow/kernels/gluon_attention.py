@@ -38,7 +38,6 @@ GLUON_VARIANTS = ("sync", "ws")
 GLUON_LOADERS = ("cp.async", "tma")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
-PRODUCER_REGISTERS = gl.constexpr(64)
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,8 @@ class GluonTiling:
     instead of every loader thread's cp.async, and `overlap` runs the dots as asynchronous wgmma, the next tile's
     Q K^T on the tensor cores during this tile's SiLU (needs stages >= 3: the consumer holds two slots).
     `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any variant.
+    `producer_registers`: the loader warpgroup's registers per thread under "ws" (a multiple of 8 in [24, 256]); the
+    block's warps get what the SM has left.
     """
 
     block_n: int = 32
@@ -64,6 +65,7 @@ class GluonTiling:
     loader: str = "cp.async"
     overlap: bool = False
     tanh_silu: bool = False
+    producer_registers: int = 64
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -91,7 +93,7 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
-    num_warps: gl.constexpr,
+    PRODUCER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -196,6 +198,8 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: overlap and the TMA loader need variant 'ws'"
     if tiling.overlap and tiling.stages < 3:
         return f"{tiling}: overlap needs stages >= 3 (the consumer holds two slots)"
+    if tiling.producer_registers % 8 or not 24 <= tiling.producer_registers <= 256:
+        return f"{tiling}: producer_registers must be a multiple of 8 in [24, 256]"
     return None
 
 
@@ -245,7 +249,7 @@ class GluonAttention(GluonLauncher):
                                       BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
                                       TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
-                                      num_warps=BLOCK_M // 16)
+                                      PRODUCER_REGISTERS=t.producer_registers, num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -81,12 +81,14 @@ VARIANTS = [GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"), GluonTiling(64, 
             GluonTiling(32, 4, "ws", loader="tma", overlap=True),
             GluonTiling(64, 3, "ws", block_m=64, loader="tma", overlap=True),
             GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True),
+            GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True, producer_registers=96),
             GluonTiling(32, 4, "ws", loader="tma", overlap=True, tanh_silu=True)]
 
 
 def variant_id(tiling: GluonTiling) -> str:
     options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["tma"] * (tiling.loader == "tma") + \
-        ["ov"] * tiling.overlap + ["tanh"] * tiling.tanh_silu
+        ["ov"] * tiling.overlap + ["tanh"] * tiling.tanh_silu + \
+        [f"r{tiling.producer_registers}"] * (tiling.producer_registers != GluonTiling.producer_registers)
     return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 

@@ -92,6 +92,12 @@ def test_a_launcher_of_a_bad_variant_is_refused(tiling):
         GluonAttention(tiling)
 
 
+@pytest.mark.parametrize("registers", [20, 100, 264])
+def test_a_launcher_of_a_bad_loader_register_count_is_refused(registers):
+    with pytest.raises(ValueError, match=f"producer_registers.*{registers}|{registers}.*producer_registers"):
+        GluonAttention(GluonTiling(64, 2, "ws", producer_registers=registers))
+
+
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)
 def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
