@@ -28,9 +28,9 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="async"), "variant"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_m=32), "block_m must be"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", loader="dma"), "loader one of"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "need variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "needs variant 'ws'"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 2, "ws", overlap=True), "stages >= 3"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "need variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "needs variant 'ws' or 'pp'"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(block_n=64, stages=3, block_m=128), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
@@ -96,6 +96,13 @@ def test_a_launcher_of_a_bad_variant_is_refused(tiling):
 def test_a_launcher_of_a_bad_loader_register_count_is_refused(registers):
     with pytest.raises(ValueError, match=f"producer_registers.*{registers}|{registers}.*producer_registers"):
         GluonAttention(GluonTiling(64, 2, "ws", producer_registers=registers))
+
+
+def test_the_ping_pong_variant_needs_a_128_row_block():
+    tiling = GluonTiling(64, 2, "pp")
+    assert "needs a 128-row query block" in unsupported_reason(torch.device("cpu"), torch.bfloat16, None, 256, 64,
+                                                               0, 0, tiling)
+    assert "sm_90" in unsupported_reason(torch.device("cpu"), torch.bfloat16, None, 256, 128, 0, 0, tiling)
 
 
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)
