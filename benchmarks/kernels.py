@@ -186,7 +186,7 @@ FP8_SWEEP = {
 
 
 GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU), "
-                 "rN (the loader's registers per thread)")
+                 "rN (the loader's registers per thread), wt (no mask on whole tiles)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -212,6 +212,8 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["overlap"] = True
         elif word == "tanh":
             options["tanh_silu"] = True
+        elif word == "wt":
+            options["unmasked_whole_tiles"] = True
         elif word[:1] == "r" and word[1:].isdigit():
             options["producer_registers"] = int(word[1:])
         else:
@@ -235,6 +237,8 @@ def gluon_label(tiling: dict) -> str:
         words.append("tanh")
     if tiling.get("producer_registers", GluonTiling.producer_registers) != GluonTiling.producer_registers:
         words.append(f"r{tiling['producer_registers']}")
+    if tiling.get("unmasked_whole_tiles"):
+        words.append("wt")
     return ":".join(words)
 
 

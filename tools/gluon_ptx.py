@@ -63,10 +63,14 @@ def main() -> None:
                                            TANH=True, PRODUCER_REGISTERS=96), 128),
         "64x2:pp:tma:tanh:r96 m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
                                            TANH=True, PRODUCER_REGISTERS=96, PINGPONG=True), 128),
+        "64x2:ws:tma:tanh:r96:wt m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
+                                              TANH=True, PRODUCER_REGISTERS=96, WHOLE=True), 128),
+        "64x2:pp:tma:tanh:wt m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
+                                          TANH=True, PINGPONG=True, WHOLE=True), 128),
     }
     for name, (tiling, block_m) in variants.items():
         types = dict(bf16, cache_desc=mangle_type(desc)) if tiling["TMA"] else bf16
-        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m, **{"PRODUCER_REGISTERS": 64, "PINGPONG": False, **tiling},
+        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m, **{"PRODUCER_REGISTERS": 64, "PINGPONG": False, "WHOLE": False, **tiling},
                           **({} if tiling["TMA"] else {"cache_desc": None}))
         warps = block_m // 16 // (1 + constexprs["PINGPONG"])
         print(f"bf16 {name}: {instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, warps)}")

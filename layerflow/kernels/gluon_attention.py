@@ -57,7 +57,8 @@ class GluonTiling:
     wgmma, the next tile's Q K^T on the tensor cores during this tile's SiLU (needs stages >= 3: the consumer holds
     two slots). `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any
     variant. `producer_registers`: the loader warpgroup's registers per thread under "ws" and "pp" (a multiple of 8
-    in [24, 256]); the consumers get what the SM has left.
+    in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap, "pp"):
+    no mask on the history tiles every row of the block sees whole.
     """
 
     block_n: int = 32
@@ -68,6 +69,7 @@ class GluonTiling:
     overlap: bool = False
     tanh_silu: bool = False
     producer_registers: int = 64
+    unmasked_whole_tiles: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -95,7 +97,7 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
-    PRODUCER_REGISTERS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGISTERS: gl.constexpr, PINGPONG: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -152,10 +154,12 @@ def _gluon_attention_kernel(
             gl.warp_specialize([
                 (_pp_consumer, (q_block, k_ring, v_ring, ready, empty, turn, gl.constexpr(0), num_tiles, num_hist,
                                 lo, hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0,
-                                q_len, head, H, D, BLOCK_M // 2, BLOCK_N, STAGES, TANH, s_layout, o_layout, p_layout)),
+                                q_len, head, H, D, BLOCK_M // 2, BLOCK_N, STAGES, TANH, WHOLE, s_layout, o_layout,
+                                p_layout)),
                 (_pp_consumer, (q_block, k_ring, v_ring, ready, empty, turn, gl.constexpr(1), num_tiles, num_hist,
                                 lo, hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0,
-                                q_len, head, H, D, BLOCK_M // 2, BLOCK_N, STAGES, TANH, s_layout, o_layout, p_layout)),
+                                q_len, head, H, D, BLOCK_M // 2, BLOCK_N, STAGES, TANH, WHOLE, s_layout, o_layout,
+                                p_layout)),
                 (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
                                k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
                                BLOCK_N, STAGES, TMA)),
@@ -166,7 +170,7 @@ def _gluon_attention_kernel(
             gl.warp_specialize([
                 (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
                                 hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M,
-                                BLOCK_N, STAGES, OVERLAP, TANH, s_layout, o_layout, p_layout)),
+                                BLOCK_N, STAGES, OVERLAP, TANH, WHOLE, s_layout, o_layout, p_layout)),
                 (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
                                k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
                                BLOCK_N, STAGES, TMA)),
@@ -275,6 +279,7 @@ class GluonAttention(GluonLauncher):
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant != "sync",
                                       TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, PINGPONG=t.variant == "pp",
+                                      WHOLE=t.unmasked_whole_tiles,
                                       num_warps=BLOCK_M // 16 // (1 + (t.variant == "pp")))
 
 

@@ -134,10 +134,37 @@ def _tanh_silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, B
     """SiLU(s) = s/2 (1 + tanh(s/2)) where a row sees the tile's key, else 0: one tanh.approx.f32 on the SFU per
     score instead of an exp2 and a reciprocal (relative error ~2^-11, below the 16-bit rounding of P)."""
     half = 0.5 * s
-    tanh = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=gl.float32, is_pure=True,
-                                     pack=1)
+    tanh = _tanh(half)
     seen = _seen(tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
     return gl.where(seen, half + half * tanh, 0.0)
+
+
+@gluon.jit
+def _tanh(x):
+    """tanh.approx.f32 of each element."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _whole_tiles(hist_end, lo, num_hist, BLOCK_N: gl.constexpr):
+    """How many of the split's history tiles, from its first, every row of the block sees whole (hist_end: each
+    row's end of history, _row_bounds), so their SiLU needs no mask."""
+    return gl.minimum(gl.maximum(gl.min(hist_end, axis=0) - lo, 0) // BLOCK_N, num_hist)
+
+
+@gluon.jit
+def _tile_silu(s, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N: gl.constexpr,
+               TANH: gl.constexpr):
+    """_masked_silu, without the mask on the first `whole` tiles (_whole_tiles)."""
+    if tile < whole:
+        if TANH:
+            half = 0.5 * s
+            p = half + half * _tanh(half)
+        else:
+            p = s / (1.0 + gl.exp2(-LOG2E * s))
+    else:
+        p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+    return p
 
 
 @gluon.jit

@@ -11,17 +11,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from layerflow.kernels.gluon_tiles import _issue_tile, _masked_silu, _row_bounds, _store_partial, _tile_pages
+from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _row_bounds, _store_partial, _tile_pages,
+                                          _tile_silu, _whole_tiles)
 
 
 @gluon.jit
 def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended, hist, inv_n,
                  dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr, D: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                 TANH: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                 TANH: gl.constexpr, WHOLE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                 p_layout: gl.constexpr):
     """The block's warps: both dots of each tile once the producer says it has landed, the slot back to the
     producer, then the block's partial. With OVERLAP the next tile's S = Q K^T runs on the tensor cores while this
-    tile's SiLU runs (_overlapped_tiles); TANH picks the SiLU (_masked_silu)."""
+    tile's SiLU runs (_overlapped_tiles); TANH picks the SiLU (_masked_silu); WHOLE skips the mask on the tiles
+    every row sees whole (_tile_silu)."""
     r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -31,12 +34,16 @@ def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, 
             acc = _overlapped_tiles(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
                                     hist_end, key_cols, s_zero, acc, BLOCK_N, STAGES, TANH, p_layout)
     else:
+        whole = _whole_tiles(hist_end, lo, num_hist, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
             mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
             fence_async_shared()
             s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
-            p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+            if WHOLE:
+                p = _tile_silu(s, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+            else:
+                p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             acc = warpgroup_mma(p, v_ring.index(slot), acc)
             gl.thread_barrier()
@@ -48,7 +55,8 @@ def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, 
 def _pp_consumer(q_block, k_ring, v_ring, ready, empty, turn, ME: gl.constexpr, num_tiles, num_hist, lo, hi, alpha,
                  appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
                  D: gl.constexpr, ROWS_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 TANH: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                 TANH: gl.constexpr, WHOLE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                 p_layout: gl.constexpr):
     """Ping-pong consumer ME (0 or 1): rows ME * ROWS_M .. of the block. Per tile it takes two turns on the tensor
     cores, S = Q K^T then O += P V, and hands the turn to its partner after each, so the partner's dot runs during
     this one's SiLU. turn[c] completes a phase when c's partner hands it the turn; consumer 0 goes first (its k-th
@@ -65,6 +73,7 @@ def _pp_consumer(q_block, k_ring, v_ring, ready, empty, turn, ME: gl.constexpr, 
         s_zero = gl.zeros([ROWS_M, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([ROWS_M, D], gl.float32, o_layout)
         q_rows = q_block.slice(first_row, ROWS_M)
+        whole = _whole_tiles(hist_end, lo, num_hist, BLOCK_N)
         for tile in range(num_tiles):
             slot = tile % STAGES
             mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
@@ -74,7 +83,10 @@ def _pp_consumer(q_block, k_ring, v_ring, ready, empty, turn, ME: gl.constexpr, 
             s = warpgroup_mma(q_rows, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
             if paired:
                 mbarrier.arrive(partner, count=1)
-            p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+            if WHOLE:
+                p = _tile_silu(s, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+            else:
+                p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             p = gl.convert_layout(p.to(q_rows.dtype), p_layout)
             if paired:
                 mbarrier.wait(mine, ME)

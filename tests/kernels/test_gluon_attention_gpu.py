@@ -84,13 +84,17 @@ VARIANTS = [GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"), GluonTiling(64, 
             GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True, producer_registers=96),
             GluonTiling(64, 2, "pp", block_m=128), GluonTiling(64, 2, "pp", block_m=128, loader="tma", tanh_silu=True),
             GluonTiling(64, 2, "pp", block_m=128, loader="tma", tanh_silu=True, producer_registers=96),
+            GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True, producer_registers=96, unmasked_whole_tiles=True),
+            GluonTiling(64, 2, "ws", unmasked_whole_tiles=True),
+            GluonTiling(64, 2, "pp", block_m=128, loader="tma", tanh_silu=True, unmasked_whole_tiles=True),
             GluonTiling(32, 4, "ws", loader="tma", overlap=True, tanh_silu=True)]
 
 
 def variant_id(tiling: GluonTiling) -> str:
     options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["tma"] * (tiling.loader == "tma") + \
         ["ov"] * tiling.overlap + ["tanh"] * tiling.tanh_silu + \
-        [f"r{tiling.producer_registers}"] * (tiling.producer_registers != GluonTiling.producer_registers)
+        [f"r{tiling.producer_registers}"] * (tiling.producer_registers != GluonTiling.producer_registers) + \
+        ["wt"] * tiling.unmasked_whole_tiles
     return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 
