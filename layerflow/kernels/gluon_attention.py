@@ -28,13 +28,13 @@ from layerflow.kernels.gluon_fp8 import select_fp8_kernel
 from layerflow.kernels.gluon_launcher import GluonLauncher, chosen
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _split_range,
                                            _store_partial, _tile_pages, _user_block)
-from layerflow.kernels.gluon_ws import _pp_consumer, _ws_consumer, _ws_producer
+from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "ws", "pp")
+GLUON_VARIANTS = ("sync", "ws")
 GLUON_LOADERS = ("cp.async", "tma")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
@@ -47,17 +47,15 @@ class GluonTiling:
 
     - "sync": the block's warps issue each tile's copies STAGES - 1 tiles ahead and run both dots synchronously;
     - "ws": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
-      per slot), the block's warps only wait for tiles and run the dots;
-    - "pp": "ws" with the 128-row block's halves in two consumer warpgroups that take turns on the tensor cores
-      (gluon_ws._pp_consumer), one's SiLU overlapping the other's dots (block_m 128 only).
+      per slot), the block's warps only wait for tiles and run the dots.
 
-    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "ws"
-    and "pp", `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >=
+    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "ws",
+    `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >=
     block_n / 2) instead of every loader thread's cp.async; under "ws", `overlap` runs the dots as asynchronous
     wgmma, the next tile's Q K^T on the tensor cores during this tile's SiLU (needs stages >= 3: the consumer holds
     two slots). `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any
-    variant. `producer_registers`: the loader warpgroup's registers per thread under "ws" and "pp" (a multiple of 8
-    in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap, "pp"):
+    variant. `producer_registers`: the loader warpgroup's registers per thread under "ws" (a multiple of 8
+    in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap):
     no mask on the history tiles every row of the block sees whole.
     """
 
@@ -78,11 +76,13 @@ class GluonTiling:
 
 def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTiling:
     """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys, SiLU by one
-    tanh.approx per score (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size
-    None: assumed to); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise)."""
+    tanh.approx per score and without a mask on whole tiles (the H200's fastest at 16K and 2K with 0 and 256
+    candidates, docs/performance.md; page_size None: assumed to); smaller heads: 64-key tiles three deep,
+    synchronous (not yet measured otherwise)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
-        return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async", tanh_silu=True)
+        return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async", tanh_silu=True,
+                           unmasked_whole_tiles=True)
     return GluonTiling(block_n=64, stages=3)
 
 
@@ -97,7 +97,7 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
-    PRODUCER_REGISTERS: gl.constexpr, PINGPONG: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -138,43 +138,22 @@ def _gluon_attention_kernel(
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for t in gl.static_range(STAGES):
             mbarrier.init(ready.index(t), count=1)
-            mbarrier.init(empty.index(t), count=1 + PINGPONG)
+            mbarrier.init(empty.index(t), count=1)
         # What the loader reads whole history tiles through: the TMA descriptor, else the head's pointer (unused).
         if TMA:
             pool = cache_desc
         else:
             pool = cache_h
-        if PINGPONG:
-            # turn[c]: consumer c may use the tensor cores (its partner handed the turn over).
-            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for c in gl.static_range(2):
-                mbarrier.init(turn.index(c), count=1)
-            fence_async_shared()
-            gl.thread_barrier()
-            gl.warp_specialize([
-                (_pp_consumer, (q_block, k_ring, v_ring, ready, empty, turn, gl.constexpr(0), num_tiles, num_hist,
-                                lo, hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0,
-                                q_len, head, H, D, BLOCK_M // 2, BLOCK_N, STAGES, TANH, WHOLE, s_layout, o_layout,
-                                p_layout)),
-                (_pp_consumer, (q_block, k_ring, v_ring, ready, empty, turn, gl.constexpr(1), num_tiles, num_hist,
-                                lo, hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0,
-                                q_len, head, H, D, BLOCK_M // 2, BLOCK_N, STAGES, TANH, WHOLE, s_layout, o_layout,
-                                p_layout)),
-                (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
-                               k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
-                               BLOCK_N, STAGES, TMA)),
-            ], [num_warps, PRODUCER_WARPS], [(512 - PRODUCER_REGISTERS) // 16 * 8, PRODUCER_REGISTERS])
-        else:
-            fence_async_shared()
-            gl.thread_barrier()
-            gl.warp_specialize([
-                (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
-                                hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M,
-                                BLOCK_N, STAGES, OVERLAP, TANH, WHOLE, s_layout, o_layout, p_layout)),
-                (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
-                               k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
-                               BLOCK_N, STAGES, TMA)),
-            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
+                            hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M,
+                            BLOCK_N, STAGES, OVERLAP, TANH, WHOLE, s_layout, o_layout, p_layout)),
+            (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
+                           k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
+                           BLOCK_N, STAGES, TMA)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         # Which keys each row sees (_row_bounds), for the whole block.
         r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
@@ -219,10 +198,10 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
-    if tiling.overlap and tiling.variant != "ws":
-        return f"{tiling}: overlap needs variant 'ws'"
-    if tiling.loader == "tma" and tiling.variant == "sync":
-        return f"{tiling}: the TMA loader needs variant 'ws' or 'pp'"
+    if (tiling.overlap or tiling.loader == "tma") and tiling.variant != "ws":
+        return f"{tiling}: overlap and the TMA loader need variant 'ws'"
+    if tiling.unmasked_whole_tiles and (tiling.variant != "ws" or tiling.overlap):
+        return f"{tiling}: unmasked whole tiles need variant 'ws' without overlap"
     if tiling.overlap and tiling.stages < 3:
         return f"{tiling}: overlap needs stages >= 3 (the consumer holds two slots)"
     if tiling.producer_registers % 8 or not 24 <= tiling.producer_registers <= 256:
@@ -244,8 +223,6 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch
     block_m = tiling.query_block(block_m)
     if block_m not in (64, 128) or head_dim not in (64, 128, 256):
         return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
-    if tiling.variant == "pp" and block_m != 128:
-        return f"{tiling} at block_m={block_m}: variant 'pp' needs a 128-row query block"
     if tiling.loader == "tma" and page_size is not None and 2 * page_size < tiling.block_n:
         return f"{tiling} at page_size={page_size}: the TMA loader needs page_size >= block_n / 2"
     if shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
@@ -276,11 +253,10 @@ class GluonAttention(GluonLauncher):
                                           [min(PAGE, t.block_n), D], SMEM_LAYOUT.value)
         _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc, H=H, D=D, PAGE=PAGE,
                                       BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
-                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant != "sync",
+                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
                                       TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
-                                      PRODUCER_REGISTERS=t.producer_registers, PINGPONG=t.variant == "pp",
-                                      WHOLE=t.unmasked_whole_tiles,
-                                      num_warps=BLOCK_M // 16 // (1 + (t.variant == "pp")))
+                                      PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
+                                      num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -153,17 +153,19 @@ def _whole_tiles(hist_end, lo, num_hist, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _tile_silu(s, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N: gl.constexpr,
+def _tile_silu(raw, alpha, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N: gl.constexpr,
                TANH: gl.constexpr):
-    """_masked_silu, without the mask on the first `whole` tiles (_whole_tiles)."""
+    """_masked_silu of alpha * raw (raw = Q K^T), without the mask on the first `whole` tiles (_whole_tiles); there
+    the tanh SiLU takes alpha / 2 in one product (the same values: halving is exact)."""
     if tile < whole:
         if TANH:
-            half = 0.5 * s
+            half = raw * (0.5 * alpha)
             p = half + half * _tanh(half)
         else:
+            s = raw * alpha
             p = s / (1.0 + gl.exp2(-LOG2E * s))
     else:
-        p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+        p = _masked_silu(raw * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
     return p
 
 

@@ -2,9 +2,7 @@
 each tile into the next free ring slot and the block's warps run both dots, handing slots back and forth through two
 mbarriers per slot (ready: the tile landed; empty: the consumer is done with it). The loader moves history tiles by
 cp.async (every thread, masked rows zeroed) or, with TMA, whole tiles by bulk tensor copies of page boxes (one
-thread, mbarrier expect-tx), the ragged last tile and self tiles by cp.async. Variant "pp" (ping-pong) splits the
-block's rows between two consumer warpgroups that take turns on the tensor cores, so one's SiLU runs while the
-other's dots do (_pp_consumer)."""
+thread, mbarrier expect-tx), the ragged last tile and self tiles by cp.async."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,68 +37,16 @@ def _ws_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, 
             slot = tile % STAGES
             mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
             fence_async_shared()
-            s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
+            raw = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False)
             if WHOLE:
-                p = _tile_silu(s, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+                p = _tile_silu(raw, alpha, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             else:
-                p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+                p = _masked_silu(raw * alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
             p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             acc = warpgroup_mma(p, v_ring.index(slot), acc)
             gl.thread_barrier()
             mbarrier.arrive(empty.index(slot), count=1)
     _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
-
-
-@gluon.jit
-def _pp_consumer(q_block, k_ring, v_ring, ready, empty, turn, ME: gl.constexpr, num_tiles, num_hist, lo, hi, alpha,
-                 appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
-                 D: gl.constexpr, ROWS_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 TANH: gl.constexpr, WHOLE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                 p_layout: gl.constexpr):
-    """Ping-pong consumer ME (0 or 1): rows ME * ROWS_M .. of the block. Per tile it takes two turns on the tensor
-    cores, S = Q K^T then O += P V, and hands the turn to its partner after each, so the partner's dot runs during
-    this one's SiLU. turn[c] completes a phase when c's partner hands it the turn; consumer 0 goes first (its k-th
-    wait passes after k hand-overs, consumer 1's after k + 1). When either's rows are all past the user's queries,
-    the other runs alone without turns, and the idle one only hands the slots back."""
-    first_row: gl.constexpr = ME * ROWS_M
-    active = row0 + first_row < q_len
-    paired = row0 + ROWS_M < q_len          # consumer 1 has rows, so both run
-    mine = turn.index(ME)
-    partner = turn.index(1 - ME)
-    if active:
-        r, self_end, hist_end = _row_bounds(first_row, ROWS_M, row0, q_len, appended, hist, hi, s_layout)
-        key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([ROWS_M, BLOCK_N], gl.float32, s_layout)
-        acc = gl.zeros([ROWS_M, D], gl.float32, o_layout)
-        q_rows = q_block.slice(first_row, ROWS_M)
-        whole = _whole_tiles(hist_end, lo, num_hist, BLOCK_N)
-        for tile in range(num_tiles):
-            slot = tile % STAGES
-            mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
-            if paired:
-                mbarrier.wait(mine, 1 - ME)
-            fence_async_shared()
-            s = warpgroup_mma(q_rows, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False) * alpha
-            if paired:
-                mbarrier.arrive(partner, count=1)
-            if WHOLE:
-                p = _tile_silu(s, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
-            else:
-                p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
-            p = gl.convert_layout(p.to(q_rows.dtype), p_layout)
-            if paired:
-                mbarrier.wait(mine, ME)
-            acc = warpgroup_mma(p, v_ring.index(slot), acc)
-            if paired:
-                mbarrier.arrive(partner, count=1)
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(slot), count=1)
-        _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0 + first_row, q_len, head, H, D, ROWS_M,
-                       o_layout)
-    else:
-        for tile in range(num_tiles):
-            mbarrier.wait(ready.index(tile % STAGES), (tile // STAGES) & 1)
-            mbarrier.arrive(empty.index(tile % STAGES), count=1)
 
 
 @gluon.jit

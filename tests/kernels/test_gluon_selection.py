@@ -28,9 +28,12 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="async"), "variant"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_m=32), "block_m must be"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", loader="dma"), "loader one of"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "needs variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "need variant 'ws'"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 2, "ws", overlap=True), "stages >= 3"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "needs variant 'ws' or 'pp'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(unmasked_whole_tiles=True), "without overlap"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(32, 3, "ws", overlap=True, unmasked_whole_tiles=True),
+     "without overlap"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "need variant 'ws'"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(block_n=64, stages=3, block_m=128), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
@@ -98,22 +101,17 @@ def test_a_launcher_of_a_bad_loader_register_count_is_refused(registers):
         GluonAttention(GluonTiling(64, 2, "ws", producer_registers=registers))
 
 
-def test_the_ping_pong_variant_needs_a_128_row_block():
-    tiling = GluonTiling(64, 2, "pp")
-    assert "needs a 128-row query block" in unsupported_reason(torch.device("cpu"), torch.bfloat16, None, 256, 64,
-                                                               0, 0, tiling)
-    assert "sm_90" in unsupported_reason(torch.device("cpu"), torch.bfloat16, None, 256, 128, 0, 0, tiling)
-
-
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)
 def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
 
 
-def test_the_default_for_256_wide_heads_is_the_warp_specialised_64x2_with_tma_where_pages_allow_and_tanh_silu():
-    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws", loader="tma", tanh_silu=True)
+def test_the_default_for_256_wide_heads_is_ws_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
+    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws", loader="tma", tanh_silu=True,
+                                                    unmasked_whole_tiles=True)
     assert default_gluon_tiling(256, page_size=32).loader == "tma"
-    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="ws", tanh_silu=True)
+    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="ws", tanh_silu=True,
+                                                                  unmasked_whole_tiles=True)
     assert default_gluon_tiling(128).variant == "sync"
 
 
