@@ -13,8 +13,6 @@ An fp8 cache (layerflow.kernels.fp8) is dequantised inside the tile loop, on loa
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,9 +30,6 @@ PAGE_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLITS = 128
-# The split partials' storage (summed in fp32 either way): half the bytes written and read again in 16 bits.
-PARTIALS_ENV = "LAYERFLOW_ATTENTION_PARTIALS"
-PARTIAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @triton.jit
@@ -251,7 +246,7 @@ def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_ba
     splits = tl.arange(0, SPLITS_P2)
     ok = offsets < total
     ptrs = partial_ptr + splits[:, None].to(tl.int64) * split_stride + offsets[None, :]
-    parts = tl.load(ptrs, mask=(splits[:, None] < NUM_SPLITS) & ok[None, :], other=0.0).to(tl.float32)
+    parts = tl.load(ptrs, mask=(splits[:, None] < NUM_SPLITS) & ok[None, :], other=0.0)
     tl.store(out_ptr + offsets, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -262,14 +257,13 @@ class PagedAttention:
     N when `run` gets no 1/N tensor. `kv_dtype` None: the cache holds `dtype`, else uint8 pages of fp8 codes and scale
     rows (layerflow.tier.layout); `fp8_mma`: the tl kernel's MMA dtypes over them. `kernel`: select_kernel's choice of
     a Gluon kernel over the `tl` one, `gluon_tiling` its tiling (None: the default; its block_m sets the query block).
-    `partials`: a key of PARTIAL_DTYPES (None: $LAYERFLOW_ATTENTION_PARTIALS, else "fp32").
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
                  kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None,
-                 gluon_tiling: GluonTiling | None = None, partials: str | None = None) -> None:
+                 gluon_tiling: GluonTiling | None = None) -> None:
         for name, value in dict(max_batch=max_batch, max_tokens=max_tokens, max_pages_per_user=max_pages_per_user,
                                 num_heads=num_heads, max_seq_len=max_seq_len).items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -280,9 +274,6 @@ class PagedAttention:
                 raise ValueError(f"{name}={value}: expected one of {allowed}")
         if not mask.target_aware:
             raise ValueError("mask.target_aware=False: the paged kernel serves target-aware candidates only")
-        partials = partials or os.environ.get(PARTIALS_ENV) or "fp32"
-        if partials not in PARTIAL_DTYPES:
-            raise ValueError(f"partials={partials!r}: expected one of {sorted(PARTIAL_DTYPES)} (or ${PARTIALS_ENV})")
         if kv_dtype is not None and kv_dtype not in FP8_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype}: expected None (the cache holds {dtype}) or one of {FP8_DTYPES}")
         self.kv_dtype, self.mask = kv_dtype, mask
@@ -302,7 +293,7 @@ class PagedAttention:
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
         self.query_slots = (max_tokens + max_batch * (self.block_m - 1)) // self.block_m
         self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
-        self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=PARTIAL_DTYPES[partials],
+        self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32,
                                      device=self.device) if self.num_splits > 1 else None)
 
     @classmethod
@@ -379,7 +370,7 @@ class PagedAttention:
             appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor | None = None,
             reduce: bool = True) -> torch.Tensor:
         """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees; `inv_n`: 1/N on the device ([1] or
-        [max_batch]; None: 1/max_seq_len). `reduce=False` returns a split kernel's partials [splits, max_tokens,
+        [max_batch]; None: 1/max_seq_len). `reduce=False` returns a split kernel's fp32 partials [splits, max_tokens,
         H, D] unsummed, for a consumer that sums them as it reads them (the output gate); one split: `out`."""
         inv_n = self.constant_inv_n if inv_n is None else inv_n
         self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out, inv_n)

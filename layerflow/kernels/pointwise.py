@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-PARTIAL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 _NORM, _GATED, _CONCAT = 0, 1, 2   # what the kernel writes: Norm(a), u * Norm(a), [u, a, u * Norm(a)]
 
 
@@ -28,7 +26,7 @@ def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, spli
     if SPLITS == 0:
         raw = tl.load(a_ptr + token * (GROUPS * G) + e, mask=ok, other=0.0)
     else:
-        # The attention's split partials, added in fp32 in split order (unrolled: every load is in flight at once).
+        # The attention's fp32 split partials, added in split order (unrolled: every load is in flight at once).
         total = tl.zeros([GROUPS_P2, G_P2], dtype=tl.float32)
         for split in tl.static_range(SPLITS):
             total += tl.load(a_ptr + split * split_stride + token * (GROUPS * G) + e, mask=ok, other=0.0)
@@ -107,14 +105,13 @@ def gated_layer_norm(u: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bia
 
 def gated_split_norm(u: torch.Tensor, partials: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                      out: torch.Tensor | None = None, *, groups: int = 1, concat: bool = False) -> torch.Tensor:
-    """`gated_layer_norm` of a = the sum of the attention's split partials [S, T, E] (fp32, fp16 or bf16), added in
-    fp32 in split order and rounded to u's dtype as the attention's own reduction would round them: the partials are
-    read once, by the gate, instead of by a reduction kernel whose output the gate reads again."""
-    if partials.dim() != 3 or partials.shape[1:] != u.shape or partials.dtype not in PARTIAL_DTYPES or \
+    """`gated_layer_norm` of a = the sum of the attention's fp32 split partials [S, T, E], added in split order and
+    rounded to u's dtype as the attention's own reduction would round them: the partials are read once, by the gate,
+    instead of by a reduction kernel whose output the gate reads again."""
+    if partials.dim() != 3 or partials.shape[1:] != u.shape or partials.dtype != torch.float32 or \
             not partials.is_contiguous() or u.stride(1) != 1:
         raise ValueError(f"u {u.dtype} {tuple(u.shape)}, partials {partials.dtype} {tuple(partials.shape)}: expected "
-                         f"contiguous [S, T, E] partials of u's [T, E] rows (unit column stride) in one of "
-                         f"{PARTIAL_DTYPES}")
+                         f"contiguous float32 [S, T, E] partials of u's [T, E] rows (unit column stride)")
     return _launch(partials, weight, bias, eps, groups, u, _CONCAT if concat else _GATED, out, partials.shape[0])
 
 

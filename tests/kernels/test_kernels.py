@@ -13,7 +13,6 @@ if not torch.cuda.is_available():
 
 from layerflow.kernels import (AttentionTiling, PagedAttention, kv_append, kv_append_reference,  # noqa: E402
                                paged_attention_reference)
-from layerflow.kernels.attention import PARTIAL_DTYPES, PARTIALS_ENV  # noqa: E402
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference  # noqa: E402
 from layerflow.model.mask import MaskRule  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
@@ -98,40 +97,6 @@ def test_half_precision_close_to_fp32_reference():
     expected = paged_attention_reference(*f32, *batch.lengths, torch.empty_like(f32[0]), alpha=ALPHA,
                                          max_seq_len=MAX_SEQ_LEN)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-5)
-
-
-@pytest.mark.parametrize("partials", ["fp16", "bf16"])
-def test_16_bit_partials_hold_the_fp32_partials_to_their_rounding(partials, monkeypatch):
-    """The split partials stored in 16 bits (argument or $LAYERFLOW_ATTENTION_PARTIALS): each is the fp32 partial
-    rounded once (within one unit of the last place, subnormals included: the CPU interpreter truncates to bf16), and
-    their sum (in fp32) stays within that rounding of the fp32 result."""
-    lengths = dict(history_lens=[40, 2], appended_lens=[8, 2], candidate_lens=[4, 3])
-    batch = make_paged_batch(**lengths, num_heads=2, head_dim=64, page_size=16, dtype=torch.float32, device=DEVICE)
-    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
-
-    def run(**choice) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = PagedAttention(2, batch.q.shape[0], batch.page_table.shape[1], 2, 64, 16, torch.float32, DEVICE,
-                              ALPHA, MAX_SEQ_LEN, tiling=AttentionTiling(16, 16, 4, 1, num_splits=3), **choice)
-        out = attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.empty_like(batch.q))
-        return out.clone(), attn.partials.clone()
-
-    exact, exact_parts = run()
-    monkeypatch.setenv(PARTIALS_ENV, partials)
-    rounded, parts = run()
-    assert parts.dtype == PARTIAL_DTYPES[partials] and exact_parts.dtype == torch.float32
-    total = batch.total_tokens
-    eps, tiny = torch.finfo(PARTIAL_DTYPES[partials]).eps, torch.finfo(PARTIAL_DTYPES[partials]).tiny
-    torch.testing.assert_close(parts[:, :total].float(), exact_parts[:, :total], rtol=eps, atol=tiny * eps)
-    torch.testing.assert_close(rounded[:total], exact[:total], rtol=3 * eps, atol=3 * eps * exact.abs().max().item())
-    assert torch.equal(run(partials=partials)[1], parts)
-
-
-def test_an_unknown_partials_dtype_is_refused_by_name(monkeypatch):
-    with pytest.raises(ValueError, match="partials='fp8'"):
-        PagedAttention(1, 8, 2, 1, 64, 16, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN, partials="fp8")
-    monkeypatch.setenv(PARTIALS_ENV, "half")
-    with pytest.raises(ValueError, match=f"partials='half'.*{PARTIALS_ENV}"):
-        PagedAttention(1, 8, 2, 1, 64, 16, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN)
 
 
 def test_kv_append_writes_exactly_the_appended_slots():
