@@ -7,6 +7,9 @@ ceilings measured in the same run: a large bf16 GEMM (FLOP/s) and a device-to-de
 is the larger of its FLOPs and its bytes at those rates.
 
     python3 benchmarks/kernel_breakdown.py --seq-lens 2K,16K --out benchmarks/results/kernel-breakdown-h200.json
+
+With `--kv-cache-dtype fp8_e4m3` the pages hold fp8 codes and scale rows (docs/fp8.md) and the KV bytes of the
+attention's floor are those pages' bytes.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.workload import Workload  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
+from layerflow.tier.layout import KV_CACHE_DTYPES, KVLayout  # noqa: E402
 
-GROUPS = (("attention", ("attention",)), ("split sum", ("sum_splits",)), ("GEMM", ("nvjet", "gemm", "cutlass", "sm90")),
+GROUPS = (("attention", ("attention", "_gluon_fp8_kernel")), ("split sum", ("sum_splits",)),
+          ("GEMM", ("nvjet", "gemm", "cutlass", "sm90")),
           ("LayerNorm", ("norm",)), ("KV append", ("kv_append",)), ("copy D2H", ("DtoH",)), ("copy H2D", ("HtoD",)),
           ("direct_copy", ("direct_copy",)))
 
@@ -57,13 +62,15 @@ def ceilings(device: torch.device) -> dict[str, float]:
     return {"gemm_tflops": 2 * n**3 / gemm_ms / 1e9, "d2d_tb_s": 2 * src.numel() / copy_ms / 1e9}
 
 
-def floors_us(settings: Settings, seq_len: int, ceiling: dict[str, float]) -> dict[str, float]:
-    """Counted work of one request: attention FLOPs and KV bytes, GEMM FLOPs and weight bytes, at the ceilings."""
+def floors_us(settings: Settings, seq_len: int, ceiling: dict[str, float], page_size: int) -> dict[str, float]:
+    """Counted work of one request: attention FLOPs and KV bytes (the pages of the cache's dtype), GEMM FLOPs and
+    weight bytes, at the ceilings."""
     m = settings.model
     queries = settings.append_len + settings.num_candidates
     keys = seq_len + settings.append_len
     attn_flops = m.num_layers * m.num_heads * queries * keys * 2 * (m.dqk + m.dv)
-    kv_bytes = m.num_layers * keys * m.num_heads * (m.dqk + m.dv) * m.dtype.itemsize
+    layout = KVLayout.for_hstu(m, page_size, settings.kv_cache_dtype)
+    kv_bytes = layout.pages_for_tokens(keys) * layout.page_bytes
     proj = m.embedding_dim * m.num_heads * (2 * m.dqk + 2 * m.dv) + m.num_heads * m.dv * m.embedding_dim
     gemm_flops = m.num_layers * 2 * queries * proj
     weight_bytes = m.num_layers * proj * m.dtype.itemsize
@@ -142,17 +149,19 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=parse_lengths, default=(2048, 16384))
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="what the pages hold: auto (the model's dtype) or an fp8 format")
     parser.add_argument("--out")
     parser.add_argument("--trace", help="write each length's Chrome trace to TRACE.<seq_len>.json")
     args = parser.parse_args()
     device = torch.device("cuda")
     settings = Settings(**{**GPU_DEFAULTS, "seq_lens": args.seq_lens, "batch_size": args.batch_size,
-                           "scenarios": ("gpu_hit",)})
+                           "scenarios": ("gpu_hit",), "kv_cache_dtype": args.kv_cache_dtype})
     ceiling = ceilings(device)
     torch.cuda.empty_cache()
     weights = HSTUWeights.init(settings.model, seed=0)
     out = {"command": " ".join(["python3"] + sys.argv), "environment": environment(device), "ceilings": ceiling,
-           "lengths": {}}
+           "kv_cache_dtype": args.kv_cache_dtype, "lengths": {}}
     config = transfer_config(settings, None)
     with Engine(weights, config, device=device, batch_buckets=(args.batch_size,),
                 token_buckets=(settings.query_tokens,)) as engine:
@@ -163,7 +172,7 @@ def main() -> None:
             workload.load(engine)
             trace = f"{args.trace}.{seq_len}.json" if args.trace else None
             rows, spans = breakdown(engine, workload, args.requests, trace)
-            floor = floors_us(settings, seq_len, ceiling)
+            floor = floors_us(settings, seq_len, ceiling, config.page_size)
             span = sorted(spans)[len(spans) // 2] if spans else None
             out["lengths"][seq_len] = {"rows": rows, "floor_us": floor, "summed_us": sum(r["us"] for r in rows),
                                        "device_span_us": spans, "device_span_median_us": span}

@@ -13,6 +13,13 @@ scale bytes reach the scale ring (Fp8Tiling.scale_copy, else $LAYERFLOW_FP8_SCAL
 - "load": loaded into registers with the tile's copies and stored into the ring an iteration later;
 - "async": the 4-byte words holding them are copied by cp.async in the tile's own copy group, so the loader never
   waits on a register load of bytes from HBM (it did once per tile with "load").
+Where the scales are applied (Fp8Tiling.scale_site, else $LAYERFLOW_FP8_SCALE_SITE):
+- "decode": the loader writes code * scale into the tile;
+- "dots": the loader writes the codes alone (one conversion fewer per code: no fp32 multiply) and the tile's key
+  scales beside them; the block's warps multiply each key's column of Q K^T by its K scale (with alpha) and of the
+  weights by its V scale, 2 x BLOCK_N products per row instead of 2 x D per key. Powers of two: the same products.
+The SiLU (Fp8Tiling.silu, else $LAYERFLOW_FP8_SILU): "exact" (exp2 and a reciprocal) or "tanh" (one tanh.approx
+per score, gluon_tiles._tanh_silu_of_seen, the bf16 kernel's default at D=256).
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ SCALE_COPIES = ("load", "async")
 SCALE_COPY_ENV = "LAYERFLOW_FP8_SCALE_COPY"
 # "load" is the path the H200 has proven; "async" becomes the default once it shows it correct and faster.
 DEFAULT_SCALE_COPY = "load"
+SCALE_SITES = ("decode", "dots")
+SCALE_SITE_ENV = "LAYERFLOW_FP8_SCALE_SITE"
+DEFAULT_SCALE_SITE = "decode"
+SILUS = ("exact", "tanh")
+SILU_ENV = "LAYERFLOW_FP8_SILU"
+DEFAULT_SILU = "exact"
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 # The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
@@ -49,8 +62,8 @@ LOADER_WARPS_AT_M64 = 4
 class Fp8Tiling:
     """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read, code slots in flight
     (`code_stages` >= 3: with "load" the scale bytes of a tile reach the scale ring an iteration after its copies
-    are issued), how the scale bytes travel (SCALE_COPIES), and the loader's warps (one or two warpgroups share the
-    decode) and their registers each."""
+    are issued), how the scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the
+    decode) and their registers each, where the scales are applied (SCALE_SITES) and the SiLU (SILUS)."""
 
     block_n: int = 32
     stages: int = 2
@@ -58,26 +71,39 @@ class Fp8Tiling:
     scale_copy: str = DEFAULT_SCALE_COPY
     producer_registers: int = 96
     producer_warps: int = 4
+    scale_site: str = DEFAULT_SCALE_SITE
+    silu: str = DEFAULT_SILU
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
         return tl_block_m
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """$name if set (ValueError naming it when it is not one of `choices`), else `default`."""
+    value = os.environ.get(name) or default
+    if value not in choices:
+        raise ValueError(f"${name}={value!r}: expected one of {choices}")
+    return value
+
+
 def default_fp8_tiling(head_dim: int, block_m: int = 128) -> Fp8Tiling:
-    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy of
-    $LAYERFLOW_FP8_SCALE_COPY (else DEFAULT_SCALE_COPY); LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
-    scale_copy = os.environ.get(SCALE_COPY_ENV) or DEFAULT_SCALE_COPY
-    if scale_copy not in SCALE_COPIES:
-        raise ValueError(f"${SCALE_COPY_ENV}={scale_copy!r}: expected one of {SCALE_COPIES}")
-    return Fp8Tiling(block_n=64 if head_dim <= 128 else 32, scale_copy=scale_copy,
-                     producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4)
+    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy, scale site and
+    SiLU of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE and $LAYERFLOW_FP8_SILU (else the defaults);
+    LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
+    return Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
+                     scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, DEFAULT_SCALE_COPY),
+                     producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4,
+                     scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
+                     silu=_env_choice(SILU_ENV, SILUS, DEFAULT_SILU))
 
 
 def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, itemsize: int = 2) -> int:
-    """Query block, bf16 K/V slots, K/V code slots and their 4-byte scales, plus 16 KiB of layout-conversion slack."""
+    """Query block, bf16 K/V slots (with the "dots" scale site their keys' fp32 scales), K/V code slots and their
+    4-byte scales, plus 16 KiB of layout-conversion slack."""
     tile_elements = 2 * tiling.block_n * head_dim
-    return (block_m * head_dim * itemsize + tiling.stages * tile_elements * itemsize
+    dot_scales = 2 * tiling.block_n * 4 if tiling.scale_site == "dots" else 0
+    return (block_m * head_dim * itemsize + tiling.stages * (tile_elements * itemsize + dot_scales)
             + tiling.code_stages * (tile_elements + 2 * tiling.block_n * 4) + 16 * 1024)
 
 
@@ -91,6 +117,10 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: producer_registers must be a multiple of 8 in [24, 256]"
     if tiling.producer_warps not in LOADER_WARPS:
         return f"{tiling}: producer_warps must be one of {LOADER_WARPS}"
+    if tiling.scale_site not in SCALE_SITES:
+        return f"{tiling}: scale_site must be one of {SCALE_SITES} (field or ${SCALE_SITE_ENV})"
+    if tiling.silu not in SILUS:
+        return f"{tiling}: silu must be one of {SILUS} (field or ${SILU_ENV})"
     return None
 
 
@@ -117,10 +147,11 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
 
 
 @gluon.jit
-def _fp8_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end,
-                  key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
-                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _fp8_consumer(q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist, lo, alpha, r,
+                  self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head,
+                  H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, DOT_SCALES: gl.constexpr, TANH: gl.constexpr, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Default partition: both dots of each tile once the loader says its slot is filled, the slot back to
     the loader, then the block's partial."""
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -128,19 +159,20 @@ def _fp8_consumer(q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo,
     for tile in range(num_tiles):
         slot = tile % STAGES
         mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
-        acc = _tile_dots(q_smem, k_ring.index(slot), v_ring.index(slot), acc, s_zero, alpha, tile, num_hist, lo, r,
-                         self_end, hist_end, key_cols, BLOCK_N, p_layout)
+        acc = _tile_dots(q_smem, k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot),
+                         v_dot_scales.index(slot), acc, s_zero, alpha, tile, num_hist, lo, r, self_end, hist_end,
+                         key_cols, BLOCK_N, DOT_SCALES, TANH, s_layout, p_layout)
         gl.thread_barrier()
         mbarrier.arrive(empty.index(slot), count=1)
     _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
 
 
 @gluon.jit
-def _fp8_producer(k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, empty, num_tiles, num_hist, lo, hi,
-                  page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0,
-                  H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CODE_STAGES: gl.constexpr, FILL_ROWS: gl.constexpr, FP8: gl.constexpr,
-                  ASYNC_SCALES: gl.constexpr):
+def _fp8_producer(k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready, empty,
+                  num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start,
+                  q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr, FILL_ROWS: gl.constexpr,
+                  FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, DOT_SCALES: gl.constexpr):
     """Loader partition: the code pipeline, and each landed tile decoded into the next free bf16 slot;
     `ready` completes once every loader thread's stores are visible to the tensor cores."""
     layout: gl.constexpr = _code_layout(D, gl.num_warps())
@@ -153,9 +185,10 @@ def _fp8_producer(k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, e
         slot = tile % STAGES
         code_slot = tile % CODE_STAGES
         mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
-        _fill_tile(k_ring.index(slot), v_ring.index(slot), k_codes.index(code_slot), v_codes.index(code_slot),
-                   k_scales.index(code_slot), v_scales.index(code_slot), tile, num_hist, k_ptr, v_ptr, k_stride,
-                   v_stride, q_start, q_len, head, row0, D, BLOCK_N, FILL_ROWS, FP8, ASYNC_SCALES, layout)
+        _fill_tile(k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot), v_dot_scales.index(slot),
+                   k_codes.index(code_slot), v_codes.index(code_slot), k_scales.index(code_slot),
+                   v_scales.index(code_slot), tile, num_hist, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
+                   row0, D, BLOCK_N, FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, layout)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(slot), count=1)
@@ -169,7 +202,7 @@ def _gluon_fp8_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    num_warps: gl.constexpr,
+    DOT_SCALES: gl.constexpr, TANH: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -218,6 +251,11 @@ def _gluon_fp8_kernel(
         inv_n = gl.load(inv_n_ptr)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    if DOT_SCALES:
+        k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
+        v_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
+    else:  # unused: the decode applies the scales
+        k_dot_scales, v_dot_scales = k_scales, v_scales
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for t in gl.static_range(STAGES):
@@ -226,12 +264,14 @@ def _gluon_fp8_kernel(
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
-        (_fp8_consumer, (q_smem, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, alpha, r, self_end,
-                         hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D,
-                         BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout, p_layout)),
-        (_fp8_producer, (k_ring, v_ring, k_codes, v_codes, k_scales, v_scales, ready, empty, num_tiles, num_hist, lo,
-                         hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
-                         row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES, FILL_ROWS, FP8, ASYNC_SCALES)),
+        (_fp8_consumer, (q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist, lo,
+                         alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0,
+                         q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, s_layout, o_layout,
+                         p_layout)),
+        (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
+                         empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
+                         v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
+                         FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES)),
     ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
@@ -263,7 +303,7 @@ class GluonFp8Attention(GluonLauncher):
                                 ASYNC_SCALES=t.scale_copy == "async",
                                 FILL_ROWS=fill_rows(t.block_n, D, t.producer_warps),
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
-                                num_warps=num_warps)
+                                DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh", num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,

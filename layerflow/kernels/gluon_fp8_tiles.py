@@ -1,12 +1,13 @@
 """The per-tile pieces of the fp8 Gluon attention kernel (layerflow.kernels.gluon_fp8): the code slots' layouts,
-the async copies of a tile's fp8 codes, its scale bytes, the decode of a landed tile into the dots' dtype, the code
-pipeline's prologue and step, and the two dots over a decoded tile."""
+the async copies of a tile's fp8 codes, its scale bytes, the decode of a landed tile into the dots' dtype (scaled, or
+the codes alone with their scales beside them), the code pipeline's prologue and step, and the two dots over a
+decoded tile."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
-from layerflow.kernels.gluon_tiles import _silu_of_seen, _tile_pages
+from layerflow.kernels.gluon_tiles import _masked_silu, _tile_pages
 
 
 @gluon.constexpr_function
@@ -80,29 +81,38 @@ def _row_scales(scales, ROWS_N: gl.constexpr, ASYNC_SCALES: gl.constexpr, layout
 
 @gluon.jit
 def _decode_rows(dst, codes, scales, ROWS_N: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
-                 layout: gl.constexpr):
-    """dst = codes * scales (one scale per row) in dst's dtype; exact: a code times a power of two."""
+                 DOT_SCALES: gl.constexpr, layout: gl.constexpr):
+    """dst = codes * scales (one scale per row) in dst's dtype, or with DOT_SCALES the codes alone (the dots apply
+    the scales); exact either way: a code (times a power of two)."""
     raw = codes.load(layout)
     if FP8 == 1:
-        values = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+        values = raw.to(gl.float8e4nv, bitcast=True)
     else:
-        values = raw.to(gl.float8e5, bitcast=True).to(gl.float32)
-    dst.store((values * _row_scales(scales, ROWS_N, ASYNC_SCALES, layout)[:, None]).to(dst.dtype))
+        values = raw.to(gl.float8e5, bitcast=True)
+    if DOT_SCALES:
+        dst.store(values.to(dst.dtype))
+    else:
+        dst.store((values.to(gl.float32) * _row_scales(scales, ROWS_N, ASYNC_SCALES, layout)[:, None]).to(dst.dtype))
 
 
 @gluon.jit
-def _fill_tile(k_dst, v_dst, k_codes, v_codes, k_scales, v_scales, tile, num_hist, k_ptr, v_ptr, k_stride, v_stride,
-               q_start, q_len, head, row0, D: gl.constexpr, BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr,
-               FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
+def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, tile, num_hist, k_ptr,
+               v_ptr, k_stride, v_stride, q_start, q_len, head, row0, D: gl.constexpr, BLOCK_N: gl.constexpr,
+               FILL_ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, DOT_SCALES: gl.constexpr,
+               layout: gl.constexpr):
     """Tile `tile`'s K and V in the dots' dtype into (k_dst, v_dst), FILL_ROWS rows at a time (bounding the
     registers it takes): a history tile decoded from its landed code slot and scale slot, a self tile (past the
-    history) the block's own K/V rows, zero past q_len."""
+    history) the block's own K/V rows, zero past q_len. With DOT_SCALES the history tile holds the codes alone and
+    its keys' scales go to (k_dot_scales, v_dot_scales), ones for a self tile."""
     if tile < num_hist:
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
             _decode_rows(k_dst.slice(c * FILL_ROWS, FILL_ROWS), k_codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, layout)
+                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, layout)
             _decode_rows(v_dst.slice(c * FILL_ROWS, FILL_ROWS), v_codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         v_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, layout)
+                         v_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, layout)
+        if DOT_SCALES:
+            k_dot_scales.store(_row_scales(k_scales, BLOCK_N, ASYNC_SCALES, layout))
+            v_dot_scales.store(_row_scales(v_scales, BLOCK_N, ASYNC_SCALES, layout))
     else:
         rows = gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
         head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
@@ -114,6 +124,10 @@ def _fill_tile(k_dst, v_dst, k_codes, v_codes, k_scales, v_scales, tile, num_his
                                                                 other=0.0))
             v_dst.slice(c * FILL_ROWS, FILL_ROWS).store(gl.load(v_ptr + token * v_stride + head_cols, mask=row_ok,
                                                                 other=0.0))
+        if DOT_SCALES:
+            ones = gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(1, layout))
+            k_dot_scales.store(ones)
+            v_dot_scales.store(ones)
 
 
 @gluon.jit
@@ -176,10 +190,18 @@ def _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_
 
 
 @gluon.jit
-def _tile_dots(q_smem, k_tile, v_tile, acc, s_zero, alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols,
-               BLOCK_N: gl.constexpr, p_layout: gl.constexpr):
-    """acc + SiLU(alpha Q K^T) V over one filled tile, masked to the keys each row sees."""
+def _tile_dots(q_smem, k_tile, v_tile, k_dot_scales, v_dot_scales, acc, s_zero, alpha, tile, num_hist, lo, r,
+               self_end, hist_end, key_cols, BLOCK_N: gl.constexpr, DOT_SCALES: gl.constexpr, TANH: gl.constexpr,
+               s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """acc + SiLU(alpha Q K^T) V over one filled tile, masked to the keys each row sees; with DOT_SCALES the tile
+    holds codes and each key's scales multiply its column of Q K^T and of the weights (exact: powers of two)."""
     fence_async_shared()
-    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False) * alpha
-    p = _silu_of_seen(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N)
+    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)
+    if DOT_SCALES:
+        s = s * (alpha * k_dot_scales.load(gl.SliceLayout(0, s_layout)))[None, :]
+    else:
+        s = s * alpha
+    p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+    if DOT_SCALES:
+        p = p * v_dot_scales.load(gl.SliceLayout(0, s_layout))[None, :]
     return warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_tile, acc)

@@ -1,6 +1,7 @@
 """The fp8 Gluon kernel on an H200 against the torch fp8 reference and the `tl` kernel's fp8 path: small ragged
-batches with 0-history users for both formats, head dims and scale copies, BS=1 16K at 0 and 256 candidates, `auto`
-taking the kernel, and one CUDA graph replayed across lengths."""
+batches with 0-history users for both formats, head dims and scale copies, BS=1 16K at 0 and 256 candidates, the
+scales applied in the dots (bit for bit the decode's result) and the tanh SiLU, `auto` taking the kernel, and one CUDA
+graph replayed across lengths."""
 
 import pytest
 import torch
@@ -92,6 +93,23 @@ def test_bs1_16k_matches_reference_and_tl(kv_dtype, candidates, scale_copy):
 def test_two_loader_warpgroups_compute_the_same():
     check(fp8_batch([16384 + 64], [64], [0], 256, E4M3), 256, E4M3,
           Fp8Tiling(block_n=32, scale_copy="async", producer_warps=8))
+
+
+@pytest.mark.parametrize("candidates", [0, 256])
+@pytest.mark.parametrize("scale_copy", ["load", "async"])
+def test_scales_applied_in_the_dots_give_the_decodes_result_bit_for_bit(candidates, scale_copy):
+    """Powers of two: scaling a column of Q K^T (and of the weights) equals scaling its key's codes."""
+    batch = fp8_batch([16384 + 64, 700], [64, 64], [candidates, 3], 256, E4M3)
+    decode = run(batch, "gluon", 256, E4M3, Fp8Tiling(block_n=32, scale_copy=scale_copy))
+    dots = run(batch, "gluon", 256, E4M3, Fp8Tiling(block_n=32, scale_copy=scale_copy, scale_site="dots"))
+    total = batch.total_tokens
+    assert torch.equal(dots[:total], decode[:total])
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_the_tanh_silu_with_scales_in_the_dots_matches_reference_and_tl(kv_dtype):
+    check(fp8_batch(*SMALL, 256, kv_dtype), 256, kv_dtype,
+          Fp8Tiling(block_n=32, scale_copy="async", scale_site="dots", silu="tanh"))
 
 
 def test_auto_takes_the_fp8_kernel_on_the_h200(monkeypatch):

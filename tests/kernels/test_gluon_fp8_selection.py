@@ -1,13 +1,14 @@
 """Which kernel serves an fp8 cache: the fp8 Gluon kernel's shape rules, `auto` taking it only where it can run,
-`gluon` insisting (with the reason it cannot run here), the tiling checks and the scale-copy switch."""
+`gluon` insisting (with the reason it cannot run here), the tiling checks and the scale-copy, scale-site and SiLU
+switches."""
 
 import pytest
 import torch
 
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
-from layerflow.kernels.gluon_fp8 import (DEFAULT_SCALE_COPY, SCALE_COPY_ENV, Fp8Tiling, GluonFp8Attention,
-                                         default_fp8_tiling, fill_rows, fp8_shared_memory_bytes,
+from layerflow.kernels.gluon_fp8 import (DEFAULT_SCALE_COPY, SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV, Fp8Tiling,
+                                         GluonFp8Attention, default_fp8_tiling, fill_rows, fp8_shared_memory_bytes,
                                          fp8_unsupported_reason, select_fp8_kernel)
 
 CPU = torch.device("cpu")
@@ -27,6 +28,8 @@ E4M3 = torch.float8_e4m3fn
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_warps=6), "producer_warps"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_warps=8), "over 12 warps"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64), "shared memory"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(scale_site="loader"), "scale_site"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(silu="sigmoid"), "silu"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
@@ -41,6 +44,9 @@ def test_shared_memory_counts_the_query_block_both_rings_and_the_scales():
     # 3 bf16 slots, 6 code slots; the scale words of "async" take the fp32 scales' room
     expected = 65536 + 3 * 32768 + 6 * (16384 + 256) + 16384
     assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(stages=3, code_stages=6, scale_copy="async")) == expected
+    # "dots": each bf16 slot keeps its 32 keys' K and V scales (fp32) for the block's warps
+    expected = 65536 + 2 * (32768 + 256) + 4 * (16384 + 256) + 16384
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(scale_site="dots")) == expected
 
 
 @pytest.mark.parametrize("loader_warps_at_m64", [4, 8])
@@ -83,6 +89,23 @@ def test_the_scale_copy_comes_from_the_environment_and_a_bad_one_is_named(monkey
     assert default_fp8_tiling(128) == Fp8Tiling(block_n=64, scale_copy="async")
     monkeypatch.setenv(SCALE_COPY_ENV, "bytes")
     with pytest.raises(ValueError, match="LAYERFLOW_FP8_SCALE_COPY='bytes'"):
+        select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
+
+
+def test_the_scale_site_and_silu_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    for name in (SCALE_SITE_ENV, SILU_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert default_fp8_tiling(256).scale_site == "decode" and default_fp8_tiling(256).silu == "exact"
+    monkeypatch.setenv(SCALE_SITE_ENV, "dots")
+    monkeypatch.setenv(SILU_ENV, "tanh")
+    assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_copy=DEFAULT_SCALE_COPY, scale_site="dots",
+                                                silu="tanh")
+    monkeypatch.setenv(SILU_ENV, "fast")
+    with pytest.raises(ValueError, match="LAYERFLOW_FP8_SILU='fast'"):
+        default_fp8_tiling(256)
+    monkeypatch.delenv(SILU_ENV)
+    monkeypatch.setenv(SCALE_SITE_ENV, "mma")
+    with pytest.raises(ValueError, match="LAYERFLOW_FP8_SCALE_SITE='mma'"):
         select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
 
 
