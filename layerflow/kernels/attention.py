@@ -20,6 +20,7 @@ import triton.language as tl
 from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
 from layerflow.kernels.gluon_attention import GluonTiling, select_kernel
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
+from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.config import HSTUConfig
 from layerflow.model.mask import MaskRule
 from layerflow.tier.layout import FP8_DTYPES, fp8_scale_rows
@@ -257,13 +258,14 @@ class PagedAttention:
     N when `run` gets no 1/N tensor. `kv_dtype` None: the cache holds `dtype`, else uint8 pages of fp8 codes and scale
     rows (layerflow.tier.layout); `fp8_mma`: the tl kernel's MMA dtypes over them. `kernel`: select_kernel's choice of
     a Gluon kernel over the `tl` one, `gluon_tiling` its tiling (None: the default; its block_m sets the query block).
+    `workspace`: where the split partials live when attentions that never run at once share them (None: its own).
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
                  kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None,
-                 gluon_tiling: GluonTiling | None = None) -> None:
+                 gluon_tiling: GluonTiling | None = None, workspace: SplitWorkspace | None = None) -> None:
         for name, value in dict(max_batch=max_batch, max_tokens=max_tokens, max_pages_per_user=max_pages_per_user,
                                 num_heads=num_heads, max_seq_len=max_seq_len).items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -293,18 +295,20 @@ class PagedAttention:
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
         self.query_slots = (max_tokens + max_batch * (self.block_m - 1)) // self.block_m
         self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
-        self.partials = (torch.empty(self.num_splits, max_tokens, num_heads, head_dim, dtype=torch.float32,
-                                     device=self.device) if self.num_splits > 1 else None)
+        shape = (self.num_splits, max_tokens, num_heads, head_dim)
+        self.partials = None if self.num_splits == 1 else torch.empty(shape, dtype=torch.float32, device=self.device) \
+            if workspace is None else workspace.view(shape)
 
     @classmethod
     def for_model(cls, config: HSTUConfig, max_batch: int, max_tokens: int, max_pages_per_user: int, page_size: int,
                   device: torch.device | str, *, tiling: AttentionTiling | None = None,
-                  kv_dtype: torch.dtype | None = None) -> "PagedAttention":
+                  kv_dtype: torch.dtype | None = None, workspace: SplitWorkspace | None = None) -> "PagedAttention":
         """The attention of `config`'s layers (heads, alpha, mask, constant N; dqk == dv) over `kv_dtype` pages."""
         if config.dqk != config.dv:
             raise ValueError(f"dqk={config.dqk} != dv={config.dv}: the paged cache holds K and V at one head dim")
         return cls(max_batch, max_tokens, max_pages_per_user, config.num_heads, config.dqk, page_size, config.dtype,
-                   device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule, kv_dtype=kv_dtype)
+                   device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule, kv_dtype=kv_dtype,
+                   workspace=workspace)
 
     def _pick_splits(self, tiling: AttentionTiling) -> int:
         """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90% (208

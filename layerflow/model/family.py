@@ -44,6 +44,7 @@ class LayerFamily(ABC):
 
     name: str
     output_blocks: int   # Y is this many H*dv blocks wide
+    activates_qkv: bool  # the SiLU runs on v, q and k too, not on u alone
 
     def __init__(self, config: HSTUConfig) -> None:
         self.config = config
@@ -69,13 +70,15 @@ class LayerFamily(ABC):
         """x [T, E] -> u [T, H*dv] (activated), v [T, H, dv], q [T, H, dqk], k [T, H, dqk]: views of one tensor."""
         return self.project(layer, layer_norm(x, layer.ln_in_weight, layer.ln_in_bias, self.config.layer_norm_eps))
 
-    def project(self, layer: LayerWeights,
-                normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`input_projection` from LayerNorm(x) on: one GEMM with the bias in its epilogue, activated in place."""
+    def project(self, layer: LayerWeights, normed: torch.Tensor,
+                activate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`input_projection` from LayerNorm(x) on: one GEMM with the bias in its epilogue, activated in place unless
+        `activate` is False (a caller whose next kernel applies the activation as it reads the rows)."""
         c = self.config
         h, dv, dqk = c.num_heads, c.dv, c.dqk
         uvqk = torch.addmm(layer.uvqk_bias, normed, layer.uvqk_weight)
-        self._activate_(uvqk)
+        if activate:
+            self._activate_(uvqk)
         u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
         return u, v.view(-1, h, dv), q.view(-1, h, dqk), k.view(-1, h, dqk)
 
@@ -102,6 +105,7 @@ class LayerFamily(ABC):
 class HSTULayer(LayerFamily):
     name = "hstu"
     output_blocks = 1
+    activates_qkv = True
 
     def _activate_(self, uvqk: torch.Tensor) -> None:
         F.silu(uvqk, inplace=True)
@@ -113,6 +117,7 @@ class HSTULayer(LayerFamily):
 class STULayer(LayerFamily):
     name = "stu"
     output_blocks = 3
+    activates_qkv = False
 
     def _activate_(self, uvqk: torch.Tensor) -> None:
         F.silu(uvqk[:, :self.config.num_heads * self.config.dv], inplace=True)

@@ -6,25 +6,41 @@ an onboarding may still be filling), so each layer's copy overlaps as much compu
 family's (`weights.family`). On the GPU a layer outside attention is five kernels: the input LayerNorm, the uvqk GEMM
 with its bias in the epilogue, the activation in place, the output gate writing the projection's whole input (it sums
 the attention's split partials as it reads them: no reduction kernel), and the output GEMM adding the residual in its
-epilogue (the running rows are updated in place, so no copy or add runs).
+epilogue (the running rows are updated in place, so no copy or add runs); four with `silu="append"`, where the KV
+append applies the activation as it reads the rows.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 
 from layerflow.kernels.attention import PagedAttention
 from layerflow.kernels.ends import candidate_dot, embed_rows
-from layerflow.kernels.kv_append import kv_append
+from layerflow.kernels.kv_append import activated_kv_append, kv_append
 from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm, layer_norm
 from layerflow.kernels.reference import kv_append_reference, paged_attention_reference
+from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.embedding import candidate_scores, embed
 from layerflow.model.family import layer_norm as layer_norm_reference
 from layerflow.model.weights import HSTUWeights, LayerWeights
 from layerflow.runtime.buffers import BatchBuffers
 from layerflow.runtime.waits import LayerWait
+
+SILU_ENV = "LAYERFLOW_SILU"                       # where the GPU path applies the layer's SiLU
+SILU_CHOICES = ("separate", "append")             # its own kernel (the default) | inside the KV append
+WORKSPACE_ENV = "LAYERFLOW_SPLIT_WORKSPACE"       # where the attention's split partials live
+WORKSPACE_CHOICES = ("bucket", "shared")          # one workspace per bucket (the default) | one for all buckets
+
+
+def _choice(name: str, value: str | None, env: str, choices: tuple[str, ...]) -> str:
+    """`value`, else the environment's `env`, else the first choice; ValueError naming a value not in `choices`."""
+    chosen = value or os.environ.get(env) or choices[0]
+    if chosen not in choices:
+        raise ValueError(f"{name}={chosen!r} (argument or {env}): expected one of {choices}")
+    return chosen
 
 
 class LayerKernels(Protocol):
@@ -39,7 +55,13 @@ class LayerKernels(Protocol):
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, bufs: BatchBuffers) -> None: ...
+    def project(self, layer: LayerWeights,
+                normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """u, v, q, k: the family's input projection of LayerNorm(x), activated now or by `append`."""
+
+    def append(self, u: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor,
+               bufs: BatchBuffers) -> None:
+        """Write the new tokens' K/V to their pages; u, v, q, k are activated when it returns."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                bufs: BatchBuffers, out: torch.Tensor) -> torch.Tensor:
@@ -50,21 +72,32 @@ class LayerKernels(Protocol):
 
 
 class TritonKernels:
-    """The Triton kernels, with one attention workspace per bucket (allocated once, graph capturable); `kv_dtype`:
-    the fp8 dtype of the pages, None when they hold the model's dtype."""
+    """The Triton kernels, with an attention per bucket (allocated once, graph capturable); `kv_dtype`: the fp8 dtype
+    of the pages, None when they hold the model's dtype. `silu` (SILU_CHOICES, None: $LAYERFLOW_SILU or "separate"):
+    the SiLU as its own kernel after the projection GEMM, or inside the KV append. `split_workspace`
+    (WORKSPACE_CHOICES, None: $LAYERFLOW_SPLIT_WORKSPACE or "bucket"): each bucket's attention with its own split-K
+    workspace, or all of them in one (the engine runs one bucket's graph at a time)."""
 
-    def __init__(self, weights: HSTUWeights, page_size: int, max_pages: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, weights: HSTUWeights, page_size: int, max_pages: int, kv_dtype: torch.dtype | None = None, *,
+                 silu: str | None = None, split_workspace: str | None = None):
         self.config, self.page_size, self.max_pages, self.kv_dtype = weights.config, page_size, max_pages, kv_dtype
+        self.family = weights.family
         self._gate_groups = 1 if self.config.output_norm == "layer" else self.config.num_heads
         self._concat = weights.family.output_blocks == 3   # the stu family's Y = [u, attn, u * Norm(attn)]
         self._attention: dict[tuple[int, int], PagedAttention] = {}
+        self.silu_in_append = _choice("silu", silu, SILU_ENV, SILU_CHOICES) == "append"
+        workspace = _choice("split_workspace", split_workspace, WORKSPACE_ENV, WORKSPACE_CHOICES)
+        self.shared_workspace = workspace == "shared"
+        self.workspace: SplitWorkspace | None = None
 
     def _for(self, bufs: BatchBuffers) -> PagedAttention:
         key = (bufs.bucket.max_batch, bufs.bucket.max_tokens)
         if key not in self._attention:
+            if self.shared_workspace and self.workspace is None:
+                self.workspace = SplitWorkspace(bufs.device)
             self._attention[key] = PagedAttention.for_model(self.config, bufs.bucket.max_batch, bufs.bucket.max_tokens,
                                                             self.max_pages, self.page_size, bufs.device,
-                                                            kv_dtype=self.kv_dtype)
+                                                            kv_dtype=self.kv_dtype, workspace=self.workspace)
         return self._attention[key]
 
     def embed(self, weights, ids, positions):
@@ -76,9 +109,15 @@ class TritonKernels:
     def layer_norm(self, x, weight, bias):
         return layer_norm(x, weight, bias, self.config.layer_norm_eps)
 
-    def append(self, k, v, kv_cache, bufs):
-        kv_append(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens,
-                  self.kv_dtype)
+    def project(self, layer, normed):
+        return self.family.project(layer, normed, activate=not self.silu_in_append)
+
+    def append(self, u, v, q, k, kv_cache, bufs):
+        lengths = (bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens)
+        if self.silu_in_append:
+            activated_kv_append(u, v, q, k, kv_cache, *lengths, self.kv_dtype, activate_qkv=self.family.activates_qkv)
+        else:
+            kv_append(k, v, kv_cache, *lengths, self.kv_dtype)
 
     def attend(self, q, k, v, kv_cache, bufs, out):
         return self._for(bufs).run(q, k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens,
@@ -109,7 +148,10 @@ class ReferenceKernels:
     def layer_norm(self, x, weight, bias):
         return layer_norm_reference(x, weight, bias, self.config.layer_norm_eps)
 
-    def append(self, k, v, kv_cache, bufs):
+    def project(self, layer, normed):
+        return self.family.project(layer, normed)
+
+    def append(self, u, v, q, k, kv_cache, bufs):
         kv_append_reference(k, v, kv_cache, bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens,
                             self.kv_dtype)
 
@@ -133,14 +175,14 @@ class LayerPipeline:
 
     def forward(self, bufs: BatchBuffers, wait: LayerWait) -> None:
         w = self.weights
-        family, tables = w.family, w.config.embedding_tables
+        tables = w.config.embedding_tables
         x = self.kernels.embed(w, bufs.ids, bufs.positions) if tables else bufs.x
         for layer, lw in enumerate(w.layers):
             normed = self.kernels.layer_norm(x, lw.ln_in_weight, lw.ln_in_bias)
-            u, v, q, k = family.project(lw, normed)   # views of one [T, uvqk] tensor, read in place
+            u, v, q, k = self.kernels.project(lw, normed)   # views of one [T, uvqk] tensor, read in place
             wait.layer(layer)
             kv = self.kv_layers[layer]
-            self.kernels.append(k, v, kv, bufs)
+            self.kernels.append(u, v, q, k, kv, bufs)
             attn = torch.empty(v.shape, dtype=v.dtype, device=v.device)   # rows past the batch stay unused
             y = self.kernels.output_input(lw, u, self.kernels.attend(q, k, v, kv, bufs, attn))
             # x + Y @ W_out with the residual read by the GEMM; the caller's input rows (bufs.x) are left as they are.

@@ -213,12 +213,12 @@ def test_layer_runs_only_after_its_copy_landed(weights):
         kernels = engine.pipeline.kernels
         real_append = kernels.append
 
-        def checking_append(k, v, kv_cache, bufs):
+        def checking_append(u, v, q, k, kv_cache, bufs):
             layer = next(i for i, kv in enumerate(kv_layers) if kv is kv_cache)
             events.append(("compute", layer))
             got_k, got_v = gather_history(kv_cache, bufs.page_table[0], 80)
             assert torch.equal(got_k, expected[layer][0]) and torch.equal(got_v, expected[layer][1]), layer
-            real_append(k, v, kv_cache, bufs)
+            real_append(u, v, q, k, kv_cache, bufs)
 
         kernels.append = checking_append
         scores = engine.score([Request(9, [1], [2])])[0]
