@@ -13,11 +13,12 @@ holds is adopted with the history its manifest carries.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from layerflow.model.batch import JaggedBatch, check_lengths
+from layerflow.model.batch import BatchShape, JaggedBatch, check_lengths
 from layerflow.model.config import HSTUConfig
 from layerflow.runtime.history import EmbeddingHistory, History, ItemHistory
 from layerflow.runtime.request import EmbeddingRequest, Request
@@ -52,9 +53,10 @@ class BatchPlan:
     """One batch's placement: the validated batch, each user's GPU pages, its tier, and the onboarding."""
 
     requests: list[Request]
-    batch: JaggedBatch | None   # None only while `KVManager.prepare` builds the plan
+    batch: BatchShape | None   # a JaggedBatch or a packer's batch; None only while `KVManager.prepare` builds the plan
     tiers: list[Tier]
     page_rows: list[tuple[int, ...]]
+    appended: list = field(default_factory=list)   # per user the ids (or rows) the batch appends to its history
     onboarding: Onboarding | None = None
     recorded: dict[int, int] = field(default_factory=dict)   # batch index -> history length before this batch
     first_pages: dict[int, int] = field(default_factory=dict)   # batch index -> first GPU page onboarded
@@ -66,8 +68,12 @@ class BatchPlan:
 
 
 class KVManager:
-    def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool):
-        self.config, self.gpu, self.below, self.layerwise = config, gpu, below, layerwise
+    """`pack_items(users, cached lens, appended ids, candidate ids, page rows)`, when given, packs an item-id batch
+    instead of `JaggedBatch.from_lists` (e.g. into the device's staging slab) and validates its ids the same way."""
+
+    def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool,
+                 pack_items: Callable[..., BatchShape] | None = None):
+        self.config, self.gpu, self.below, self.layerwise, self.pack_items = config, gpu, below, layerwise, pack_items
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
         self._quarantine: list[tuple[Onboarding, list[tuple]]] = []   # pages a failed onboarding may still write
@@ -131,7 +137,7 @@ class KVManager:
         self._reap_quarantine()
         tiers = [self._tier_for(r) for r in requests]
         cached, appended = self._query_tokens(requests, tiers)
-        plan = BatchPlan(requests, None, tiers, [])
+        plan = BatchPlan(requests, None, tiers, [], appended)
         pinned = []
         try:
             for u, tier in zip(users, tiers):
@@ -155,7 +161,7 @@ class KVManager:
                     self._forget_gpu(u)
             raise
         try:
-            plan.batch = self._batch(requests, cached, appended)
+            plan.batch = self._batch(requests, cached, appended, plan.page_rows)
         except BaseException:
             self.abort(plan)
             raise
@@ -186,13 +192,15 @@ class KVManager:
         check_lengths(self.config, [r.user_id for r in requests], cached, appended, candidates)
         return cached, appended
 
-    def _batch(self, requests: list, cached: list[int], appended: list) -> JaggedBatch:
+    def _batch(self, requests: list, cached: list[int], appended: list, page_rows: list[tuple]) -> BatchShape:
         """The batch's query tokens packed and validated (`_query_tokens` gathered them)."""
         users = [r.user_id for r in requests]
         if not self.config.embedding_tables:
             return JaggedBatch.from_embeddings(self.config, cached, appended, [r.candidates_x for r in requests],
                                                users)
         # Every list is a Request's (plain ints from its construction) or a stored history joined with one.
+        if self.pack_items is not None:
+            return self.pack_items(users, cached, appended, [r.candidates for r in requests], page_rows)
         return JaggedBatch.from_lists(self.config, cached, appended, [r.candidates for r in requests], users,
                                       plain_ints=True)
 
@@ -260,13 +268,7 @@ class KVManager:
             # A miss recomputed the whole history (the old one + the new items): any older copy below is stale.
             entry.history.clear()
             self.below.truncate(r.user_id, 0)
-        batch = plan.batch
-        if batch.query_x is None:
-            start = sum(batch.appended_lens[:b])
-            entry.history.extend(batch.id_arrays()[0][start:start + batch.appended_lens[b]].tolist())
-        else:
-            start = sum(batch.query_lens[:b])
-            entry.history.extend(batch.query_x[start:start + batch.appended_lens[b]])
+        entry.history.extend(plan.appended[b])
         try:
             self._offload(r.user_id, entry, plan.page_rows[b])
         except (PoolExhausted, ValueError, OSError, TransferError) as e:

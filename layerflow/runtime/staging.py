@@ -1,0 +1,151 @@
+"""A bucket's pinned host slab of per-batch integers, and an item-id batch packed straight into it.
+
+The device reads every per-batch integer (offsets, lengths, page table, token ids and positions, candidate rows and
+ids, 1/N) from one int32 slab per bucket, filled by one host->device copy from a pinned host slab laid out the same.
+`HostSlab` is that host side with its numpy views, made once. `stage_items` writes an item-id batch's requests into a
+slab during `prepare` (validating the ids in one reduction), so no per-request batch tensors are built and the launch
+only issues the copy. A slab handed to a prepared batch stays its own until the batch is collected or given up: the
+copy reads it asynchronously, and another batch may be prepared while this one is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from layerflow.model.batch import BatchShape, check_item_ids
+from layerflow.model.config import HSTUConfig
+from layerflow.model.reference import batch_n
+
+
+def slab_fields(max_batch: int, max_tokens: int, max_pages: int) -> dict[str, slice]:
+    """Each field's slice of a bucket's int32 slab (host and device share it); the per-user lengths lead it."""
+    sizes = {"q_offsets": max_batch + 1, "history_lens": max_batch, "appended_lens": max_batch,
+             "page_table": max_batch * max_pages, "ids": max_tokens, "positions": max_tokens,
+             "candidate_rows": max_tokens, "candidate_ids": max_tokens, "inv_n": 1}
+    slices, start = {}, 0
+    for name, n in sizes.items():
+        slices[name] = slice(start, start + n)
+        start += n
+    return slices
+
+
+class HostSlab:
+    """The host side of a bucket's slab (pinned when `pin`) and a numpy view of each field; it remembers the page ids
+    each table row holds and how many token and candidate entries the last batch wrote, so the next writes only
+    what changed and clears only what that batch left behind."""
+
+    def __init__(self, fields: dict[str, slice], max_batch: int, max_pages: int, pin: bool):
+        total = max(s.stop for s in fields.values())
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        whole = self.host.numpy()
+        self.views = {name: whole[s] for name, s in fields.items()}
+        self.table = self.views["page_table"].reshape(max_batch, max_pages)
+        self.lengths = whole[:fields["appended_lens"].stop]   # q_offsets, history_lens, appended_lens
+        self.held: list[tuple[int, ...]] = [()] * max_batch   # the pages each table row holds (zeros after them)
+        max_tokens = len(self.views["ids"])
+        self.scratch = np.zeros(max_tokens, dtype=np.int64)   # the ids as int64 until their range is checked
+        self.rows = np.arange(max_tokens, dtype=np.int32)
+        self.tokens_written = self.candidates_written = 0
+
+    def write_pages(self, page_rows: Sequence[Sequence[int]]) -> None:
+        """Each user's GPU pages at the front of its page-table row, zeros after them and in the rows past the batch
+        (page 0 is valid: a kernel reading past a user's pages cannot fault). A row whose user holds the pages it held
+        in this row last time plus new ones (a returning GPU hit) is given only the new ones: converting a 16K
+        history's 528 page ids costs ~10 us."""
+        table, held = self.table, self.held
+        for b, old in enumerate(held):
+            new = page_rows[b] if b < len(page_rows) else ()
+            if type(new) is not tuple:
+                new = tuple(new)
+            if new == old:
+                continue
+            n, k = len(new), len(old)
+            if k <= n and new[:k] == old:
+                table[b, k:n] = new[k:]
+            else:
+                table[b, :n] = new
+                table[b, n:k] = 0
+            held[b] = new
+
+    def put(self, name: str, values: np.ndarray | list[int], tail: int = 0) -> None:
+        """`values` at the front of the field `name`, `tail` after them."""
+        staged = self.views[name]
+        staged[:len(values)] = values
+        staged[len(values):] = tail
+
+    def write_lengths(self, model: HSTUConfig, cached_lens: list[int], appended_lens: list[int],
+                      query_lens: list[int]) -> None:
+        """The per-user fields in one write (they lead the slab, in this order): query offsets (users past the batch
+        own no tokens), history and appended lengths (zero past the batch); and 1/N (as float32 bits) for a model
+        that takes N from the batch."""
+        offsets = [0]
+        for n in query_lens:
+            offsets.append(offsets[-1] + n)
+        pad = [0] * (len(self.held) - len(cached_lens))
+        self.lengths[:] = offsets + [offsets[-1]] * len(pad) + [c + a for c, a in zip(cached_lens, appended_lens)] \
+            + pad + appended_lens + pad
+        if model.attn_n_rule == "batch":
+            n = batch_n(model, cached_lens, query_lens)
+            self.views["inv_n"][0] = np.array(1.0 / n, dtype=np.float32).view(np.int32)
+
+    def clear_past(self, num_tokens: int, num_candidates: int) -> None:
+        """Zero the token and candidate entries a larger batch before left past these counts."""
+        views = self.views
+        if self.tokens_written > num_tokens:
+            for name in ("ids", "positions"):
+                views[name][num_tokens:self.tokens_written] = 0
+        if self.candidates_written > num_candidates:
+            for name in ("candidate_rows", "candidate_ids"):
+                views[name][num_candidates:self.candidates_written] = 0
+        self.tokens_written, self.candidates_written = num_tokens, num_candidates
+
+
+@dataclass(frozen=True)
+class StagedBatch(BatchShape):
+    """An item-id batch already packed into `slab` (the slab of the bucket `bucket`; `num_tokens` query tokens,
+    `num_candidates` candidates), ready for one host->device copy."""
+
+    bucket: Hashable = None
+    slab: HostSlab | None = field(default=None, repr=False, compare=False)
+    num_tokens: int = 0
+    num_candidates: int = 0
+    query_x = None   # an item-id batch carries no embeddings
+
+
+def stage_items(slab: HostSlab, model: HSTUConfig, users: list[int], cached_lens: list[int],
+                appended: list[list[int]], candidates: list[list[int]], page_rows: Sequence[Sequence[int]],
+                bucket: Hashable) -> StagedBatch:
+    """Pack lists of plain-int ids (a Request's, or a stored history joined with one) into `slab`: per user its
+    appended ids then its candidates, each appended token at cached_len + j and every candidate at the history length.
+    The ids are range-checked in one reduction; a bad one raises ValueError naming the user and the id (the slab
+    then holds no batch until the next one is staged into it)."""
+    views, scratch, rows = slab.views, slab.scratch, slab.rows
+    positions, candidate_rows, candidate_ids = views["positions"], views["candidate_rows"], views["candidate_ids"]
+    appended_lens, candidate_lens = [len(a) for a in appended], [len(k) for k in candidates]
+    row = first_candidate = 0
+    try:
+        for cached, a_ids, k_ids, a, k in zip(cached_lens, appended, candidates, appended_lens, candidate_lens):
+            scratch[row:row + a] = a_ids
+            scratch[row + a:row + a + k] = k_ids
+            np.add(rows[:a], cached, out=positions[row:row + a])
+            positions[row + a:row + a + k] = cached + a
+            candidate_rows[first_candidate:first_candidate + k] = rows[row + a:row + a + k]
+            candidate_ids[first_candidate:first_candidate + k] = scratch[row + a:row + a + k]
+            row, first_candidate = row + a + k, first_candidate + k
+        valid = not row or int(scratch[:row].view(np.uint64).max()) < model.item_vocab_size
+    except (OverflowError, TypeError, ValueError):   # an id past int64 or not a number: named below
+        valid = False
+    if not valid:
+        slab.tokens_written = slab.candidates_written = len(rows)   # cleared in full by the next batch
+        check_item_ids(model, users, appended, candidates)   # raises, naming the user and the id
+        raise ValueError(f"users {users}: the item ids failed their range check")
+    views["ids"][:row] = scratch[:row]
+    slab.clear_past(row, first_candidate)
+    query_lens = [a + k for a, k in zip(appended_lens, candidate_lens)]
+    slab.write_lengths(model, cached_lens, appended_lens, query_lens)
+    slab.write_pages(page_rows)
+    return StagedBatch(list(cached_lens), appended_lens, candidate_lens, bucket, slab, row, first_candidate)
