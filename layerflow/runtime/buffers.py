@@ -52,7 +52,7 @@ class BatchBuffers:
         self.bucket, self.max_pages, self.device, self.model = bucket, max_pages, device, model
         slices = slab_fields(b, t, max_pages)
         self._pin = device.type == "cuda"
-        self._slab = HostSlab(slices, b, max_pages, self._pin)   # the one `fill` writes (a JaggedBatch)
+        self._slab = HostSlab(slices, b, max_pages, model.max_seq_len, self._pin)   # the one `fill` writes (a JaggedBatch)
         self._spare: list[HostSlab] = []   # slabs for staged batches, given back after their batch
         self._device = torch.zeros(len(self._slab.host), dtype=torch.int32, device=device)
         view = {name: self._device[s] for name, s in slices.items()}
@@ -90,9 +90,10 @@ class BatchBuffers:
 
     def take_slab(self) -> HostSlab:
         """A host slab of this bucket for a staged batch (`stage_items`), its own until `give_slab`."""
-        return self._spare.pop() if self._spare else HostSlab(slab_fields(self.bucket.max_batch, self.bucket.max_tokens,
-                                                                          self.max_pages),
-                                                              self.bucket.max_batch, self.max_pages, self._pin)
+        if self._spare:
+            return self._spare.pop()
+        b, t = self.bucket.max_batch, self.bucket.max_tokens
+        return HostSlab(slab_fields(b, t, self.max_pages), b, self.max_pages, self.model.max_seq_len, self._pin)
 
     def give_slab(self, slab: HostSlab) -> None:
         """A staged batch's slab back, once its host->device copy has run (its batch was collected or never sent)."""

@@ -34,11 +34,11 @@ def slab_fields(max_batch: int, max_tokens: int, max_pages: int) -> dict[str, sl
 
 
 class HostSlab:
-    """The host side of a bucket's slab (pinned when `pin`) and a numpy view of each field; it remembers the page ids
-    each table row holds and how many token and candidate entries the last batch wrote, so the next writes only
-    what changed and clears only what that batch left behind."""
+    """The host side of a bucket's slab (pinned when `pin`; positions up to `max_position`) and a numpy view of each
+    field. It remembers the page ids each table row holds and how many token and candidate entries the last batch
+    wrote, so the next batch writes only what changed and clears only what that batch left behind."""
 
-    def __init__(self, fields: dict[str, slice], max_batch: int, max_pages: int, pin: bool):
+    def __init__(self, fields: dict[str, slice], max_batch: int, max_pages: int, max_position: int, pin: bool):
         total = max(s.stop for s in fields.values())
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         whole = self.host.numpy()
@@ -46,9 +46,8 @@ class HostSlab:
         self.table = self.views["page_table"].reshape(max_batch, max_pages)
         self.lengths = whole[:fields["appended_lens"].stop]   # q_offsets, history_lens, appended_lens
         self.held: list[tuple[int, ...]] = [()] * max_batch   # the pages each table row holds (zeros after them)
-        max_tokens = len(self.views["ids"])
-        self.scratch = np.zeros(max_tokens, dtype=np.int64)   # the ids as int64 until their range is checked
-        self.rows = np.arange(max_tokens, dtype=np.int32)
+        # 0, 1, 2, ...: positions and candidate rows are slices of it (a copy, where an arange would be a ufunc)
+        self.ramp = np.arange(max(max_position, len(self.views["ids"])) + 1, dtype=np.int32)
         self.tokens_written = self.candidates_written = 0
 
     def write_pages(self, page_rows: Sequence[Sequence[int]]) -> None:
@@ -116,34 +115,38 @@ class StagedBatch(BatchShape):
     query_x = None   # an item-id batch carries no embeddings
 
 
+def _in_vocabulary(model: HSTUConfig, lists: Sequence[list[int]]) -> bool:
+    """Whether every id of these plain-int lists lies in [0, vocabulary), by the builtins min and max: no numpy
+    reduction, whose machinery costs tens of microseconds when the host's caches are cold, as they are per request."""
+    try:
+        return all(not ids or (min(ids) >= 0 and max(ids) < model.item_vocab_size) for ids in lists)
+    except TypeError:   # not a number: named by the per-user check
+        return False
+
+
 def stage_items(slab: HostSlab, model: HSTUConfig, users: list[int], cached_lens: list[int],
                 appended: list[list[int]], candidates: list[list[int]], page_rows: Sequence[Sequence[int]],
                 bucket: Hashable) -> StagedBatch:
     """Pack lists of plain-int ids (a Request's, or a stored history joined with one) into `slab`: per user its
     appended ids then its candidates, each appended token at cached_len + j and every candidate at the history length.
-    The ids are range-checked in one reduction; a bad one raises ValueError naming the user and the id (the slab
-    then holds no batch until the next one is staged into it)."""
-    views, scratch, rows = slab.views, slab.scratch, slab.rows
-    positions, candidate_rows, candidate_ids = views["positions"], views["candidate_rows"], views["candidate_ids"]
-    appended_lens, candidate_lens = [len(a) for a in appended], [len(k) for k in candidates]
-    row = first_candidate = 0
-    try:
-        for cached, a_ids, k_ids, a, k in zip(cached_lens, appended, candidates, appended_lens, candidate_lens):
-            scratch[row:row + a] = a_ids
-            scratch[row + a:row + a + k] = k_ids
-            np.add(rows[:a], cached, out=positions[row:row + a])
-            positions[row + a:row + a + k] = cached + a
-            candidate_rows[first_candidate:first_candidate + k] = rows[row + a:row + a + k]
-            candidate_ids[first_candidate:first_candidate + k] = scratch[row + a:row + a + k]
-            row, first_candidate = row + a + k, first_candidate + k
-        valid = not row or int(scratch[:row].view(np.uint64).max()) < model.item_vocab_size
-    except (OverflowError, TypeError, ValueError):   # an id past int64 or not a number: named below
-        valid = False
-    if not valid:
-        slab.tokens_written = slab.candidates_written = len(rows)   # cleared in full by the next batch
+    A bad id raises ValueError naming the user and the id before anything is written. Every write is a slice
+    assignment from a list or from another int32 slice (the ramp of positions): few distinct numpy paths per request."""
+    if not (_in_vocabulary(model, appended) and _in_vocabulary(model, candidates)):
         check_item_ids(model, users, appended, candidates)   # raises, naming the user and the id
         raise ValueError(f"users {users}: the item ids failed their range check")
-    views["ids"][:row] = scratch[:row]
+    views, ramp = slab.views, slab.ramp
+    ids, positions = views["ids"], views["positions"]
+    candidate_rows, candidate_ids = views["candidate_rows"], views["candidate_ids"]
+    appended_lens, candidate_lens = [len(a) for a in appended], [len(k) for k in candidates]
+    row = first_candidate = 0
+    for cached, a_ids, k_ids, a, k in zip(cached_lens, appended, candidates, appended_lens, candidate_lens):
+        ids[row:row + a] = a_ids
+        ids[row + a:row + a + k] = k_ids
+        positions[row:row + a] = ramp[cached:cached + a]
+        positions[row + a:row + a + k] = cached + a
+        candidate_rows[first_candidate:first_candidate + k] = ramp[row + a:row + a + k]
+        candidate_ids[first_candidate:first_candidate + k] = ids[row + a:row + a + k]
+        row, first_candidate = row + a + k, first_candidate + k
     slab.clear_past(row, first_candidate)
     query_lens = [a + k for a, k in zip(appended_lens, candidate_lens)]
     slab.write_lengths(model, cached_lens, appended_lens, query_lens)
