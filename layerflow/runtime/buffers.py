@@ -52,7 +52,8 @@ class BatchBuffers:
         self.bucket, self.max_pages, self.device, self.model = bucket, max_pages, device, model
         slices = slab_fields(b, t, max_pages)
         self._pin = device.type == "cuda"
-        self._slab = HostSlab(slices, b, max_pages, model.max_seq_len, self._pin)   # the one `fill` writes (a JaggedBatch)
+        self._slab = HostSlab(slices, b, max_pages, model.max_seq_len, self._pin)   # the one a JaggedBatch fills
+        self._host = self._slab.host
         self._spare: list[HostSlab] = []   # slabs for staged batches, given back after their batch
         self._device = torch.zeros(len(self._slab.host), dtype=torch.int32, device=device)
         view = {name: self._device[s] for name, s in slices.items()}
@@ -91,13 +92,19 @@ class BatchBuffers:
     def take_slab(self) -> HostSlab:
         """A host slab of this bucket for a staged batch (`stage_items`), its own until `give_slab`."""
         if self._spare:
-            return self._spare.pop()
-        b, t = self.bucket.max_batch, self.bucket.max_tokens
-        return HostSlab(slab_fields(b, t, self.max_pages), b, self.max_pages, self.model.max_seq_len, self._pin)
+            slab = self._spare.pop()
+        else:
+            b, t = self.bucket.max_batch, self.bucket.max_tokens
+            slab = HostSlab(slab_fields(b, t, self.max_pages), b, self.max_pages, self.model.max_seq_len, self._pin)
+        slab.taken = True
+        return slab
 
     def give_slab(self, slab: HostSlab) -> None:
-        """A staged batch's slab back, once its host->device copy has run (its batch was collected or never sent)."""
-        self._spare.append(slab)
+        """A staged batch's slab back, once its host->device copy has run (its batch was collected or never sent);
+        a slab already given back stays given."""
+        if slab.taken:
+            slab.taken = False
+            self._spare.append(slab)
 
     def fill(self, batch: JaggedBatch | StagedBatch, page_rows: list[tuple[int, ...]]) -> None:
         """Write a batch (and each user's GPU pages) into the static tensors: one host->device copy. A StagedBatch
@@ -126,7 +133,7 @@ class BatchBuffers:
             else:   # one thread's memcpy: torch's copy of a request's rows wakes its CPU thread pool
                 self._x_bits[:self.num_tokens] = rows
             self._to_device(self.x, self._x_host)
-        self._to_device(self._device, slab.host)
+        self._to_device(self._device, self._host)
 
     def send_results(self) -> None:
         """Queue the bucket's whole result buffer to the host on the current stream: the block's last step (inside

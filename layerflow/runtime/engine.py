@@ -313,11 +313,8 @@ class Engine:
 
     def _release_slab(self, plan: BatchPlan) -> None:
         """A staged batch's slab back to its bucket (the batch was collected, failed or given up)."""
-        batch = plan.batch
-        if isinstance(batch, StagedBatch) and batch.slab is not None:
-            self._buffers[batch.bucket].give_slab(batch.slab)
-            plan.batch = StagedBatch(batch.cached_lens, batch.appended_lens, batch.candidate_lens, batch.bucket,
-                                     None, batch.num_tokens, batch.num_candidates)
+        if isinstance(plan.batch, StagedBatch):
+            self._buffers[plan.batch.bucket].give_slab(plan.batch.slab)
 
     def _launch(self, plan: BatchPlan) -> Flight:
         batch = plan.batch

@@ -49,6 +49,7 @@ class HostSlab:
         # 0, 1, 2, ...: positions and candidate rows are slices of it (a copy, where an arange would be a ufunc)
         self.ramp = np.arange(max(max_position, len(self.views["ids"])) + 1, dtype=np.int32)
         self.tokens_written = self.candidates_written = 0
+        self.taken = False   # handed to a staged batch (BatchBuffers.take_slab / give_slab)
 
     def write_pages(self, page_rows: Sequence[Sequence[int]]) -> None:
         """Each user's GPU pages at the front of its page-table row, zeros after them and in the rows past the batch
@@ -108,10 +109,10 @@ class StagedBatch(BatchShape):
     """An item-id batch already packed into `slab` (the slab of the bucket `bucket`; `num_tokens` query tokens,
     `num_candidates` candidates), ready for one host->device copy."""
 
-    bucket: Hashable = None
-    slab: HostSlab | None = field(default=None, repr=False, compare=False)
-    num_tokens: int = 0
-    num_candidates: int = 0
+    bucket: Hashable
+    slab: HostSlab = field(repr=False, compare=False)
+    num_tokens: int
+    num_candidates: int
     query_x = None   # an item-id batch carries no embeddings
 
 
