@@ -52,6 +52,10 @@ TOKEN_BUCKETS = token_ladder(64, 2048, steps=1)
 # launch issues only the copy. "batch" stays the default until the H200 has measured "slab".
 STAGING_MODES = ("batch", "slab")
 STAGING_ENV = "LAYERFLOW_STAGING"
+# When a batch of GPU hits forgets finished offloads: "before" placing it, or "after" its launch (KVManager's
+# reap_after_launch); "before" stays the default until the H200 has measured "after".
+REAP_MODES = ("before", "after")
+REAP_ENV = "LAYERFLOW_REAP"
 
 
 def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -59,6 +63,14 @@ def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
         raise ValueError(f"{name}={sizes!r}: expected positive integers")
     return tuple(sorted(set(sizes)))
+
+
+def _mode(name: str, value: str | None, env: str, modes: tuple[str, ...]) -> str:
+    """`value`, else $`env`, else the first of `modes`; ValueError naming a value that is not one of them."""
+    chosen = value or os.environ.get(env, modes[0])
+    if chosen not in modes:
+        raise ValueError(f"{name}={chosen!r} ({env}): expected one of {list(modes)}")
+    return chosen
 
 
 def _next_power_of_2(n: int, floor: int) -> int:
@@ -112,18 +124,17 @@ class Engine:
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "batch") is one of
-    STAGING_MODES. The captured shapes are every size of `batch_buckets` with every size of
+    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "before") one of REAP_MODES. The captured shapes are every size of `batch_buckets` with every size of
     `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
-                 copy_engine: CopyEngine | None = None, staging: str | None = None):
+                 copy_engine: CopyEngine | None = None, staging: str | None = None, reap: str | None = None):
         self.config = config or Config()
-        self.staging = staging or os.environ.get(STAGING_ENV, "batch")
-        if self.staging not in STAGING_MODES:
-            raise ValueError(f"staging={self.staging!r} ({STAGING_ENV}): expected one of {list(STAGING_MODES)}")
+        self.staging = _mode("staging", staging, STAGING_ENV, STAGING_MODES)
+        self.reap = _mode("reap", reap, REAP_ENV, REAP_MODES)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         check_config(self.config, self.device)
@@ -146,7 +157,8 @@ class Engine:
         if not self.layerwise:
             log.info("layerwise onboarding is off: each onboarding completes before the block starts")
         self.kv = KVManager(model, gpu, below, self.layerwise,
-                            pack_items=self._stage_items if self.staging == "slab" else None)
+                            pack_items=self._stage_items if self.staging == "slab" else None,
+                            reap_after_launch=self.reap == "after")
         kv_dtype = self.layout.groups[0].fp8_dtype
         kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages, kv_dtype) if cuda \
             else ReferenceKernels(self.weights, kv_dtype)

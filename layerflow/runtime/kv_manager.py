@@ -53,7 +53,7 @@ class BatchPlan:
     """One batch's placement: the validated batch, each user's GPU pages, its tier, and the onboarding."""
 
     requests: list[Request]
-    batch: BatchShape | None   # a JaggedBatch or a packer's batch; None only while `KVManager.prepare` builds the plan
+    batch: BatchShape | None   # a JaggedBatch or a packer's; None only while `KVManager.prepare` builds the plan
     tiers: list[Tier]
     page_rows: list[tuple[int, ...]]
     appended: list = field(default_factory=list)   # per user the ids (or rows) the batch appends to its history
@@ -68,12 +68,14 @@ class BatchPlan:
 
 
 class KVManager:
-    """`pack_items(users, cached lens, appended ids, candidate ids, page rows)`, when given, packs an item-id batch
-    instead of `JaggedBatch.from_lists` (e.g. into the device's staging slab) and validates its ids the same way."""
+    """`pack_items(users, cached lens, appended ids, candidate ids, page rows)` packs an item-id batch instead of
+    `JaggedBatch.from_lists`, validating the ids alike; `reap_after_launch`: a batch of GPU hits forgets finished
+    offloads after its launch, overlapping the block (one placing other users first: they may need those pins)."""
 
     def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool,
-                 pack_items: Callable[..., BatchShape] | None = None):
+                 pack_items: Callable[..., BatchShape] | None = None, reap_after_launch: bool = False):
         self.config, self.gpu, self.below, self.layerwise, self.pack_items = config, gpu, below, layerwise, pack_items
+        self.reap_after_launch = reap_after_launch
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
         self._quarantine: list[tuple[Onboarding, list[tuple]]] = []   # pages a failed onboarding may still write
@@ -133,7 +135,8 @@ class KVManager:
         if len(set(users)) != len(users):
             dup = next(u for u in users if users.count(u) > 1)
             raise ValueError(f"user {dup} appears twice in one batch")
-        self._reap_offloads()
+        if not self.reap_after_launch or any(u not in self.gpu for u in users):
+            self._reap_offloads()
         self._reap_quarantine()
         tiers = [self._tier_for(r) for r in requests]
         cached, appended = self._query_tokens(requests, tiers)
@@ -205,9 +208,8 @@ class KVManager:
                                       plain_ints=True)
 
     def _new_history(self) -> History:
-        if self.config.embedding_tables:
-            return ItemHistory()
-        return EmbeddingHistory(self.config.embedding_dim, self.config.dtype)
+        c = self.config
+        return ItemHistory() if c.embedding_tables else EmbeddingHistory(c.embedding_dim, c.dtype)
 
     def offload_early(self, plan: BatchPlan) -> None:
         """Right after the block is launched: record every user's new history and offload the pages the batch wrote.
@@ -216,6 +218,8 @@ class KVManager:
         block instead of adding it after the scores. An onboarded user's first offloaded page also holds onboarded
         tokens: if the batch fails, `abort` drops that user's copy below, which the offload may have overwritten.
         """
+        if self.reap_after_launch:
+            self._reap_offloads()
         for b in range(len(plan.requests)):
             self._record(plan, b)
 

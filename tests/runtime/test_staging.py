@@ -1,5 +1,5 @@
 """Slab staging: a batch packed straight into a bucket's host slab in prepare equals the JaggedBatch fill, bad ids are
-refused by name, and the engine scores the same with either staging."""
+refused by name, and the engine scores the same with either staging and either reap order."""
 
 import random
 
@@ -10,7 +10,8 @@ from layerflow.config import Config
 from layerflow.model import HSTUConfig, HSTUWeights
 from layerflow.model.batch import JaggedBatch
 from layerflow.runtime.buffers import BatchBuffers, Bucket
-from layerflow.runtime.engine import STAGING_ENV, Engine
+from layerflow.runtime.engine import REAP_ENV, STAGING_ENV, Engine
+from layerflow.tier.base import settle
 from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
 from layerflow.runtime.staging import stage_items
@@ -62,9 +63,9 @@ def test_a_batch_staged_for_another_bucket_is_refused():
         large.fill(staged, [(0,)])
 
 
-def _engine(weights, staging):
+def _engine(weights, staging, reap=None):
     config = Config(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16, transfer_timeout_s=2.0)
-    return Engine(weights, config, staging=staging, batch_buckets=(1, 4), token_buckets=(64, 128))
+    return Engine(weights, config, staging=staging, reap=reap, batch_buckets=(1, 4), token_buckets=(64, 128))
 
 
 def _visits(rng):
@@ -74,12 +75,12 @@ def _visits(rng):
             for _ in range(3)]
 
 
-def test_the_engine_scores_the_same_with_either_staging():
+def test_the_engine_scores_the_same_with_either_staging_and_reap_order():
     weights = HSTUWeights.init(CONFIG, seed=3)
     visits = _visits(random.Random(0))
     results = {}
-    for staging in ("batch", "slab"):
-        with _engine(weights, staging) as engine:
+    for staging, reap in (("batch", "before"), ("slab", "before"), ("slab", "after")):
+        with _engine(weights, staging, reap) as engine:
             out = []
             for v, visit in enumerate(visits):
                 if v == 2:   # the last visit onboards users 1 and 2 from the host
@@ -88,10 +89,30 @@ def test_the_engine_scores_the_same_with_either_staging():
                     assert engine.kv.tier(1) is Tier.HOST
                 out.append([s.clone() for s in engine.score(visit)])
                 out.append([s.clone() for s in engine.score(visit[:1])])
-            results[staging] = out
-            assert engine.kv.users[0].history == engine.kv.users[0].history.tokens()
-    for batch, slab in zip(results["batch"], results["slab"]):
-        assert all(torch.equal(a, b) for a, b in zip(batch, slab))
+            results[staging, reap] = out
+            engine.kv.wait_offloads()
+            assert not engine.kv.below.cache.host.num_pinned   # every offload's host pin was given back
+    first = results["batch", "before"]
+    for other in list(results.values())[1:]:
+        for a, b in zip(first, other):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("reap", ["before", "after"])
+def test_a_batch_of_gpu_hits_reaps_finished_offloads_before_or_after_its_launch(reap):
+    weights = HSTUWeights.init(CONFIG, seed=3)
+    with _engine(weights, "slab", reap) as engine:
+        kv = engine.kv
+        engine.score([Request(0, [1, 2], [3]), Request(1, [4], [5])])
+        settle(kv.users[0].offload)
+        plan = engine.prepare([Request(1, [6], [7])])   # user 1: a GPU hit
+        assert (0 in kv._offloading) == (reap == "after")   # user 0's finished offload, not reaped yet
+        engine.collect(engine.launch(plan))
+        assert 0 not in kv._offloading and kv.below.cache.host.pin_count(0) == 0
+        settle(kv.users[1].offload)
+        plan = engine.prepare([Request(5, [8], [9])])   # a new user: its batch reaps first in either order
+        assert 1 not in kv._offloading
+        engine.cancel(plan)
 
 
 def test_slab_staging_gives_each_slab_back_after_its_batch():
@@ -109,10 +130,14 @@ def test_slab_staging_gives_each_slab_back_after_its_batch():
         assert 2 not in engine.kv.gpu
 
 
-def test_an_unknown_staging_is_refused_by_name(monkeypatch):
+def test_an_unknown_staging_or_reap_is_refused_by_name(monkeypatch):
     weights = HSTUWeights.init(CONFIG, seed=3)
     with pytest.raises(ValueError, match="staging='ring'"):
         _engine(weights, "ring")
+    monkeypatch.setenv(REAP_ENV, "never")
+    with pytest.raises(ValueError, match=f"reap='never' \\({REAP_ENV}\\)"):
+        _engine(weights, "batch")
+    monkeypatch.setenv(REAP_ENV, "after")
     monkeypatch.setenv(STAGING_ENV, "slab")
     with _engine(weights, None) as engine:
-        assert engine.staging == "slab"
+        assert (engine.staging, engine.reap, engine.kv.reap_after_launch) == ("slab", "after", True)

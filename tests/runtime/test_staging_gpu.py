@@ -1,4 +1,5 @@
-"""Slab staging on the H200: graph replays score bitwise like the JaggedBatch staging, for GPU and host hits."""
+"""Slab staging and the reap after the launch on the H200: graph replays score bitwise like the JaggedBatch staging
+with the reap before, for GPU and host hits."""
 
 import pytest
 import torch
@@ -22,9 +23,9 @@ def _visit(seed):
                     torch.randint(0, 5000, (11 * u,), generator=gen).tolist()) for u in HISTORY]
 
 
-def _scores(weights, staging):
+def _scores(weights, staging, reap):
     config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, transfer_timeout_s=5.0)
-    with Engine(weights, config, staging=staging, token_buckets=(64, 256), batch_buckets=(1, 4)) as engine:
+    with Engine(weights, config, staging=staging, reap=reap, token_buckets=(64, 256), batch_buckets=(1, 4)) as engine:
         engine.warmup()
         gen = torch.Generator().manual_seed(0)
         engine.score([Request(u, torch.randint(0, 5000, (n,), generator=gen).tolist(), [])
@@ -39,9 +40,19 @@ def _scores(weights, staging):
         return out
 
 
-def test_slab_staging_scores_bitwise_like_batch_staging():
-    weights = HSTUWeights.init(BF16, seed=0)
-    batch, slab = _scores(weights, "batch"), _scores(weights, "slab")
-    assert len(batch) == len(slab) == 7
-    for a, b in zip(batch, slab):
+@pytest.fixture(scope="module")
+def weights():
+    return HSTUWeights.init(BF16, seed=0)
+
+
+@pytest.fixture(scope="module")
+def proven(weights):
+    return _scores(weights, "batch", "before")
+
+
+@pytest.mark.parametrize("staging,reap", [("slab", "before"), ("slab", "after"), ("batch", "after")])
+def test_new_paths_score_bitwise_like_batch_staging_with_reap_before(weights, proven, staging, reap):
+    new = _scores(weights, staging, reap)
+    assert len(proven) == len(new) == 7
+    for a, b in zip(proven, new):
         assert a.device.type == "cpu" and torch.equal(a, b)
