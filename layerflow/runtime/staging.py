@@ -3,8 +3,8 @@
 The device reads every per-batch integer (offsets, lengths, page table, token ids and positions, candidate rows and
 ids, 1/N) from one int32 slab per bucket, filled by one host->device copy from a pinned host slab laid out the same.
 `HostSlab` is that host side with its numpy views, made once. `stage_items` writes an item-id batch's requests into a
-slab during `prepare` (validating the ids in one reduction), so no per-request batch tensors are built and the launch
-only issues the copy. A slab handed to a prepared batch stays its own until the batch is collected or given up: the
+slab during `prepare` (the ids range-checked on the request's lists first), so no per-request batch tensors are built
+and the launch only issues the copy. A slab handed to a prepared batch stays its own until the batch is collected or given up: the
 copy reads it asynchronously, and another batch may be prepared while this one is in flight.
 """
 

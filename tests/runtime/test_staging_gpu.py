@@ -50,7 +50,7 @@ def proven(weights):
     return _scores(weights, "batch", "before")
 
 
-@pytest.mark.parametrize("staging,reap", [("slab", "before"), ("slab", "after"), ("batch", "after")])
+@pytest.mark.parametrize("staging,reap", [("slab", "after")])   # both new paths at once (each alone: the CPU tests)
 def test_new_paths_score_bitwise_like_batch_staging_with_reap_before(weights, proven, staging, reap):
     new = _scores(weights, staging, reap)
     assert len(proven) == len(new) == 7
