@@ -56,7 +56,7 @@ def layer_compute_ms(engine: Engine, clock: Clock, requests: list[Request], buck
         end = clock.stamp()
         clock.sync()
     finally:
-        engine.kv.abort(plan)
+        engine.cancel(plan)   # kv.abort, and a staged batch's slab back to its bucket
     base = waits.stamps[0]
     return layer_times([clock.ms(base, s) for s in waits.stamps], clock.ms(base, end))
 

@@ -128,11 +128,36 @@ def check_lengths(config: HSTUConfig, names: Sequence, cached_lens: Sequence[int
                              f"candidates {len(k)}) exceeds max_seq_len={config.max_seq_len}")
 
 
+def check_item_ids(config: HSTUConfig, names: list, appended: Sequence, candidates: Sequence) -> None:
+    """ValueError naming the first user and id that is not an integer in the vocabulary (the per-user pass)."""
+    _batch_item_ids(config, names, appended, candidates)
+
+
 @dataclass(frozen=True)
-class JaggedBatch:
+class BatchShape:
+    """Per user of a batch: cached history tokens, appended tokens and candidates (what every packing of the batch
+    and the split of its results need)."""
+
     cached_lens: list[int]
     appended_lens: list[int]
     candidate_lens: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.cached_lens)
+
+    @property
+    def history_lens(self) -> list[int]:
+        """History length after this request's append."""
+        return [c + a for c, a in zip(self.cached_lens, self.appended_lens)]
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [a + k for a, k in zip(self.appended_lens, self.candidate_lens)]
+
+
+@dataclass(frozen=True)
+class JaggedBatch(BatchShape):
     appended_ids: torch.Tensor   # int64 [sum appended] (empty for an embeddings-in batch)
     candidate_ids: torch.Tensor  # int64 [sum candidates] (empty for an embeddings-in batch)
     query_x: torch.Tensor | None = None   # [sum (appended + candidates), E]: an embeddings-in batch's token rows
@@ -202,19 +227,6 @@ class JaggedBatch:
         if self.id_numpy is not None:
             return self.id_numpy
         return self.appended_ids.numpy(), self.candidate_ids.numpy()
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.cached_lens)
-
-    @property
-    def history_lens(self) -> list[int]:
-        """History length after this request's append."""
-        return [c + a for c, a in zip(self.cached_lens, self.appended_lens)]
-
-    @property
-    def query_lens(self) -> list[int]:
-        return [a + k for a, k in zip(self.appended_lens, self.candidate_lens)]
 
     @cached_property
     def query_offsets(self) -> torch.Tensor:

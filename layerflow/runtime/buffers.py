@@ -8,14 +8,13 @@ pinned host buffer and reaches the device in a single copy; the scores come back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
-import numpy as np
 import torch
 
 from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
-from layerflow.model.reference import batch_n
+from layerflow.runtime.staging import HostSlab, StagedBatch, slab_fields
+
 
 def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
     """Token capacities from `smallest` to `largest` (powers of two, `smallest` >= `steps`): in each octave [p, 2p),
@@ -51,20 +50,12 @@ class BatchBuffers:
     def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig):
         b, t = bucket.max_batch, bucket.max_tokens
         self.bucket, self.max_pages, self.device, self.model = bucket, max_pages, device, model
-        sizes = {"q_offsets": b + 1, "history_lens": b, "appended_lens": b, "page_table": b * max_pages,
-                 "ids": t, "positions": t, "candidate_rows": t, "candidate_ids": t, "inv_n": 1}
-        total = sum(sizes.values())
-        pin = device.type == "cuda"
-        self._host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
-        self._device = torch.zeros(total, dtype=torch.int32, device=device)
-        slices: dict[str, slice] = {}
-        start = 0
-        for name, n in sizes.items():
-            slices[name] = slice(start, start + n)
-            start += n
-        self._staged = {name: self._host.numpy()[s] for name, s in slices.items()}   # numpy views of the host slab
-        self._table = self._staged["page_table"].reshape(b, max_pages)
-        self._held: list[tuple[int, ...]] = [()] * b   # the pages each table row holds (zeros after them)
+        slices = slab_fields(b, t, max_pages)
+        self._pin = device.type == "cuda"
+        self._slab = HostSlab(slices, b, max_pages, model.max_seq_len, self._pin)   # the one a JaggedBatch fills
+        self._host = self._slab.host
+        self._spare: list[HostSlab] = []   # slabs for staged batches, given back after their batch
+        self._device = torch.zeros(len(self._slab.host), dtype=torch.int32, device=device)
         view = {name: self._device[s] for name, s in slices.items()}
         self.q_offsets = view["q_offsets"]
         self.history_lens = view["history_lens"]
@@ -77,16 +68,16 @@ class BatchBuffers:
         # 1/N of the batch (GR's batch rule) as float32 bits in the int32 slab; None: the kernels' constant N.
         self.inv_n = view["inv_n"].view(torch.float32) if model.attn_n_rule == "batch" else None
         self.scores = torch.zeros(t, dtype=torch.float32, device=device)
-        self._scores_host = torch.zeros(t, dtype=torch.float32, pin_memory=pin)
+        self._scores_host = torch.zeros(t, dtype=torch.float32, pin_memory=self._pin)
         self.num_candidates = 0
         self.num_tokens = 0
         if not model.embedding_tables:   # the caller's token embeddings in, every query row's output back
             e = model.embedding_dim
             self.x = torch.zeros(t, e, dtype=model.dtype, device=device)
-            self._x_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
+            self._x_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=self._pin)
             self._x_bits = float_bits(self._x_host)
             self.outputs = torch.zeros(t, e, dtype=model.dtype, device=device)
-            self._outputs_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=pin)
+            self._outputs_host = torch.zeros(t, e, dtype=model.dtype, pin_memory=self._pin)
         results = self._scores_host if model.embedding_tables else self._outputs_host
         self._results = results, float_bits(results)   # the host results and a numpy view of their bits
         # The compute stream (the current one when the buffers are made: the engine's), kept: fetch and the serving
@@ -98,50 +89,43 @@ class BatchBuffers:
         """The whole of `host` into `device` (same shape), ordered on the current stream."""
         device.copy_(host, non_blocking=True)
 
-    def _write_pages(self, page_rows: list[tuple[int, ...]]) -> None:
-        """Each user's GPU pages at the front of its page-table row, zeros after them and in the rows past the batch
-        (page 0 is valid: a kernel reading past a user's pages cannot fault). A row whose user holds the pages it held
-        in this row last time plus new ones (a returning GPU hit) is given only the new ones: converting a 16K
-        history's 528 page ids costs ~10 us."""
-        table, held = self._table, self._held
-        for b, old in enumerate(held):
-            new = page_rows[b] if b < len(page_rows) else ()
-            if type(new) is not tuple:
-                new = tuple(new)
-            if new == old:
-                continue
-            n, k = len(new), len(old)
-            if k <= n and new[:k] == old:
-                table[b, k:n] = new[k:]
-            else:
-                table[b, :n] = new
-                table[b, n:k] = 0
-            held[b] = new
+    def take_slab(self) -> HostSlab:
+        """A host slab of this bucket for a staged batch (`stage_items`), its own until `give_slab`."""
+        if self._spare:
+            slab = self._spare.pop()
+        else:
+            b, t = self.bucket.max_batch, self.bucket.max_tokens
+            slab = HostSlab(slab_fields(b, t, self.max_pages), b, self.max_pages, self.model.max_seq_len, self._pin)
+        slab.taken = True
+        return slab
 
-    def _put(self, name: str, values: np.ndarray | list[int], tail: int = 0) -> None:
-        """`values` at the front of the slab's `name` slice, `tail` after them."""
-        staged = self._staged[name]
-        staged[:len(values)] = values
-        staged[len(values):] = tail
+    def give_slab(self, slab: HostSlab) -> None:
+        """A staged batch's slab back, once its host->device copy has run (its batch was collected or never sent);
+        a slab already given back stays given."""
+        if slab.taken:
+            slab.taken = False
+            self._spare.append(slab)
 
-    def fill(self, batch: JaggedBatch, page_rows: list[tuple[int, ...]]) -> None:
-        """Write a batch (and each user's GPU pages) into the static tensors: one host->device copy."""
-        q_offsets = list(accumulate(batch.query_lens, initial=0))
-        self._put("q_offsets", q_offsets, tail=q_offsets[-1])   # users past the batch own no tokens
-        self._put("history_lens", batch.history_lens)
-        self._put("appended_lens", batch.appended_lens)
-        self._write_pages(page_rows)
-        staged = self._staged
+    def fill(self, batch: JaggedBatch | StagedBatch, page_rows: list[tuple[int, ...]]) -> None:
+        """Write a batch (and each user's GPU pages) into the static tensors: one host->device copy. A StagedBatch
+        (`stage_items`, its slab one of this bucket's) is already in its slab: only the copy is issued."""
+        if isinstance(batch, StagedBatch):
+            if batch.bucket != self.bucket:
+                raise ValueError(f"a batch staged for {batch.bucket} filled into the buffers of {self.bucket}")
+            self.num_tokens, self.num_candidates = batch.num_tokens, batch.num_candidates
+            self._to_device(self._device, batch.slab.host)
+            return
+        slab = self._slab
+        slab.write_lengths(self.model, batch.cached_lens, batch.appended_lens, batch.query_lens)
+        slab.write_pages(page_rows)
+        staged = slab.views
         self.num_tokens = batch.pack_query(staged["ids"], staged["positions"], staged["candidate_rows"])
         candidate_ids = batch.id_arrays()[1]
         self.num_candidates = len(candidate_ids)
         for name in ("ids", "positions"):
             staged[name][self.num_tokens:] = 0
         staged["candidate_rows"][self.num_candidates:] = 0
-        self._put("candidate_ids", candidate_ids)
-        if self.inv_n is not None:
-            n = batch_n(self.model, batch.cached_lens, batch.query_lens)
-            self._put("inv_n", np.array([1.0 / n], dtype=np.float32).view(np.int32))
+        slab.put("candidate_ids", candidate_ids)
         if batch.query_x is not None:
             rows = float_bits(batch.query_x) if batch.query_x.dtype == self._x_host.dtype else None
             if self._x_bits is None or rows is None:

@@ -14,6 +14,7 @@ in-process tier meanwhile and switches back when the server answers again (runti
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
 from layerflow.runtime.request import EmbeddingRequest, Request
+from layerflow.runtime.staging import StagedBatch, stage_items
 from layerflow.runtime.tiers import build_kv, check_config, in_process_tier, uses_server
 from layerflow.runtime.waits import LayerWait, NoWait, make_layer_wait
 from layerflow.tier.base import NotResident
@@ -45,6 +47,15 @@ BATCH_BUCKETS = (1, 2, 4, 8)
 # Powers of two (a request may pad by up to 100%) until the H200 has measured the finer ladder, token_ladder(64, 2048):
 # at most 12.5% padding, for 7x the graphs and attention workspaces (docs/performance.md, "Bucket ladder").
 TOKEN_BUCKETS = token_ladder(64, 2048, steps=1)
+# How an item-id batch reaches the device: "batch" builds a JaggedBatch in prepare and packs the bucket's slab at the
+# launch; "slab" packs the requests straight into a pinned slab of the bucket in prepare (runtime/staging.py), so the
+# launch issues only the copy. "batch" stays the default until the H200 has measured "slab".
+STAGING_MODES = ("batch", "slab")
+STAGING_ENV = "LAYERFLOW_STAGING"
+# When a batch of GPU hits forgets finished offloads: "before" placing it, or "after" its launch (KVManager's
+# reap_after_launch); "before" stays the default until the H200 has measured "after".
+REAP_MODES = ("before", "after")
+REAP_ENV = "LAYERFLOW_REAP"
 
 
 def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -52,6 +63,14 @@ def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
         raise ValueError(f"{name}={sizes!r}: expected positive integers")
     return tuple(sorted(set(sizes)))
+
+
+def _mode(name: str, value: str | None, env: str, modes: tuple[str, ...]) -> str:
+    """`value`, else $`env`, else the first of `modes`; ValueError naming a value that is not one of them."""
+    chosen = value or os.environ.get(env, modes[0])
+    if chosen not in modes:
+        raise ValueError(f"{name}={chosen!r} ({env}): expected one of {list(modes)}")
+    return chosen
 
 
 def _next_power_of_2(n: int, floor: int) -> int:
@@ -104,15 +123,18 @@ class Engine:
     moves while this one computes), `launch` (one batch on the device at a time) and `collect` (its scores). Every step
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
-    the engine closes it at `close()`. The captured shapes are every size of `batch_buckets` with every size of
+    the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "batch") is one of
+    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "before") one of REAP_MODES. The captured shapes are every size of `batch_buckets` with every size of
     `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
-                 copy_engine: CopyEngine | None = None):
+                 copy_engine: CopyEngine | None = None, staging: str | None = None, reap: str | None = None):
         self.config = config or Config()
+        self.staging = _mode("staging", staging, STAGING_ENV, STAGING_MODES)
+        self.reap = _mode("reap", reap, REAP_ENV, REAP_MODES)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         check_config(self.config, self.device)
@@ -134,7 +156,9 @@ class Engine:
         self.layerwise = self.config.enable_layerwise
         if not self.layerwise:
             log.info("layerwise onboarding is off: each onboarding completes before the block starts")
-        self.kv = KVManager(model, gpu, below, self.layerwise)
+        self.kv = KVManager(model, gpu, below, self.layerwise,
+                            pack_items=self._stage_items if self.staging == "slab" else None,
+                            reap_after_launch=self.reap == "after")
         kv_dtype = self.layout.groups[0].fp8_dtype
         kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages, kv_dtype) if cuda \
             else ReferenceKernels(self.weights, kv_dtype)
@@ -219,6 +243,7 @@ class Engine:
                 flight = self._launch(plan)
             except BaseException:
                 self.kv.abort(plan)
+                self._release_slab(plan)
                 raise
             self._flight = flight
             return flight
@@ -236,6 +261,7 @@ class Engine:
                 raise
             finally:
                 self._flight = None
+                self._release_slab(flight.plan)
                 self._cond.notify_all()
             self.kv.commit(flight.plan)
             return _per_request(flight.plan.batch, results)
@@ -244,6 +270,7 @@ class Engine:
         """Give back a prepared batch that will not be launched (e.g. its deadline passed): pins and pages go back."""
         with self._cond:
             self.kv.abort(plan)
+            self._release_slab(plan)
 
     def close(self) -> None:
         """Finish pending offloads and release streams, threads, eventfds, files and a spawned server (once)."""
@@ -283,9 +310,29 @@ class Engine:
             return Bucket(self._batch_sizes[b], self._token_sizes[t])
         return Bucket(_next_power_of_2(batch_size, 1), _next_power_of_2(num_tokens, 64))
 
+    def _stage_items(self, users: list[int], cached_lens: list[int], appended: list[list[int]],
+                     candidates: list[list[int]], page_rows: list[tuple[int, ...]]) -> StagedBatch:
+        """The KV manager's packer under "slab" staging: the batch straight into a slab of its bucket."""
+        tokens = sum(map(len, appended)) + sum(map(len, candidates))
+        bufs = self._bufs(self._bucket(len(users), tokens))
+        slab = bufs.take_slab()
+        try:
+            return stage_items(slab, self.weights.config, users, cached_lens, appended, candidates, page_rows,
+                               bufs.bucket)
+        except BaseException:
+            bufs.give_slab(slab)
+            raise
+
+    def _release_slab(self, plan: BatchPlan) -> None:
+        """A staged batch's slab back to its bucket (the batch was collected, failed or given up)."""
+        if isinstance(plan.batch, StagedBatch):
+            self._buffers[plan.batch.bucket].give_slab(plan.batch.slab)
+
     def _launch(self, plan: BatchPlan) -> Flight:
         batch = plan.batch
-        bufs = self._bufs(self._bucket(batch.batch_size, sum(batch.query_lens)))
+        bucket = batch.bucket if isinstance(batch, StagedBatch) else self._bucket(batch.batch_size,
+                                                                                  sum(batch.query_lens))
+        bufs = self._bufs(bucket)
         bufs.fill(batch, plan.page_rows)
         wait = self.no_wait
         if plan.handle is not None:

@@ -78,8 +78,9 @@ class EmbeddingHistory(History):
         return self._length
 
     def extend(self, tokens: torch.Tensor) -> None:
+        """A copy of the rows (the caller's tensor may change after)."""
         if len(tokens):
-            self._chunks.append(tokens.to("cpu", self.dtype))
+            self._chunks.append(tokens.to("cpu", self.dtype, copy=True))
             self._length += len(tokens)
 
     def truncate(self, length: int) -> None:

@@ -13,11 +13,12 @@ holds is adopted with the history its manifest carries.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from layerflow.model.batch import JaggedBatch, check_lengths
+from layerflow.model.batch import BatchShape, JaggedBatch, check_lengths
 from layerflow.model.config import HSTUConfig
 from layerflow.runtime.history import EmbeddingHistory, History, ItemHistory
 from layerflow.runtime.request import EmbeddingRequest, Request
@@ -52,9 +53,10 @@ class BatchPlan:
     """One batch's placement: the validated batch, each user's GPU pages, its tier, and the onboarding."""
 
     requests: list[Request]
-    batch: JaggedBatch | None   # None only while `KVManager.prepare` builds the plan
+    batch: BatchShape | None   # a JaggedBatch or a packer's; None only while `KVManager.prepare` builds the plan
     tiers: list[Tier]
     page_rows: list[tuple[int, ...]]
+    appended: list = field(default_factory=list)   # per user the ids (or rows) the batch appends to its history
     onboarding: Onboarding | None = None
     recorded: dict[int, int] = field(default_factory=dict)   # batch index -> history length before this batch
     first_pages: dict[int, int] = field(default_factory=dict)   # batch index -> first GPU page onboarded
@@ -66,8 +68,14 @@ class BatchPlan:
 
 
 class KVManager:
-    def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool):
-        self.config, self.gpu, self.below, self.layerwise = config, gpu, below, layerwise
+    """`pack_items(users, cached lens, appended ids, candidate ids, page rows)` packs an item-id batch instead of
+    `JaggedBatch.from_lists`, validating the ids alike; `reap_after_launch`: a batch of GPU hits forgets finished
+    offloads after its launch, overlapping the block (one placing other users first: they may need those pins)."""
+
+    def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool,
+                 pack_items: Callable[..., BatchShape] | None = None, reap_after_launch: bool = False):
+        self.config, self.gpu, self.below, self.layerwise, self.pack_items = config, gpu, below, layerwise, pack_items
+        self.reap_after_launch = reap_after_launch
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
         self._quarantine: list[tuple[Onboarding, list[tuple]]] = []   # pages a failed onboarding may still write
@@ -127,11 +135,12 @@ class KVManager:
         if len(set(users)) != len(users):
             dup = next(u for u in users if users.count(u) > 1)
             raise ValueError(f"user {dup} appears twice in one batch")
-        self._reap_offloads()
+        if not self.reap_after_launch or any(u not in self.gpu for u in users):
+            self._reap_offloads()
         self._reap_quarantine()
         tiers = [self._tier_for(r) for r in requests]
         cached, appended = self._query_tokens(requests, tiers)
-        plan = BatchPlan(requests, None, tiers, [])
+        plan = BatchPlan(requests, None, tiers, [], appended)
         pinned = []
         try:
             for u, tier in zip(users, tiers):
@@ -155,7 +164,7 @@ class KVManager:
                     self._forget_gpu(u)
             raise
         try:
-            plan.batch = self._batch(requests, cached, appended)
+            plan.batch = self._batch(requests, cached, appended, plan.page_rows)
         except BaseException:
             self.abort(plan)
             raise
@@ -186,20 +195,21 @@ class KVManager:
         check_lengths(self.config, [r.user_id for r in requests], cached, appended, candidates)
         return cached, appended
 
-    def _batch(self, requests: list, cached: list[int], appended: list) -> JaggedBatch:
+    def _batch(self, requests: list, cached: list[int], appended: list, page_rows: list[tuple]) -> BatchShape:
         """The batch's query tokens packed and validated (`_query_tokens` gathered them)."""
         users = [r.user_id for r in requests]
         if not self.config.embedding_tables:
             return JaggedBatch.from_embeddings(self.config, cached, appended, [r.candidates_x for r in requests],
                                                users)
         # Every list is a Request's (plain ints from its construction) or a stored history joined with one.
+        if self.pack_items is not None:
+            return self.pack_items(users, cached, appended, [r.candidates for r in requests], page_rows)
         return JaggedBatch.from_lists(self.config, cached, appended, [r.candidates for r in requests], users,
                                       plain_ints=True)
 
     def _new_history(self) -> History:
-        if self.config.embedding_tables:
-            return ItemHistory()
-        return EmbeddingHistory(self.config.embedding_dim, self.config.dtype)
+        c = self.config
+        return ItemHistory() if c.embedding_tables else EmbeddingHistory(c.embedding_dim, c.dtype)
 
     def offload_early(self, plan: BatchPlan) -> None:
         """Right after the block is launched: record every user's new history and offload the pages the batch wrote.
@@ -208,6 +218,8 @@ class KVManager:
         block instead of adding it after the scores. An onboarded user's first offloaded page also holds onboarded
         tokens: if the batch fails, `abort` drops that user's copy below, which the offload may have overwritten.
         """
+        if self.reap_after_launch:
+            self._reap_offloads()
         for b in range(len(plan.requests)):
             self._record(plan, b)
 
@@ -260,13 +272,7 @@ class KVManager:
             # A miss recomputed the whole history (the old one + the new items): any older copy below is stale.
             entry.history.clear()
             self.below.truncate(r.user_id, 0)
-        batch = plan.batch
-        if batch.query_x is None:
-            start = sum(batch.appended_lens[:b])
-            entry.history.extend(batch.id_arrays()[0][start:start + batch.appended_lens[b]].tolist())
-        else:
-            start = sum(batch.query_lens[:b])
-            entry.history.extend(batch.query_x[start:start + batch.appended_lens[b]])
+        entry.history.extend(plan.appended[b])
         try:
             self._offload(r.user_id, entry, plan.page_rows[b])
         except (PoolExhausted, ValueError, OSError, TransferError) as e:
