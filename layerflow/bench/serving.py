@@ -175,7 +175,8 @@ def serving_config(settings: ServingSettings) -> Config:
 def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
     print(f"policy {run['policy']}, {run['transport']}, {run['offered_rate']:g}/s: "
-          f"{run['throughput']:.1f} req/s, p99 {p99} ms", file=sys.stderr, flush=True)
+          f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
+          f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
 
 
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:

@@ -14,8 +14,9 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   N's and the copy engine does not wait for a batch to fill. When N is collected, the GPU-resident requests queued
   meanwhile (e.g. the next request of a user N served: it could not join the batch prepared ahead) run first as a
   batch of their own, which needs no copies and computes while the prepared batch's KV is still landing; then the
-  prepared batch is launched (at most one hit batch per prepared one, so neither starves). A user's requests are
-  served in arrival order under every policy.
+  prepared batch is launched (at most one hit batch per prepared one, so neither starves). Policy "split_ahead" also
+  prepares that hit batch ahead, while a batch that onboards is in flight (polled until it computes), so it is
+  launched without a prepare in between. A user's requests are served in arrival order under every policy.
 - Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
   when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
   other requests go back to the head of the queue, in order. A launched request is answered with its scores.
@@ -43,6 +44,7 @@ from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingErro
 from layerflow.serving.flights import DeviceMark, InFlight, Prepared
 from layerflow.serving.metrics import ServingMetrics
 from layerflow.serving.queue import Pending, RequestQueue
+from layerflow.serving.validation import check_deadline_s
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.base import Tier
 
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
 POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
-POLICIES = ("off", "mixed", "split")   # prefetch across batches: none, mixed batches, host-only ahead + hits first
+POLICIES = ("off", "mixed", "split", "split_ahead")   # prefetch across batches (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -72,30 +74,21 @@ def _start(pending: Pending) -> None:
         pending.future.set_running_or_notify_cancel()
 
 
-def _check_deadline(deadline_s: object) -> float | None:
-    if deadline_s is None:
-        return None
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
-        raise ValueError(f"deadline_s={deadline_s!r}: must be a positive number of seconds or None")
-    return float(deadline_s)
-
-
 class AsyncEngine:
     """Serves `engine` from a scheduler thread (see the module docstring for its rules); `close()` drains and stops
     it. The engine stays the caller's to close."""
 
     def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None) -> None:
-        """`policy` is one of POLICIES (see the module docstring); None: "mixed" if the config's `serve_prefetch`,
-        else "off"."""
+        """`policy`: one of POLICIES (the module docstring); None: "mixed" if `serve_prefetch`, else "off"."""
         config = engine.config
-        if policy is None:
-            policy = "mixed" if config.serve_prefetch else "off"
+        policy = ("mixed" if config.serve_prefetch else "off") if policy is None else policy
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
         self.policy = policy
         self.prefetch = policy != "off"
+        self._host_only_ahead = policy in ("split", "split_ahead")
         self.default_deadline_s = config.serve_deadline_ms / 1e3 if config.serve_deadline_ms > 0 else None
         max_batch = min(config.serve_max_batch_size, max(b.max_batch for b in engine.buckets))
         max_tokens = max(b.max_tokens for b in engine.buckets)
@@ -105,6 +98,7 @@ class AsyncEngine:
         self._retry: list[Pending] = []
         self._deferred = False       # the prefetch did not fit beside the batch in flight: wait for its collect
         self._hits_next = False      # "split": a batch was prepared ahead; resident requests go before it
+        self._hits: Prepared | None = None   # "split_ahead": those resident requests, prepared ahead
         self._sampled = 0.0
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="layerflow-scheduler", daemon=True)
@@ -118,7 +112,7 @@ class AsyncEngine:
         ValueError for a bad argument."""
         if not isinstance(request, Request):
             raise ValueError(f"request={request!r}: expected a layerflow Request")
-        deadline_s = _check_deadline(deadline_s)
+        deadline_s = check_deadline_s(deadline_s)
         if deadline_s is None:
             deadline_s = self.default_deadline_s
         now = time.monotonic()
@@ -163,9 +157,12 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            if self._retry and self._flight is None:   # retries run alone: after the batch in flight
-                batch, self._retry = self._retry, []
+            if self._retry and self._flight is None and self._prepared is None and self._hits is None:
+                batch, self._retry = self._retry, []   # retries run alone: after the batches in flight and prepared
                 self._retry_alone(batch)
+            elif self._flight is None and self._hits is not None:
+                hits, self._hits, self._hits_next = self._hits, None, False
+                self._launch(hits)
             elif self._flight is None and self._prepared is not None:
                 self._launch_next()
             elif self._flight is None:
@@ -176,22 +173,40 @@ class AsyncEngine:
                     self._prepared = self._prepare(taken, prefetch=False)
             elif self.prefetch and self._prepared is None and not self._deferred and not self._retry:
                 self._prefetch_or_poll()
+            elif self._hits_ahead_wanted():
+                self._hits_or_poll()
             else:
                 self._collect()
 
     def _prefetch_or_poll(self) -> None:
         """Batch N is in flight and nothing is prepared behind it: prepare N+1 if it is due (see the module
         docstring), collect N once it has computed, else pause until a request arrives or the next poll."""
-        if self.policy == "split":
+        if self._host_only_ahead:
             due = True
-            taken = self._take(wait=False, accept=self._not_resident)
+            taken = self._take(wait=False, accept=lambda p: not self._resident(p))
         else:
             due = self._next_is_due(self._flight)
             taken = self._take(wait=False, full_only=not due)
         if taken:
             self._prepared = self._prepare(taken, prefetch=True)
-            self._hits_next = self.policy == "split" and self._prepared is not None
+            self._hits_next = self._host_only_ahead and self._prepared is not None
         elif due and self._flight.computed():
+            self._collect()
+        else:
+            self._pause()
+
+    def _hits_ahead_wanted(self) -> bool:
+        """"split_ahead": a batch that onboards is in flight, a batch is prepared behind it and its hit batch is not."""
+        return (self.policy == "split_ahead" and self._hits_next and self._hits is None and not self._deferred
+                and not self._retry and self._flight.prepared.onboards())
+
+    def _hits_or_poll(self) -> None:
+        """Prepare the GPU-resident requests queued now as the hit batch ahead; else collect the batch in flight once
+        it has computed, or pause until a request arrives or the next poll."""
+        hits = self._take(wait=False, accept=self._resident)
+        if hits:
+            self._hits = self._prepare(hits, prefetch=True)
+        elif self._flight.computed():
             self._collect()
         else:
             self._pause()
@@ -204,9 +219,6 @@ class AsyncEngine:
     def _resident(self, pending: Pending) -> bool:
         return pending.user in self.engine.kv.gpu
 
-    def _not_resident(self, pending: Pending) -> bool:
-        return pending.user not in self.engine.kv.gpu
-
     def _pause(self) -> None:
         self.queue.wait_for_put(POLL_S)
 
@@ -215,8 +227,7 @@ class AsyncEngine:
         batches = [self._retry]
         if self._flight is not None:
             batches.append(self._flight.prepared.batch)
-        if self._prepared is not None:
-            batches.append(self._prepared.batch)
+        batches += [ahead.batch for ahead in (self._prepared, self._hits) if ahead is not None]
         return {p.user for batch in batches for p in batch}
 
     def _take(self, wait: bool, full_only: bool = False,
@@ -312,10 +323,11 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the engine rolled the batch back
             log.warning("a batch of %d failed (%s): retrying its requests alone", len(prepared.batch), e)
             self.metrics.failed_batches.inc()
-            if self._prepared is not None:   # give its pages back: the retries must find the pool as it was
-                ahead, self._prepared, self._hits_next = self._prepared, None, False
-                self.engine.cancel(ahead.plan)
-                self._requeue(ahead.batch)
+            for ahead in (self._prepared, self._hits):   # pages back: the retries must find the pool as it was
+                if ahead is not None:
+                    self.engine.cancel(ahead.plan)
+                    self._requeue(ahead.batch)
+            self._prepared, self._hits, self._hits_next = None, None, False
             self._retry.extend(prepared.batch)
             return
         now = time.monotonic()
@@ -384,8 +396,9 @@ class AsyncEngine:
         self.queue.close()
         reason = ShuttingDown(f"the serving scheduler stopped: {error!r}")
         waiting = list(self._retry) + self.queue.clear()
-        if self._prepared is not None:
-            waiting += self._prepared.batch
+        for ahead in (self._prepared, self._hits):
+            if ahead is not None:
+                waiting += ahead.batch
         if self._flight is not None:
             waiting += self._flight.prepared.batch
         for p in waiting:
