@@ -2,7 +2,8 @@
 
 Returning users with Zipf popularity, more of them than the GPU pool holds, arrive open-loop (Poisson) at each
 offered rate; the same arrivals go through the AsyncEngine in process and through the HTTP server with a real aiohttp
-client, with prefetch across batches off and on. Each visit appends `append_len` items (histories grow during a run
+client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off, mixed,
+split), all on one engine. Each visit appends `append_len` items (histories grow during a run
 and are truncated back to `history_len` between runs).
 
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
 from layerflow.bench.serving_timeline import TimedAsyncEngine
@@ -33,6 +35,7 @@ from layerflow.config import Config
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
 from layerflow.runtime.engine import Engine
+from layerflow.serving.async_engine import POLICIES
 from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
 
@@ -42,18 +45,23 @@ CALIBRATION_ITERS = 5
 @dataclass(frozen=True)
 class ServingSettings:
     """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
-    rates, the transports and the scheduler's wait for a batch to fill."""
+    rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared and whether
+    each run also sums the engine's host time per phase (layerflow.bench.phases)."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
     transports: tuple[str, ...] = TRANSPORTS
     max_wait_ms: float = 2.0
+    policies: tuple[str, ...] = ("off", "mixed")
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
             raise ValueError(f"rates={self.rates!r}: need at least one rate, each > 0")
         if not self.transports or any(t not in TRANSPORTS for t in self.transports):
             raise ValueError(f"transports={self.transports!r}: expected some of {TRANSPORTS}")
+        if not self.policies or any(p not in POLICIES for p in self.policies):
+            raise ValueError(f"policies={self.policies!r}: expected some of {POLICIES}")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms={self.max_wait_ms!r}: must be >= 0")
         if self.workload.gpu_users < self.workload.batch_size:
@@ -64,7 +72,7 @@ class ServingSettings:
         workload = asdict(self.workload) | {"signal": None if self.workload.signal is None
                                             else self.workload.signal.value}
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
-                "max_wait_ms": self.max_wait_ms}
+                "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile}
 
 
 GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
@@ -118,7 +126,7 @@ def onboard_bytes(record: Record, layout: KVLayout) -> int:
     return layout.pages_for_tokens(record.cached_tokens) * layout.page_bytes
 
 
-def summarize(records: list[Record], rate: float, transport: str, prefetch: bool, layout: KVLayout,
+def summarize(records: list[Record], rate: float, transport: str, policy: str, layout: KVLayout,
               calibration: Calibration) -> dict:
     """One run's figures (see the module docstring)."""
     ok = [r for r in records if r.error is None]
@@ -127,7 +135,8 @@ def summarize(records: list[Record], rate: float, transport: str, prefetch: bool
     largest = max(calibration.gpu_hit_ms)
     gpu_s = sum(calibration.gpu_hit_ms[min(r.batch_size, largest)] / r.batch_size for r in ok) / 1e3
     latencies = [r.latency_ms for r in ok]
-    return {"transport": transport, "prefetch": prefetch, "offered_rate": rate, "num_requests": len(records),
+    return {"transport": transport, "policy": policy, "prefetch": policy != "off", "offered_rate": rate,
+            "num_requests": len(records),
             "answered": len(ok), "throughput": len(ok) / elapsed if elapsed > 0 else 0.0,
             "p50_ms": percentile(latencies, 50) if ok else None, "p99_ms": percentile(latencies, 99) if ok else None,
             "tiers": dict(Counter(r.tier for r in ok)), "errors": dict(Counter(r.error for r in records if r.error)),
@@ -150,59 +159,60 @@ def bound(runs: list[dict], calibration: Calibration, batch_size: int) -> dict:
             "full_batch": full}
 
 
-def serving_config(settings: ServingSettings, prefetch: bool) -> Config:
+def serving_config(settings: ServingSettings) -> Config:
     """The stream's pools (the host's with room for every item a run appends) and the scheduler's keys: no deadline,
-    a queue that holds the whole stream (an open-loop run past saturation queues, it is not refused)."""
+    a queue that holds the whole stream (an open-loop run past saturation queues, it is not refused); the prefetch
+    policy is each run's."""
     workload = settings.workload
     config = pool_config(workload, layerwise=True)
     if workload.config_path is None:
         appended = workload.num_requests * workload.append_len / (workload.num_users * workload.history_len)
         config = replace(config, cpu_cache_gb=config.cpu_cache_gb * (1 + appended))
     return replace(config, serve_max_batch_size=workload.batch_size, serve_max_wait_ms=settings.max_wait_ms,
-                   serve_max_queue=workload.num_requests, serve_deadline_ms=0.0, serve_prefetch=prefetch)
+                   serve_max_queue=workload.num_requests, serve_deadline_ms=0.0)
 
 
 def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
-    print(f"prefetch {'on' if run['prefetch'] else 'off'}, {run['transport']}, {run['offered_rate']:g}/s: "
-          f"{run['throughput']:.1f} req/s, p99 {p99} ms", file=sys.stderr, flush=True)
-
-
-def _runs_of_one_engine(settings: ServingSettings, weights: HSTUWeights, prefetch: bool, device: torch.device,
-                        calibration: Calibration | None) -> tuple[list[dict], Calibration]:
-    """Every (transport, rate) run on one engine, its users loaded first; calibrated here unless `calibration` is
-    given. The engine is gone when this returns, so two engines' pinned pools never coexist."""
-    workload = settings.workload
-    rng = random.Random(workload.seed + 1)
-    visits = returning_visits(workload, weights.config.item_vocab_size, rng)
-    runs = []
-    with stream_engine(workload, weights, serving_config(settings, prefetch), device) as engine:
-        load_users(engine, workload, visits, rng)
-        calibration = calibration or calibrate(engine, workload, visits, device)
-        serving = TimedAsyncEngine(engine)
-        server = BackgroundServer(serving) if "http" in settings.transports else None
-        try:
-            for transport in settings.transports:
-                for rate in settings.rates:
-                    arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
-                    serving.reset()
-                    records = over_http(server.url, arrivals) if transport == "http" else in_process(serving, arrivals)
-                    runs.append(summarize(records, rate, transport, prefetch, engine.layout, calibration)
-                                | {"scheduler": serving.timeline()})
-                    _progress(runs[-1])
-                    for u in visits:   # the server is idle: every request was answered
-                        engine.kv.truncate(u, workload.history_len)
-        finally:
-            if server is not None:
-                server.close()
-            serving.close()
-    return runs, calibration
+    print(f"policy {run['policy']}, {run['transport']}, {run['offered_rate']:g}/s: "
+          f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
+          f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
 
 
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (prefetch, transport, rate) run; the calibration (measured with the first engine) and the bound."""
-    weights = HSTUWeights.init(PRESETS[settings.workload.preset], seed=settings.workload.seed)
-    runs, calibration = _runs_of_one_engine(settings, weights, False, device, None)
-    more, _ = _runs_of_one_engine(settings, weights, True, device, calibration)
-    runs += more
-    return {"calibration": calibration, "runs": runs, "bound": bound(runs, calibration, settings.workload.batch_size)}
+    """Every (policy, transport, rate) run on one engine, its users loaded first; the calibration (measured on it
+    before the runs) and the bound. Histories are truncated back after each run (the engine is idle then)."""
+    workload = settings.workload
+    weights = HSTUWeights.init(PRESETS[workload.preset], seed=workload.seed)
+    rng = random.Random(workload.seed + 1)
+    visits = returning_visits(workload, weights.config.item_vocab_size, rng)
+    runs = []
+    with stream_engine(workload, weights, serving_config(settings), device) as engine:
+        load_users(engine, workload, visits, rng)
+        calibration = calibrate(engine, workload, visits, device)
+        timer = PhaseTimer() if settings.profile else None
+        if timer is not None:
+            timer.attach(engine)
+        for policy in settings.policies:
+            serving = TimedAsyncEngine(engine, policy=policy)
+            server = BackgroundServer(serving) if "http" in settings.transports else None
+            try:
+                for transport in settings.transports:
+                    for rate in settings.rates:
+                        arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
+                        serving.reset()
+                        if timer is not None:
+                            timer.start()
+                        records = over_http(server.url, arrivals) if transport == "http" \
+                            else in_process(serving, arrivals)
+                        engine_ms = {} if timer is None else {"engine_phases_ms": timer.stop()}
+                        runs.append(summarize(records, rate, transport, policy, engine.layout, calibration)
+                                    | {"scheduler": serving.timeline()} | engine_ms)
+                        _progress(runs[-1])
+                        for u in visits:
+                            engine.kv.truncate(u, workload.history_len)
+            finally:
+                if server is not None:
+                    server.close()
+                serving.close()
+    return {"calibration": calibration, "runs": runs, "bound": bound(runs, calibration, workload.batch_size)}

@@ -30,16 +30,33 @@ PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect
 def scheduler_table(runs: list[dict]) -> list[str]:
     """Per run: the share of its wall time the scheduler thread spent in each phase (layerflow.bench.serving_timeline),
     the rest, the collects that waited for the device, and the mean batch prepared idle / ahead."""
-    rows = ["| transport | prefetch | offered/s | " + " | ".join(PHASES) + " | other | collect waits | "
+    rows = ["| transport | policy | offered/s | " + " | ".join(PHASES) + " | other | collect waits | "
             "mean prepared (idle / ahead) |", "|---" * (len(PHASES) + 6) + "|"]
     for r in runs:
         t = r.get("scheduler")
         if t is None or t["wall_s"] <= 0:
             continue
         shares = [t["phases"].get(p, {"s": 0.0})["s"] / t["wall_s"] for p in PHASES]
-        rows.append(f"| {r['transport']} | {'on' if r['prefetch'] else 'off'} | {r['offered_rate']:g} | "
+        rows.append(f"| {r['transport']} | {r['policy']} | {r['offered_rate']:g} | "
                     + " | ".join(f"{x:.2f}" for x in shares) + f" | {max(0.0, 1 - sum(shares)):.2f} | "
                     f"{t['collect_waits']} | {t['mean_prepared']:.2f} / {t['mean_prepared_ahead']:.2f} |")
+    return rows
+
+
+ENGINE_PHASES = ("prepare", "prepare.tiers", "prepare.pack", "prepare.alloc", "prepare.onboard", "launch",
+                 "launch.fill", "launch.forward", "launch.offload", "collect", "collect.fetch", "collect.commit")
+
+
+def engine_phase_table(runs: list[dict]) -> list[str]:
+    """Per profiled run: the engine's host time per launched batch in each phase (layerflow.bench.phases), ms."""
+    rows = ["| transport | policy | offered/s | batches | " + " | ".join(ENGINE_PHASES) + " |",
+            "|---" * (len(ENGINE_PHASES) + 4) + "|"]
+    for r in runs:
+        phases, launched = r.get("engine_phases_ms"), r["scheduler"]["phases"].get("launch", {"calls": 0})["calls"]
+        if phases is None or not launched:
+            continue
+        rows.append(f"| {r['transport']} | {r['policy']} | {r['offered_rate']:g} | {launched} | "
+                    + " | ".join(f"{phases.get(p, 0.0) / launched:.3f}" for p in ENGINE_PHASES) + " |")
     return rows
 
 
@@ -48,10 +65,10 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
     head = (f"### Serving on {where}: {w.preset} model, {w.num_users} users (Zipf {w.zipf}), GPU pool for "
             f"{w.gpu_users}, {w.history_len} cached + {w.append_len} appended per visit, {w.num_candidates} "
             f"candidates, batches up to {w.batch_size}, {w.num_requests} Poisson arrivals per rate")
-    rows = ["| transport | prefetch | offered/s | req/s | p50 ms | p99 ms | gpu/host/ssd/none | errors | mean batch | "
+    rows = ["| transport | policy | offered/s | req/s | p50 ms | p99 ms | gpu/host/ssd/none | errors | mean batch | "
             "copy busy | GPU busy |", "|---" * 11 + "|"]
     for r in results["runs"]:
-        rows.append(f"| {r['transport']} | {'on' if r['prefetch'] else 'off'} | {r['offered_rate']:g} | "
+        rows.append(f"| {r['transport']} | {r['policy']} | {r['offered_rate']:g} | "
                     f"{r['throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | {_errors(r)} | "
                     f"{r['mean_batch']:.2f} | {r['copy_busy']:.2f} | {r['sm_busy']:.2f} |")
     gpu_ms = ", ".join(f"{size}: {ms:.2f}" for size, ms in sorted(cal.gpu_hit_ms.items()))
@@ -63,7 +80,11 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
             f"these measured figures, not hardware counters.")
     scheduler = ("Scheduler thread, share of each run's wall time per phase (host clock; see "
                  "layerflow/bench/serving_timeline.py for the phases):")
-    return "\n".join([head, "", *rows, "", foot, "", scheduler, "", *scheduler_table(results["runs"])])
+    lines = [head, "", *rows, "", foot, "", scheduler, "", *scheduler_table(results["runs"])]
+    if settings.profile:
+        lines += ["", "Engine host time per launched batch (ms, host clock; layerflow/bench/phases.py):", "",
+                  *engine_phase_table(results["runs"])]
+    return "\n".join(lines)
 
 
 def to_dict(settings: ServingSettings, results: dict, device: torch.device) -> dict:
@@ -79,7 +100,7 @@ def write_json(settings: ServingSettings, results: dict, device: torch.device, p
 
 
 def plot(settings: ServingSettings, results: dict, device: torch.device, path: Path) -> None:
-    """p50 (solid) and p99 (dashed) latency vs offered rate per transport and prefetch setting, the bound dotted."""
+    """p50 (solid) and p99 (dashed) latency vs offered rate per transport and scheduler policy, the bound dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,10 +108,10 @@ def plot(settings: ServingSettings, results: dict, device: torch.device, path: P
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for transport in settings.transports:
-        for prefetch in (False, True):
-            runs = [r for r in results["runs"] if r["transport"] == transport and r["prefetch"] == prefetch
+        for policy in settings.policies:
+            runs = [r for r in results["runs"] if r["transport"] == transport and r["policy"] == policy
                     and r["p50_ms"] is not None]
-            label = f"{transport}, prefetch {'on' if prefetch else 'off'}"
+            label = f"{transport}, policy {policy}"
             rates = [r["offered_rate"] for r in runs]
             color = ax.plot(rates, [r["p50_ms"] for r in runs], marker="o", label=f"{label}: p50")[0].get_color()
             ax.plot(rates, [r["p99_ms"] for r in runs], marker="x", linestyle="--", color=color, label=f"{label}: p99")

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from layerflow.serving.async_engine import AsyncEngine, Scored
+from layerflow.serving.flights import Prepared
 from layerflow.serving.queue import Pending
 
 
@@ -64,17 +65,18 @@ class TimedAsyncEngine(AsyncEngine):
             totals[0] += spent - inner
             totals[1] += start >= self._since   # a step begun before `reset` is that run's call, not this one's
 
-    def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
-        return self._timed("idle" if wait else "take", super()._take, wait, full_only)
+    def _take(self, wait: bool, full_only: bool = False,
+              accept: Callable[[Pending], bool] | None = None) -> list[Pending] | None:
+        return self._timed("idle" if wait else "take", super()._take, wait, full_only, accept)
 
-    def _prepare(self, batch: list[Pending], prefetch: bool) -> None:
+    def _prepare(self, batch: list[Pending], prefetch: bool) -> Prepared | None:
         phase = "prepare ahead" if prefetch else "prepare"
         if not self._children:   # the outer call of a split, not its halves
             self._sizes[phase].append(len(batch))
         return self._timed(phase, super()._prepare, batch, prefetch)
 
-    def _launch(self) -> None:
-        return self._timed("launch", super()._launch)
+    def _launch(self, prepared: Prepared) -> None:
+        return self._timed("launch", super()._launch, prepared)
 
     def _pause(self) -> None:
         return self._timed("poll", super()._pause)

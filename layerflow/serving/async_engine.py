@@ -3,12 +3,20 @@
 The scheduler is the only caller of the engine's steps. Its rules, in the order it applies them:
 - Batches come from the queue (layerflow.serving.queue: arrival order, one request per user, busy users skipped,
   capped in requests and query tokens, held back up to `serve_max_wait_ms` to fill).
-- Prefetch (`serve_prefetch`): while batch N computes, the scheduler keeps admitting requests and prepares batch N+1
-  (its KV placed, its onboarding issued on the copy engine) as soon as the queue holds a full batch, or at once when
-  N onboards nothing (the copy engine is free), or when N has computed (polled, never waited for): so batches grow
-  with the load and N+1's copies run while N computes. N+1 is launched once N is collected. If the GPU pool cannot
-  hold N+1 beside N (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at
-  most one batch is prepared ahead, and only when the pool holds it.
+- Prefetch, policy "mixed" (`serve_prefetch`, the default): while batch N computes, the scheduler keeps admitting
+  requests and prepares batch N+1 (its KV placed, its onboarding issued on the copy engine) as soon as the queue
+  holds a full batch, or at once when N onboards nothing (the copy engine is free), or when N has computed (polled,
+  never waited for): so batches grow with the load and N+1's copies run while N computes. N+1 is launched once N is
+  collected. If the GPU pool cannot hold N+1 beside N (PoolExhausted), it goes back to the head of the queue and is
+  prepared after N is collected: at most one batch is prepared ahead, and only when the pool holds it.
+- Prefetch, policy "split" (the constructor's `policy`; "off": none): while batch N computes, the batch prepared
+  ahead takes only requests whose user's KV is not on the GPU, as soon as one is queued, so their copies queue behind
+  N's and the copy engine does not wait for a batch to fill. When N is collected, the GPU-resident requests queued
+  meanwhile (e.g. the next request of a user N served: it could not join the batch prepared ahead) run first as a
+  batch of their own, which needs no copies and computes while the prepared batch's KV is still landing; then the
+  prepared batch is launched (at most one hit batch per prepared one, so neither starves). Policy "split_ahead" also
+  prepares that hit batch ahead, while a batch that onboards is in flight (polled until it computes), so it is
+  launched without a prepare in between. A user's requests are served in arrival order under every policy.
 - Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
   when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
   other requests go back to the head of the queue, in order. A launched request is answered with its scores.
@@ -24,6 +32,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 
@@ -35,6 +44,7 @@ from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingErro
 from layerflow.serving.flights import DeviceMark, InFlight, Prepared
 from layerflow.serving.metrics import ServingMetrics
 from layerflow.serving.queue import Pending, RequestQueue
+from layerflow.serving.validation import check_deadline_s
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.base import Tier
 
@@ -42,6 +52,7 @@ log = logging.getLogger(__name__)
 
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
 POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
+POLICIES = ("off", "mixed", "split", "split_ahead")   # prefetch across batches (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -63,23 +74,21 @@ def _start(pending: Pending) -> None:
         pending.future.set_running_or_notify_cancel()
 
 
-def _check_deadline(deadline_s: object) -> float | None:
-    if deadline_s is None:
-        return None
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
-        raise ValueError(f"deadline_s={deadline_s!r}: must be a positive number of seconds or None")
-    return float(deadline_s)
-
-
 class AsyncEngine:
     """Serves `engine` from a scheduler thread (see the module docstring for its rules); `close()` drains and stops
     it. The engine stays the caller's to close."""
 
-    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None) -> None:
+        """`policy`: one of POLICIES (the module docstring); None: "mixed" if `serve_prefetch`, else "off"."""
         config = engine.config
+        policy = ("mixed" if config.serve_prefetch else "off") if policy is None else policy
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
-        self.prefetch = config.serve_prefetch
+        self.policy = policy
+        self.prefetch = policy != "off"
+        self._host_only_ahead = policy in ("split", "split_ahead")
         self.default_deadline_s = config.serve_deadline_ms / 1e3 if config.serve_deadline_ms > 0 else None
         max_batch = min(config.serve_max_batch_size, max(b.max_batch for b in engine.buckets))
         max_tokens = max(b.max_tokens for b in engine.buckets)
@@ -88,6 +97,8 @@ class AsyncEngine:
         self._prepared: Prepared | None = None
         self._retry: list[Pending] = []
         self._deferred = False       # the prefetch did not fit beside the batch in flight: wait for its collect
+        self._hits_next = False      # "split": a batch was prepared ahead; resident requests go before it
+        self._hits: Prepared | None = None   # "split_ahead": those resident requests, prepared ahead
         self._sampled = 0.0
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="layerflow-scheduler", daemon=True)
@@ -101,7 +112,7 @@ class AsyncEngine:
         ValueError for a bad argument."""
         if not isinstance(request, Request):
             raise ValueError(f"request={request!r}: expected a layerflow Request")
-        deadline_s = _check_deadline(deadline_s)
+        deadline_s = check_deadline_s(deadline_s)
         if deadline_s is None:
             deadline_s = self.default_deadline_s
         now = time.monotonic()
@@ -146,30 +157,56 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            if self._retry and self._flight is None:   # retries run alone: after the batch in flight
-                batch, self._retry = self._retry, []
+            if self._retry and self._flight is None and self._prepared is None and self._hits is None:
+                batch, self._retry = self._retry, []   # retries run alone: after the batches in flight and prepared
                 self._retry_alone(batch)
+            elif self._flight is None and self._hits is not None:
+                hits, self._hits, self._hits_next = self._hits, None, False
+                self._launch(hits)
             elif self._flight is None and self._prepared is not None:
-                self._launch()
+                self._launch_next()
             elif self._flight is None:
                 taken = self._take(wait=True)
                 if taken is None:
                     return
                 if taken:
-                    self._prepare(taken, prefetch=False)
+                    self._prepared = self._prepare(taken, prefetch=False)
             elif self.prefetch and self._prepared is None and not self._deferred and not self._retry:
                 self._prefetch_or_poll()
+            elif self._hits_ahead_wanted():
+                self._hits_or_poll()
             else:
                 self._collect()
 
     def _prefetch_or_poll(self) -> None:
         """Batch N is in flight and nothing is prepared behind it: prepare N+1 if it is due (see the module
         docstring), collect N once it has computed, else pause until a request arrives or the next poll."""
-        due = self._next_is_due(self._flight)
-        taken = self._take(wait=False, full_only=not due)
+        if self._host_only_ahead:
+            due = True
+            taken = self._take(wait=False, accept=lambda p: not self._resident(p))
+        else:
+            due = self._next_is_due(self._flight)
+            taken = self._take(wait=False, full_only=not due)
         if taken:
-            self._prepare(taken, prefetch=True)
+            self._prepared = self._prepare(taken, prefetch=True)
+            self._hits_next = self._host_only_ahead and self._prepared is not None
         elif due and self._flight.computed():
+            self._collect()
+        else:
+            self._pause()
+
+    def _hits_ahead_wanted(self) -> bool:
+        """"split_ahead": a batch that onboards is in flight, a batch is prepared behind it and its hit batch is not."""
+        return (self.policy == "split_ahead" and self._hits_next and self._hits is None and not self._deferred
+                and not self._retry and self._flight.prepared.onboards())
+
+    def _hits_or_poll(self) -> None:
+        """Prepare the GPU-resident requests queued now as the hit batch ahead; else collect the batch in flight once
+        it has computed, or pause until a request arrives or the next poll."""
+        hits = self._take(wait=False, accept=self._resident)
+        if hits:
+            self._hits = self._prepare(hits, prefetch=True)
+        elif self._flight.computed():
             self._collect()
         else:
             self._pause()
@@ -179,6 +216,9 @@ class AsyncEngine:
         GPU: the batch in flight onboards nothing, or has computed."""
         return not in_flight.prepared.onboards() or in_flight.computed()
 
+    def _resident(self, pending: Pending) -> bool:
+        return pending.user in self.engine.kv.gpu
+
     def _pause(self) -> None:
         self.queue.wait_for_put(POLL_S)
 
@@ -187,12 +227,12 @@ class AsyncEngine:
         batches = [self._retry]
         if self._flight is not None:
             batches.append(self._flight.prepared.batch)
-        if self._prepared is not None:
-            batches.append(self._prepared.batch)
+        batches += [ahead.batch for ahead in (self._prepared, self._hits) if ahead is not None]
         return {p.user for batch in batches for p in batch}
 
-    def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
-        taken = self.queue.take(self._busy(), wait, full_only)
+    def _take(self, wait: bool, full_only: bool = False,
+              accept: Callable[[Pending], bool] | None = None) -> list[Pending] | None:
+        taken = self.queue.take(self._busy(), wait, full_only, accept)
         if taken is None:
             return None
         self._expire(taken.expired)
@@ -203,47 +243,59 @@ class AsyncEngine:
         self.queue.requeue(batch)
         self.metrics.queue_depth.set(len(self.queue))
 
-    def _prepare(self, batch: list[Pending], prefetch: bool) -> None:
-        """Prepare `batch` as `_prepared`, or deal with why it cannot be (see the module docstring)."""
+    def _prepare(self, batch: list[Pending], prefetch: bool) -> Prepared | None:
+        """Prepare `batch` (`prefetch`: behind the batch in flight), or deal with why it cannot be (see the module
+        docstring); None when nothing was prepared. A batch the pool cannot hold while another holds pages (in flight
+        or prepared) goes back to the head of the queue, to be prepared after it."""
         gpu = self.engine.kv.gpu
         resident = len(gpu)
         try:
             plan = self.engine.prepare([p.request for p in batch])
         except PoolExhausted as e:
-            if prefetch:
+            if prefetch or self._prepared is not None:
                 self._requeue(batch)
-                self._deferred = True
-                self.metrics.prefetch_deferred.inc()
-            else:
-                self._split(batch, prefetch, e)
-            return
+                if prefetch:
+                    self._deferred = True
+                    self.metrics.prefetch_deferred.inc()
+                return None
+            return self._split(batch, prefetch, e)
         except ValueError as e:
-            self._split(batch, prefetch, e)
-            return
+            return self._split(batch, prefetch, e)
         except Exception as e:  # noqa: BLE001 - e.g. a failed onboarding: retried alone once nothing is in flight
             log.warning("preparing a batch of %d failed (%s): retrying its requests alone", len(batch), e)
             self.metrics.failed_batches.inc()
             self._retry.extend(batch)
-            return
+            return None
         layout = self.engine.layout
         onboard = sum(layout.pages_for_tokens(cached) for cached, tier in zip(plan.batch.cached_lens, plan.tiers)
                       if tier in (Tier.HOST, Tier.SSD)) * layout.page_bytes
         placed = sum(tier is not Tier.GPU for tier in plan.tiers)
         self.metrics.batch_prepared(prefetch, onboard, max(0, resident + placed - len(gpu)))
-        self._prepared = Prepared(plan, batch, onboard)
+        return Prepared(plan, batch, onboard)
 
-    def _split(self, batch: list[Pending], prefetch: bool, error: Exception) -> None:
+    def _split(self, batch: list[Pending], prefetch: bool, error: Exception) -> Prepared | None:
         """A batch refused as a whole: the request alone gets the error; else the first half is tried again and the
         second goes back to the head of the queue."""
         if len(batch) == 1:
             self._fail(batch[0], error)
-            return
+            return None
         half = len(batch) // 2
         self._requeue(batch[half:])
-        self._prepare(batch[:half], prefetch)
+        return self._prepare(batch[:half], prefetch)
 
-    def _launch(self) -> None:
+    def _launch_next(self) -> None:
+        """Launch the prepared batch; under "split", first the GPU-resident requests queued since it was prepared."""
+        if self._hits_next:
+            self._hits_next = False
+            hits = self._take(wait=False, accept=self._resident)
+            prepared = self._prepare(hits, prefetch=False) if hits else None
+            if prepared is not None:
+                self._launch(prepared)
+                return
         prepared, self._prepared = self._prepared, None
+        self._launch(prepared)
+
+    def _launch(self, prepared: Prepared) -> None:
         now = time.monotonic()
         dropped = [p for p in prepared.batch if p.expired(now) or p.future.cancelled()]
         if dropped:
@@ -271,10 +323,11 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the engine rolled the batch back
             log.warning("a batch of %d failed (%s): retrying its requests alone", len(prepared.batch), e)
             self.metrics.failed_batches.inc()
-            if self._prepared is not None:   # give its pages back: the retries must find the pool as it was
-                ahead, self._prepared = self._prepared, None
-                self.engine.cancel(ahead.plan)
-                self._requeue(ahead.batch)
+            for ahead in (self._prepared, self._hits):   # pages back: the retries must find the pool as it was
+                if ahead is not None:
+                    self.engine.cancel(ahead.plan)
+                    self._requeue(ahead.batch)
+            self._prepared, self._hits, self._hits_next = None, None, False
             self._retry.extend(prepared.batch)
             return
         now = time.monotonic()
@@ -343,8 +396,9 @@ class AsyncEngine:
         self.queue.close()
         reason = ShuttingDown(f"the serving scheduler stopped: {error!r}")
         waiting = list(self._retry) + self.queue.clear()
-        if self._prepared is not None:
-            waiting += self._prepared.batch
+        for ahead in (self._prepared, self._hits):
+            if ahead is not None:
+                waiting += ahead.batch
         if self._flight is not None:
             waiting += self._flight.prepared.batch
         for p in waiting:

@@ -4,6 +4,7 @@
 interactions appended to the user's history since the last visit, candidates the items to score, both ids in the
 model's vocabulary. Any other key, a missing key or a bad value raises BadField naming the field, so the client is
 told exactly what to fix. Limits that depend on the user's stored history (its total length) are the engine's.
+`check_deadline_s` checks the deadline any caller of `AsyncEngine.submit` passes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def _item_ids(field: str, value: object, vocab: int) -> list[int]:
         if not _is_int(item) or not 0 <= item < vocab:
             raise BadField(field, f"{field}[{i}]={item!r} is not an item id in [0, {vocab})")
     return value
+
+
+def check_deadline_s(deadline_s: object) -> float | None:
+    """A deadline in seconds from now (None: the server's default); ValueError naming a bad one."""
+    if deadline_s is None:
+        return None
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"deadline_s={deadline_s!r}: must be a positive number of seconds or None")
+    return float(deadline_s)
 
 
 def parse_score_request(body: object, model: HSTUConfig) -> tuple[Request, float | None]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from layerflow.bench.cli import main, serving_settings_from_args
-from layerflow.bench.serving import Calibration, ServingSettings, bound, summarize
+from layerflow.bench.serving import Calibration, ServingSettings, bound, run_serving, summarize
 from layerflow.bench.serving_load import Record
 from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.throughput import ThroughputSettings
@@ -49,6 +49,8 @@ def test_bad_serving_settings_are_refused():
         ServingSettings(workload(), ())
     with pytest.raises(ValueError, match="transports=\\('grpc',\\)"):
         ServingSettings(workload(), (1.0,), ("grpc",))
+    with pytest.raises(ValueError, match="policies=\\('eager',\\)"):
+        ServingSettings(workload(), (1.0,), policies=("eager",))
     with pytest.raises(ValueError, match="gpu_users=2 < batch_size=4"):
         ServingSettings(workload(batch_size=4), (1.0,))
 
@@ -75,7 +77,7 @@ def test_a_runs_figures_on_known_records():
     records = [Record(0.0, 0.010, "gpu", 2, 64), Record(0.0, 0.020, "gpu", 2, 64),
                Record(0.5, 0.530, "host", 1, 64), Record(0.9, 1.000, "host", 1, 33),
                Record(0.95, 0.96, error="deadline")]
-    run = summarize(records, 5.0, "inprocess", True, layout, calibration)
+    run = summarize(records, 5.0, "inprocess", "mixed", layout, calibration)
     assert run["answered"] == 4 and run["throughput"] == pytest.approx(4.0)
     assert run["p50_ms"] == pytest.approx(25.0) and run["tiers"] == {"gpu": 2, "host": 2}
     assert run["errors"] == {"deadline": 1}
@@ -97,11 +99,24 @@ def test_serve_command_on_cpu_runs_both_transports_with_prefetch_off_and_on(caps
     assert "ran the CPU path" in out and "### Serving on CPU" in out and "Bound:" in out
     data = json.loads((tmp_path / "s.json").read_text())
     runs = data["runs"]
-    assert [(r["prefetch"], r["transport"], r["offered_rate"]) for r in runs] == [
-        (p, t, rate) for p in (False, True) for t in ("inprocess", "http") for rate in (200.0, 400.0)]
+    assert [(r["policy"], r["prefetch"], r["transport"], r["offered_rate"]) for r in runs] == [
+        (p, p != "off", t, rate) for p in ("off", "mixed") for t in ("inprocess", "http") for rate in (200.0, 400.0)]
     assert all(r["answered"] == 8 and sum(r["tiers"].values()) == 8 and not r["errors"] for r in runs)
     assert data["environment"]["cpu_path"] is True and data["command"]
     assert data["settings"]["workload"]["num_users"] == 8
     assert data["bound"]["limited_by"] in ("GPU", "copy engine") and data["bound"]["rate"] > 0
     assert set(data["calibration"]["gpu_hit_ms"]) == {"1", "2"}
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_every_policy_serves_the_whole_stream_on_one_engine_and_its_engine_phases_are_summed():
+    settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
+                               ("inprocess",), policies=("off", "mixed", "split"), profile=True)
+    data = run_serving(settings, CPU)
+    assert [r["policy"] for r in data["runs"]] == ["off", "mixed", "split"]
+    assert all(r["answered"] == 12 and not r["errors"] and r["tiers"].get("host", 0) > 0 for r in data["runs"])
+    for r in data["runs"]:   # the engine's phases of the run's batches, each within the scheduler's own steps
+        phases, steps = r["engine_phases_ms"], r["scheduler"]["phases"]
+        prepared = sum(steps.get(p, {"s": 0.0})["s"] for p in ("prepare", "prepare ahead")) * 1e3
+        assert 0 < phases["prepare.onboard"] < phases["prepare"] <= prepared
+        assert 0 < phases["launch"] <= steps["launch"]["s"] * 1e3

@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
+from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
-from layerflow.serving.async_engine import AsyncEngine
+from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
@@ -49,11 +50,13 @@ def behind_a_blocker(engine: HeldEngine, serving: AsyncEngine, requests: list[Re
     return futures
 
 
-def test_concurrent_submitters_get_the_sequential_scores_in_batches_of_distinct_users(weights):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_concurrent_submitters_get_the_sequential_scores_in_batches_of_distinct_users(weights, policy):
     requests = visits(seed=1, users=list(range(12)), rounds=4)
     expected = dict(zip(map(id, requests), sequential_scores(weights, requests)))
     results: dict[int, torch.Tensor] = {}
-    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, AsyncEngine(engine) as serving:
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, \
+            AsyncEngine(engine, policy=policy) as serving:
         engine.launch_gate.close()
         blocker = serving.submit(Request(99, [1, 2], [3]))
         assert engine.launch_gate.entered.wait(WAIT_S)
@@ -78,12 +81,27 @@ def test_concurrent_submitters_get_the_sequential_scores_in_batches_of_distinct_
     assert all(len({r.user_id for r in b}) == len(b) for b in batches)
 
 
-def test_one_users_queued_requests_are_served_in_arrival_order_each_seeing_the_last(weights):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy):
+    """A pool for about 5 of the 12 users: most returns are host hits, onboarded under each policy's batching."""
+    requests = visits(seed=4, users=list(range(12)), rounds=4)
+    expected = sequential_scores(weights, requests)
+    with HeldEngine(weights, config(serve_max_batch_size=4, gpu_pages=16)) as engine, \
+            AsyncEngine(engine, policy=policy) as serving:
+        served = [f.result(WAIT_S) for f in [serving.submit(r) for r in requests]]
+        assert engine.kv.gpu.num_pinned == 0
+    assert sum(s.tier is Tier.HOST for s in served) >= 24
+    assert all(close_to(s.scores, e) for s, e in zip(served, expected))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_users_queued_requests_are_served_in_arrival_order_each_seeing_the_last(weights, policy):
     requests = [Request(7, [i, i + 1], [i + 2, 3]) for i in range(10)]
     others = visits(seed=2, users=[1, 2], rounds=5)
     stream = [r for pair in zip(requests, others) for r in pair]
     expected = sequential_scores(weights, stream)
-    with HeldEngine(weights, config(serve_max_batch_size=8)) as engine, AsyncEngine(engine) as serving:
+    with HeldEngine(weights, config(serve_max_batch_size=8)) as engine, \
+            AsyncEngine(engine, policy=policy) as serving:
         engine.launch_gate.close()
         futures = [serving.submit(r) for r in stream]
         assert engine.launch_gate.entered.wait(WAIT_S)
@@ -155,6 +173,39 @@ def test_prefetch_starts_the_next_batchs_onboarding_before_the_current_one_is_co
         engine.collect_gate.open()
         assert first.result(WAIT_S).tier is Tier.HOST and second.result(WAIT_S).tier is Tier.HOST
         assert serving.metrics.prefetched._value.get() == (1 if prefetch else 0)
+
+
+@pytest.mark.parametrize("policy, batches, ahead", [("mixed", [[1], [2, 3], [1]], 2), ("split", [[1], [3, 1], [2]], 1),
+                                                    ("split_ahead", [[1], [3], [2], [1]], 2)])
+def test_split_prefetches_only_host_users_and_runs_the_resident_ones_before_them(weights, policy, batches, ahead):
+    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight "split" prepares [2] ahead (its copies start)
+    but not 3, whose request, with 1's next one, then runs first as a batch of GPU hits; "split_ahead" prepares that
+    hit batch ahead too, while 1 is still in flight; "mixed" prepares [2, 3] ahead, then [1] behind it."""
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, \
+            AsyncEngine(engine, policy=policy) as serving:
+        on_host(engine, {1: 40, 2: 40})
+        engine.score([history(3, 40)])
+        engine.kv.wait_offloads()
+        setup = len(engine.launched)
+        engine.launch_gate.close()
+        first = serving.submit(Request(1, [3], [4]))
+        assert engine.launch_gate.entered.wait(WAIT_S)
+        later = [serving.submit(r) for r in (Request(2, [5], [6]), Request(3, [7], [8]), Request(1, [9], [10]))]
+        wait_until(lambda: len(serving.queue) == 3, "every request queued")
+        engine.launch_gate.open()
+        results = [f.result(WAIT_S) for f in [first, *later]]
+        assert [[r.user_id for r in b] for b in engine.launched[setup:]] == batches
+        assert serving.metrics.prefetched._value.get() == ahead
+        assert [r.tier for r in results] == [Tier.HOST, Tier.HOST, Tier.GPU, Tier.GPU]
+        assert engine.kv.gpu.num_pinned == 0
+    expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(1, [3], [4]),
+                                           Request(2, [5], [6]), Request(3, [7], [8]), Request(1, [9], [10])])
+    assert all(close_to(r.scores, e) for r, e in zip(results, expected[3:]))
+
+
+def test_an_unknown_policy_is_refused(weights):
+    with Engine(weights, config()) as engine, pytest.raises(ValueError, match="policy='eager'"):
+        AsyncEngine(engine, policy="eager")
 
 
 def test_a_prefetch_the_pool_cannot_hold_waits_for_the_collect(weights):

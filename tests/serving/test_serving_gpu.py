@@ -1,5 +1,5 @@
 """The serving layer on the H200: batches prepared while another computes (their KV onboarded under CUDA graphs with
-layer waits, beside the batch in flight) score like a full recompute, with prefetch on and off."""
+layer waits, beside the batch in flight) score like a full recompute, under every prefetch policy."""
 
 import random
 
@@ -19,8 +19,9 @@ FP32 = HSTUConfig(num_layers=4, num_heads=2, dqk=128, dv=128, embedding_dim=256,
                   dtype=torch.float32, item_vocab_size=5000, position_table_size=4096)
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(prefetch):
+@pytest.mark.parametrize("policies", [("mixed",), ("off",), ("split", "split_ahead")], ids="+".join)
+def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies):
+    """Each policy in turn serves every user's visits (from the host) on one engine; histories grow across them."""
     weights = HSTUWeights.init(FP32, seed=0)
     rng = random.Random(0)
     histories = {u: [rng.randrange(5000) for _ in range(rng.randrange(600, 1500))] for u in range(8)}
@@ -28,21 +29,21 @@ def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(prefetch):
               for _ in range(3) for u in histories]
     # ~200 pages of 32 tokens: about four users fit, so most visits are host hits onboarded while a batch computes.
     config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.05, page_size=32, transfer_timeout_s=5.0,
-                    serve_max_batch_size=2, serve_prefetch=prefetch, serve_deadline_ms=0.0)
+                    serve_max_batch_size=2, serve_deadline_ms=0.0)
     with Engine(weights, config, token_buckets=(64, 256), batch_buckets=(1, 2)) as engine:
         engine.warmup()
         for u, h in histories.items():
             engine.score([Request(u, h, [])])
-        engine.kv.wait_offloads()
-        for u in histories:
-            if u in engine.kv.gpu:
-                engine.kv.evict_from_gpu(u)
-        with AsyncEngine(engine) as serving:
-            results = [f.result(60) for f in [serving.submit(r) for r in visits]]
-        prefetched = serving.metrics.prefetched._value.get()
-    assert sum(r.tier is Tier.HOST for r in results) >= len(histories)
-    assert (prefetched > 0) == prefetch
-    for r, served in zip(visits, results):
-        histories[r.user_id] = histories[r.user_id] + r.items
-        ref = full_forward(weights, [histories[r.user_id]], [r.candidates]).scores
-        assert torch.allclose(served.scores, ref, rtol=2e-3, atol=2e-3), r.user_id
+        for policy in policies:
+            engine.kv.wait_offloads()
+            for u in histories:
+                if u in engine.kv.gpu:
+                    engine.kv.evict_from_gpu(u)
+            with AsyncEngine(engine, policy=policy) as serving:
+                results = [f.result(60) for f in [serving.submit(r) for r in visits]]
+            assert sum(r.tier is Tier.HOST for r in results) >= len(histories), policy
+            assert (serving.metrics.prefetched._value.get() > 0) == (policy != "off")
+            for r, served in zip(visits, results):
+                histories[r.user_id] = histories[r.user_id] + r.items
+                ref = full_forward(weights, [histories[r.user_id]], [r.candidates]).scores
+                assert torch.allclose(served.scores, ref, rtol=2e-3, atol=2e-3), (policy, r.user_id)
