@@ -5,6 +5,8 @@ Every timed iteration replays the same request (same appended items, same candid
 before it, outside the timed region, the user's history is truncated back to `seq_len` tokens and its KV is put where
 the scenario wants it (GPU, host, SSD, nowhere). The timed region is `engine.score`: request in -> scores on the host,
 by the wall clock, with device clock stamps around it. The tier each timed request hit is recorded and checked.
+Probes that need not follow one request (the GPU hit's per-layer compute) run after the last timed one, so GPU hits
+are timed back to back as a stream of them would run.
 """
 
 from __future__ import annotations
@@ -127,7 +129,11 @@ class Scenario(ABC):
         """Put the user's KV (history truncated to `seq_len`) in this scenario's tier; the GPU hit leaves it."""
 
     def after(self, ctx: Context, probes: Probes) -> None:
-        """Untimed, after each timed request: the scenario's probes."""
+        """Untimed, after each timed request: the scenario's probes of that request."""
+
+    def finish(self, ctx: Context, probes: Probes, iterations: int) -> None:
+        """Untimed, after the last timed request: probes that need not follow one request, run here so the timed
+        requests follow one another as a stream of requests would (staging only between them)."""
 
     def call(self, ctx: Context, batch: list[Request]) -> Callable[[], list[torch.Tensor]]:
         """What the timed region runs."""
@@ -160,6 +166,7 @@ class Scenario(ABC):
                 first = first or scores
             self.after(ctx, probes if timed else Probes())  # warm-up probes are run (warming them) and dropped
             ctx.progress.update()
+        self.finish(ctx, probes, ctx.timed_iters)
         diff = max(float((a - b).abs().max()) for a, b in zip(first, ctx.reference_scores))
         return Measured(self.name, ctx.workload.seq_len, Summary.of(walls), Summary.of(devices) if devices else None,
                         tiers, probes, diff, ctx.reference_scale,
@@ -169,12 +176,13 @@ class Scenario(ABC):
 class GpuHit(Scenario):
     name, label, tier = "gpu_hit", "GPU hit", Tier.GPU
 
-    def after(self, ctx: Context, probes: Probes) -> None:
-        """Per-layer compute of the same batch (the bound's t_last_layer_compute)."""
-        ctx.engine.kv.wait_offloads()
-        for r in ctx.workload.requests:
-            ctx.engine.kv.truncate(r.user_id, ctx.workload.seq_len)
-        probes.layer_compute.append(layer_compute_ms(ctx.engine, ctx.clock, ctx.workload.requests, ctx.bucket))
+    def finish(self, ctx: Context, probes: Probes, iterations: int) -> None:
+        """Per-layer compute of the same batch (the bound's t_last_layer_compute), once per timed request."""
+        for _ in range(iterations):
+            ctx.engine.kv.wait_offloads()
+            for r in ctx.workload.requests:
+                ctx.engine.kv.truncate(r.user_id, ctx.workload.seq_len)
+            probes.layer_compute.append(layer_compute_ms(ctx.engine, ctx.clock, ctx.workload.requests, ctx.bucket))
 
 
 class CpuHit(Scenario):
