@@ -130,14 +130,18 @@ def test_slab_staging_gives_each_slab_back_after_its_batch():
         assert 2 not in engine.kv.gpu
 
 
-def test_an_unknown_staging_or_reap_is_refused_by_name(monkeypatch):
+def test_staging_and_reap_default_to_slab_and_after_and_an_unknown_one_is_refused_by_name(monkeypatch):
     weights = HSTUWeights.init(CONFIG, seed=3)
+    monkeypatch.delenv(STAGING_ENV, raising=False)
+    monkeypatch.delenv(REAP_ENV, raising=False)
+    with _engine(weights, None) as engine:   # the defaults: slab staging, reap after the launch
+        assert (engine.staging, engine.reap, engine.kv.reap_after_launch) == ("slab", "after", True)
     with pytest.raises(ValueError, match="staging='ring'"):
         _engine(weights, "ring")
     monkeypatch.setenv(REAP_ENV, "never")
     with pytest.raises(ValueError, match=f"reap='never' \\({REAP_ENV}\\)"):
         _engine(weights, "batch")
-    monkeypatch.setenv(REAP_ENV, "after")
-    monkeypatch.setenv(STAGING_ENV, "slab")
+    monkeypatch.setenv(REAP_ENV, "before")
+    monkeypatch.setenv(STAGING_ENV, "batch")
     with _engine(weights, None) as engine:
-        assert (engine.staging, engine.reap, engine.kv.reap_after_launch) == ("slab", "after", True)
+        assert (engine.staging, engine.reap, engine.kv.reap_after_launch) == ("batch", "before", False)

@@ -1,5 +1,5 @@
-"""Slab staging and the reap after the launch on the H200: graph replays score bitwise like the JaggedBatch staging
-with the reap before, for GPU and host hits."""
+"""Slab staging and the reap after the launch (the engine's defaults) on the H200: graph replays score bitwise like the
+JaggedBatch staging with the reap before, for GPU and host hits."""
 
 import pytest
 import torch
@@ -50,7 +50,7 @@ def proven(weights):
     return _scores(weights, "batch", "before")
 
 
-@pytest.mark.parametrize("staging,reap", [("slab", "after")])   # both new paths at once (each alone: the CPU tests)
+@pytest.mark.parametrize("staging,reap", [("slab", "after")])   # both defaults at once (each alone: the CPU tests)
 def test_new_paths_score_bitwise_like_batch_staging_with_reap_before(weights, proven, staging, reap):
     new = _scores(weights, staging, reap)
     assert len(proven) == len(new) == 7
