@@ -23,7 +23,7 @@ from itertools import accumulate
 import torch
 
 from layerflow.config import Config
-from layerflow.model.batch import JaggedBatch
+from layerflow.model.batch import BatchShape
 from layerflow.model.weights import HSTUWeights
 from layerflow.runtime.buffers import BatchBuffers, Bucket, token_ladder
 from layerflow.runtime.failover import ServerFailover
@@ -86,11 +86,11 @@ class TokenOutputs:
     candidates: torch.Tensor   # [c, E]
 
 
-def _per_request(batch: JaggedBatch, results: torch.Tensor) -> list:
-    """Split a batch's results: candidate scores per request, or (embeddings in) TokenOutputs per request."""
+def _per_request(batch: BatchShape, results: torch.Tensor) -> list:
+    """Split a batch's results: candidate scores per request (`results` holds exactly the batch's candidates: one
+    request's are all of it, several are cut by one torch call), or (embeddings in) TokenOutputs per request."""
     if batch.query_x is None:
-        offsets = list(accumulate(batch.candidate_lens, initial=0))
-        return [results[offsets[b]:offsets[b + 1]] for b in range(batch.batch_size)]
+        return [results] if len(batch.candidate_lens) == 1 else list(results.split(batch.candidate_lens))
     offsets = list(accumulate(batch.query_lens, initial=0))
     return [TokenOutputs(results[offsets[b]:offsets[b] + a], results[offsets[b] + a:offsets[b + 1]])
             for b, a in enumerate(batch.appended_lens)]
