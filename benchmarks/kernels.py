@@ -304,7 +304,7 @@ def main() -> None:
                              "library's; over fp8 pages only KEYSxSTAGES applies)")
     parser.add_argument("--fp8-scale-copy", nargs="+", choices=SCALE_COPIES, default=[None],
                         help="scale copies of the fp8 Gluon kernel to time (default: $LAYERFLOW_FP8_SCALE_COPY, "
-                             "else load)")
+                             "else async where pages hold a multiple of 4 tokens)")
     parser.add_argument("--fp8-code-stages", type=int, nargs="+", default=[None],
                         help="code slots in flight of the fp8 Gluon kernel to time (default: the library's)")
     parser.add_argument("--fp8-producer-warps", type=int, nargs="+", choices=LOADER_WARPS, default=[None],
