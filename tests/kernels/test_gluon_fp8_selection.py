@@ -7,9 +7,10 @@ import torch
 
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
-from layerflow.kernels.gluon_fp8 import (SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV, WHOLE_TILES_ENV, Fp8Tiling,
-                                         GluonFp8Attention, default_fp8_tiling, fill_rows, fp8_shared_memory_bytes,
-                                         fp8_unsupported_reason, select_fp8_kernel)
+from layerflow.kernels.gluon_fp8 import (DEFAULT_SCALE_SITE, DEFAULT_SILU, DEFAULT_UNMASKED_WHOLE_TILES, SCALE_COPY_ENV,
+                                         SCALE_SITE_ENV, SILU_ENV, WHOLE_TILES_ENV, Fp8Tiling, GluonFp8Attention,
+                                         default_fp8_tiling, fill_rows, fp8_shared_memory_bytes, fp8_unsupported_reason,
+                                         select_fp8_kernel)
 
 CPU = torch.device("cpu")
 E4M3 = torch.float8_e4m3fn
@@ -105,7 +106,8 @@ def test_the_scale_copy_comes_from_the_environment_and_a_bad_one_is_named(monkey
 def test_the_scale_site_and_silu_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
     for name in (SCALE_SITE_ENV, SILU_ENV):
         monkeypatch.delenv(name, raising=False)
-    assert default_fp8_tiling(256).scale_site == "decode" and default_fp8_tiling(256).silu == "exact"
+    tiling = default_fp8_tiling(256)
+    assert tiling.scale_site == DEFAULT_SCALE_SITE and tiling.silu == DEFAULT_SILU
     monkeypatch.setenv(SCALE_SITE_ENV, "dots")
     monkeypatch.setenv(SILU_ENV, "tanh")
     assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_site="dots", silu="tanh")
@@ -120,7 +122,7 @@ def test_the_scale_site_and_silu_come_from_the_environment_and_a_bad_one_is_name
 
 def test_the_whole_tile_mask_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
     monkeypatch.delenv(WHOLE_TILES_ENV, raising=False)
-    assert not default_fp8_tiling(256).unmasked_whole_tiles
+    assert default_fp8_tiling(256).unmasked_whole_tiles == DEFAULT_UNMASKED_WHOLE_TILES
     monkeypatch.setenv(WHOLE_TILES_ENV, "1")
     assert default_fp8_tiling(256).unmasked_whole_tiles
     monkeypatch.setenv(WHOLE_TILES_ENV, "0")
