@@ -225,7 +225,9 @@ def gluon_label(tiling: dict) -> str:
     """A results row's Gluon tiling as the --gluon-tiling text that selects it."""
     words = [f"gluon {tiling['block_n']}x{tiling['stages']}"]
     if "scale_copy" in tiling:      # the fp8 kernel's knobs (gluon_fp8.Fp8Tiling)
-        return ":".join(words + [f"c{tiling['code_stages']}", tiling["scale_copy"], f"w{tiling['producer_warps']}"])
+        words += [f"c{tiling['code_stages']}", tiling["scale_copy"], f"w{tiling['producer_warps']}"]
+        words += ["dots"] * (tiling.get("scale_site") == "dots") + ["tanh"] * (tiling.get("silu") == "tanh")
+        return ":".join(words + ["wt"] * bool(tiling.get("unmasked_whole_tiles")))
     words.append(tiling.get("variant", "sync"))
     if tiling.get("block_m"):
         words.append(f"m{tiling['block_m']}")
