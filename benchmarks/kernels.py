@@ -225,7 +225,9 @@ def gluon_label(tiling: dict) -> str:
     """A results row's Gluon tiling as the --gluon-tiling text that selects it."""
     words = [f"gluon {tiling['block_n']}x{tiling['stages']}"]
     if "scale_copy" in tiling:      # the fp8 kernel's knobs (gluon_fp8.Fp8Tiling)
-        return ":".join(words + [f"c{tiling['code_stages']}", tiling["scale_copy"], f"w{tiling['producer_warps']}"])
+        words += [f"c{tiling['code_stages']}", tiling["scale_copy"], f"w{tiling['producer_warps']}"]
+        words += ["dots"] * (tiling.get("scale_site") == "dots") + ["tanh"] * (tiling.get("silu") == "tanh")
+        return ":".join(words + ["wt"] * bool(tiling.get("unmasked_whole_tiles")))
     words.append(tiling.get("variant", "sync"))
     if tiling.get("block_m"):
         words.append(f"m{tiling['block_m']}")
@@ -304,7 +306,7 @@ def main() -> None:
                              "library's; over fp8 pages only KEYSxSTAGES applies)")
     parser.add_argument("--fp8-scale-copy", nargs="+", choices=SCALE_COPIES, default=[None],
                         help="scale copies of the fp8 Gluon kernel to time (default: $LAYERFLOW_FP8_SCALE_COPY, "
-                             "else load)")
+                             "else async where pages hold a multiple of 4 tokens)")
     parser.add_argument("--fp8-code-stages", type=int, nargs="+", default=[None],
                         help="code slots in flight of the fp8 Gluon kernel to time (default: the library's)")
     parser.add_argument("--fp8-producer-warps", type=int, nargs="+", choices=LOADER_WARPS, default=[None],

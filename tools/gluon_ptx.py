@@ -73,12 +73,13 @@ def main() -> None:
         code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
         print(f"bf16 {name}: {code}")
     fp8_types = dict(zip(POINTERS, ["*bf16"] * 3 + ["*u8"] + ["*i32"] * 4 + ["*fp32"] * 2))
-    for scales in (False, True):
+    fp8_variants = {"load": dict(ASYNC_SCALES=False), "async": {}, "async:wt": dict(WHOLE=True),
+                    "async:dots:tanh:wt": dict(DOT_SCALES=True, TANH=True, WHOLE=True)}
+    for label, knobs in fp8_variants.items():
         constexprs = dict(shape, NUM_SPLITS=11, BLOCK_M=128, BLOCK_N=32, STAGES=2, CODE_STAGES=4,
-                          ROWS=32 + fp8_scale_rows(32, 256), FP8=1, ASYNC_SCALES=scales,
-                          FILL_ROWS=gluon_fp8.fill_rows(32, 256, 4), PRODUCER_WARPS=4, PRODUCER_REGISTERS=96,
-                          DOT_SCALES=False, TANH=False)
-        label = "async" if scales else "load"
+                          ROWS=32 + fp8_scale_rows(32, 256), FP8=1, FILL_ROWS=gluon_fp8.fill_rows(32, 256, 4),
+                          PRODUCER_WARPS=4, PRODUCER_REGISTERS=96,
+                          **{"ASYNC_SCALES": True, "DOT_SCALES": False, "TANH": False, "WHOLE": False, **knobs})
         code = instructions_hash(gluon_fp8._gluon_fp8_kernel, fp8_types, constexprs, 8)
         print(f"fp8 32x2:c4:{label}:w4 m128: {code}")
 

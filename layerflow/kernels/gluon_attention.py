@@ -273,7 +273,8 @@ def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, 
     if choice == "triton":
         return None
     if kv_dtype is not None:
-        return select_fp8_kernel(choice, device, dtype, kv_dtype, head_dim, block_m, window, contextual)
+        return select_fp8_kernel(choice, device, dtype, kv_dtype, head_dim, block_m, window, contextual,
+                                 page_size=page_size)
     tiling = tiling or default_gluon_tiling(head_dim, page_size)
     reason = unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, page_size)
     return chosen(choice, reason, lambda: GluonAttention(tiling))

@@ -35,19 +35,23 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile, _start_codes,
                                               _tile_dots)
 from layerflow.kernels.gluon_launcher import GluonLauncher, chosen
-from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _user_block
+from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _user_block, _whole_tiles
 from layerflow.tier.layout import FP8_DTYPES
 
 SCALE_COPIES = ("load", "async")
 SCALE_COPY_ENV = "LAYERFLOW_FP8_SCALE_COPY"
-# "load" is the path the H200 has proven; "async" becomes the default once it shows it correct and faster.
-DEFAULT_SCALE_COPY = "load"
+# The H200 showed "async" correct (16K, 0 and 256 candidates) and faster (2K/0: 13.8 us against 14.6 for "load");
+# "load" stays for pages of a size that is not a multiple of 4 tokens (the scale words would straddle two keys' pages).
+DEFAULT_SCALE_COPY = "async"
 SCALE_SITES = ("decode", "dots")
 SCALE_SITE_ENV = "LAYERFLOW_FP8_SCALE_SITE"
 DEFAULT_SCALE_SITE = "decode"
 SILUS = ("exact", "tanh")
 SILU_ENV = "LAYERFLOW_FP8_SILU"
 DEFAULT_SILU = "exact"
+WHOLE_TILES_ENV = "LAYERFLOW_FP8_UNMASKED_WHOLE_TILES"
+# Off until the H200 A/B: the mask skipped on whole tiles gives the same bits (the SiLU of each score unchanged).
+DEFAULT_UNMASKED_WHOLE_TILES = False
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 # The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
@@ -63,7 +67,8 @@ class Fp8Tiling:
     """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read, code slots in flight
     (`code_stages` >= 3: with "load" the scale bytes of a tile reach the scale ring an iteration after its copies
     are issued), how the scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the
-    decode) and their registers each, where the scales are applied (SCALE_SITES) and the SiLU (SILUS)."""
+    decode) and their registers each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), and whether the
+    block's warps skip the mask on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles)."""
 
     block_n: int = 32
     stages: int = 2
@@ -73,6 +78,7 @@ class Fp8Tiling:
     producer_warps: int = 4
     scale_site: str = DEFAULT_SCALE_SITE
     silu: str = DEFAULT_SILU
+    unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -87,15 +93,18 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     return value
 
 
-def default_fp8_tiling(head_dim: int, block_m: int = 128) -> Fp8Tiling:
-    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy, scale site and
-    SiLU of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE and $LAYERFLOW_FP8_SILU (else the defaults);
-    LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
+def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None = None) -> Fp8Tiling:
+    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy, scale site, SiLU
+    and whole-tile mask of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE, $LAYERFLOW_FP8_SILU and
+    $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES (0 or 1), else the defaults: the "async" scale copy where `page_size` is a
+    multiple of 4 (None: assumed to), else "load"; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
+    copy = DEFAULT_SCALE_COPY if page_size is None or page_size % 4 == 0 else "load"
+    whole = _env_choice(WHOLE_TILES_ENV, ("0", "1"), str(int(DEFAULT_UNMASKED_WHOLE_TILES)))
     return Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
-                     scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, DEFAULT_SCALE_COPY),
+                     scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
                      producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4,
                      scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
-                     silu=_env_choice(SILU_ENV, SILUS, DEFAULT_SILU))
+                     silu=_env_choice(SILU_ENV, SILUS, DEFAULT_SILU), unmasked_whole_tiles=whole == "1")
 
 
 def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, itemsize: int = 2) -> int:
@@ -121,12 +130,15 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: scale_site must be one of {SCALE_SITES} (field or ${SCALE_SITE_ENV})"
     if tiling.silu not in SILUS:
         return f"{tiling}: silu must be one of {SILUS} (field or ${SILU_ENV})"
+    if not isinstance(tiling.unmasked_whole_tiles, bool):
+        return f"{tiling}: unmasked_whole_tiles must be a bool (field, or ${WHOLE_TILES_ENV} 0 or 1)"
     return None
 
 
 def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int,
-                           block_m: int, window: int, contextual: int, tiling: Fp8Tiling) -> str | None:
-    """Why the fp8 Gluon kernel cannot serve this attention (None when it can)."""
+                           block_m: int, window: int, contextual: int, tiling: Fp8Tiling,
+                           page_size: int | None = None) -> str | None:
+    """Why the fp8 Gluon kernel cannot serve this attention (None when it can; page_size None: not checked)."""
     if dtype not in MODEL_DTYPES or kv_dtype not in FP8_DTYPES:
         return f"dtype={dtype}, kv_dtype={kv_dtype}: the fp8 Gluon kernel needs a bf16/fp16 model over fp8 pages"
     if window or contextual:
@@ -136,6 +148,9 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
     reason = fp8_tiling_reason(tiling)
     if reason is not None:
         return reason
+    if tiling.scale_copy == "async" and page_size is not None and page_size % 4:
+        return (f"{tiling} at page_size={page_size}: scale_copy='async' copies 4-byte words of scales, so pages must "
+                "hold a multiple of 4 tokens")
     if block_m // 16 + tiling.producer_warps > MAX_WARPS:
         return (f"{tiling} at block_m={block_m}: over {MAX_WARPS} warps (the dots' accumulators would not fit "
                 "the registers left per thread)")
@@ -150,18 +165,22 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
 def _fp8_consumer(q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist, lo, alpha, r,
                   self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head,
                   H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, DOT_SCALES: gl.constexpr, TANH: gl.constexpr, s_layout: gl.constexpr,
-                  o_layout: gl.constexpr, p_layout: gl.constexpr):
+                  STAGES: gl.constexpr, DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Default partition: both dots of each tile once the loader says its slot is filled, the slot back to
-    the loader, then the block's partial."""
+    the loader, then the block's partial. WHOLE: no mask on the tiles every row sees whole (_whole_tiles)."""
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    if WHOLE:
+        whole = _whole_tiles(hist_end, lo, num_hist, BLOCK_N)
+    else:  # unused: every tile is masked
+        whole = 0
     for tile in range(num_tiles):
         slot = tile % STAGES
         mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
         acc = _tile_dots(q_smem, k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot),
-                         v_dot_scales.index(slot), acc, s_zero, alpha, tile, num_hist, lo, r, self_end, hist_end,
-                         key_cols, BLOCK_N, DOT_SCALES, TANH, s_layout, p_layout)
+                         v_dot_scales.index(slot), acc, s_zero, alpha, tile, whole, num_hist, lo, r, self_end,
+                         hist_end, key_cols, BLOCK_N, DOT_SCALES, TANH, WHOLE, s_layout, p_layout)
         gl.thread_barrier()
         mbarrier.arrive(empty.index(slot), count=1)
     _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
@@ -202,7 +221,7 @@ def _gluon_fp8_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    DOT_SCALES: gl.constexpr, TANH: gl.constexpr, num_warps: gl.constexpr,
+    DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -266,8 +285,8 @@ def _gluon_fp8_kernel(
     gl.warp_specialize([
         (_fp8_consumer, (q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist, lo,
                          alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0,
-                         q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, s_layout, o_layout,
-                         p_layout)),
+                         q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE, s_layout,
+                         o_layout, p_layout)),
         (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
                          empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
                          v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
@@ -303,16 +322,18 @@ class GluonFp8Attention(GluonLauncher):
                                 ASYNC_SCALES=t.scale_copy == "async",
                                 FILL_ROWS=fill_rows(t.block_n, D, t.producer_warps),
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
-                                DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh", num_warps=num_warps)
+                                DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
+                                WHOLE=t.unmasked_whole_tiles, num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
-                      block_m: int, window: int, contextual: int,
-                      tiling: Fp8Tiling | None = None) -> GluonFp8Attention | None:
+                      block_m: int, window: int, contextual: int, tiling: Fp8Tiling | None = None,
+                      page_size: int | None = None) -> GluonFp8Attention | None:
     """The fp8 Gluon launcher for an fp8 cache, or None for the `tl` kernel: `choice` "gluon" insists (ValueError
-    naming why it cannot run), "auto" takes it where it can run while AUTO_TAKES_FP8 says it wins on the H200."""
+    naming why it cannot run), "auto" takes it where it can run while AUTO_TAKES_FP8 says it wins on the H200
+    (page_size None: not checked, assumed a multiple of 4)."""
     if choice not in ("auto", "gluon"):
         raise ValueError(f"kernel={choice!r}: expected 'auto' or 'gluon' (the caller handles 'triton')")
-    tiling = tiling or default_fp8_tiling(head_dim, block_m)
-    reason = fp8_unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling)
+    tiling = tiling or default_fp8_tiling(head_dim, block_m, page_size)
+    reason = fp8_unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, page_size)
     return chosen(choice, reason, lambda: GluonFp8Attention(tiling), AUTO_TAKES_FP8)

@@ -7,7 +7,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
-from layerflow.kernels.gluon_tiles import _masked_silu, _tile_pages
+from layerflow.kernels.gluon_tiles import _masked_silu, _tile_pages, _tile_silu
 
 
 @gluon.constexpr_function
@@ -190,18 +190,23 @@ def _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_
 
 
 @gluon.jit
-def _tile_dots(q_smem, k_tile, v_tile, k_dot_scales, v_dot_scales, acc, s_zero, alpha, tile, num_hist, lo, r,
+def _tile_dots(q_smem, k_tile, v_tile, k_dot_scales, v_dot_scales, acc, s_zero, alpha, tile, whole, num_hist, lo, r,
                self_end, hist_end, key_cols, BLOCK_N: gl.constexpr, DOT_SCALES: gl.constexpr, TANH: gl.constexpr,
-               s_layout: gl.constexpr, p_layout: gl.constexpr):
-    """acc + SiLU(alpha Q K^T) V over one filled tile, masked to the keys each row sees; with DOT_SCALES the tile
-    holds codes and each key's scales multiply its column of Q K^T and of the weights (exact: powers of two)."""
+               WHOLE: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """acc + SiLU(alpha Q K^T) V over one filled tile, masked to the keys each row sees, with WHOLE unless the tile
+    is one of the first `whole` (gluon_tiles._tile_silu: the same values without the mask); with DOT_SCALES the tile
+    holds codes and each key's scales multiply its column of Q K^T (folded into its alpha) and of the weights (exact:
+    powers of two)."""
     fence_async_shared()
-    s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)
+    raw = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)
     if DOT_SCALES:
-        s = s * (alpha * k_dot_scales.load(gl.SliceLayout(0, s_layout)))[None, :]
+        col_alpha = (alpha * k_dot_scales.load(gl.SliceLayout(0, s_layout)))[None, :]
     else:
-        s = s * alpha
-    p = _masked_silu(s, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+        col_alpha = alpha
+    if WHOLE:
+        p = _tile_silu(raw, col_alpha, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
+    else:
+        p = _masked_silu(raw * col_alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
     if DOT_SCALES:
         p = p * v_dot_scales.load(gl.SliceLayout(0, s_layout))[None, :]
     return warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_tile, acc)

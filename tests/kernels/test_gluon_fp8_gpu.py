@@ -1,7 +1,7 @@
 """The fp8 Gluon kernel on an H200 against the torch fp8 reference and the `tl` kernel's fp8 path: small ragged
 batches with 0-history users for both formats, head dims and scale copies, BS=1 16K at 0 and 256 candidates, the
-scales applied in the dots (bit for bit the decode's result) and the tanh SiLU, `auto` taking the kernel, and one CUDA
-graph replayed across lengths."""
+scales applied in the dots (bit for bit the decode's result), the tanh SiLU, unmasked whole tiles (bit for bit the
+masked result), `auto` taking the kernel (with the "async" scale copy), and one CUDA graph replayed across lengths."""
 
 import pytest
 import torch
@@ -75,7 +75,9 @@ def test_small_ragged_batch_matches_reference_and_tl(kv_dtype, head_dim, scale_c
     check(fp8_batch(*SMALL, head_dim, kv_dtype), head_dim, kv_dtype, tiling)
 
 
-@pytest.mark.parametrize("tiling", [Fp8Tiling(32, 3), Fp8Tiling(32, 2, code_stages=3), Fp8Tiling(64, 2),
+@pytest.mark.parametrize("tiling", [Fp8Tiling(32, 3, scale_copy="load"),
+                                    Fp8Tiling(32, 2, code_stages=3, scale_copy="load"),
+                                    Fp8Tiling(64, 2, scale_copy="load"),
                                     Fp8Tiling(32, 2, code_stages=3, scale_copy="async"),
                                     Fp8Tiling(32, 3, code_stages=5, scale_copy="async")], ids=tiling_id)
 def test_other_tilings_compute_the_same(tiling):
@@ -112,10 +114,21 @@ def test_the_tanh_silu_with_scales_in_the_dots_matches_reference_and_tl(kv_dtype
           Fp8Tiling(block_n=32, scale_copy="async", scale_site="dots", silu="tanh"))
 
 
+@pytest.mark.parametrize("knobs", [{}, dict(scale_site="dots", silu="tanh")], ids=["decode:exact", "dots:tanh"])
+def test_unmasked_whole_tiles_give_the_masked_result_bit_for_bit(knobs):
+    """Every row of the block sees every key of a whole tile, so the mask changes none of its scores' SiLU (the
+    batch of the scales-in-the-dots test, so the masked decode:exact kernel is the one it compiled)."""
+    batch = fp8_batch([16384 + 64, 700], [64, 64], [256, 3], 256, E4M3)
+    masked = run(batch, "gluon", 256, E4M3, Fp8Tiling(block_n=32, unmasked_whole_tiles=False, **knobs))
+    whole = run(batch, "gluon", 256, E4M3, Fp8Tiling(block_n=32, unmasked_whole_tiles=True, **knobs))
+    total = batch.total_tokens
+    assert torch.equal(whole[:total], masked[:total])
+
+
 def test_auto_takes_the_fp8_kernel_on_the_h200(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     attn = PagedAttention(1, 64, 4, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5, MAX_SEQ_LEN, kv_dtype=E4M3)
-    assert isinstance(attn.gluon, GluonFp8Attention)
+    assert isinstance(attn.gluon, GluonFp8Attention) and attn.gluon.tiling.scale_copy == "async"
 
 
 def test_one_graph_replays_any_lengths_like_eager():

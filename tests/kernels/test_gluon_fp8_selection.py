@@ -1,15 +1,16 @@
 """Which kernel serves an fp8 cache: the fp8 Gluon kernel's shape rules, `auto` taking it only where it can run,
-`gluon` insisting (with the reason it cannot run here), the tiling checks and the scale-copy, scale-site and SiLU
-switches."""
+`gluon` insisting (with the reason it cannot run here), the tiling checks, and the scale-copy ("async" where pages
+allow), scale-site, SiLU and whole-tile switches."""
 
 import pytest
 import torch
 
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
-from layerflow.kernels.gluon_fp8 import (DEFAULT_SCALE_COPY, SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV, Fp8Tiling,
-                                         GluonFp8Attention, default_fp8_tiling, fill_rows, fp8_shared_memory_bytes,
-                                         fp8_unsupported_reason, select_fp8_kernel)
+from layerflow.kernels.gluon_fp8 import (DEFAULT_SCALE_SITE, DEFAULT_SILU, DEFAULT_UNMASKED_WHOLE_TILES, SCALE_COPY_ENV,
+                                         SCALE_SITE_ENV, SILU_ENV, WHOLE_TILES_ENV, Fp8Tiling, GluonFp8Attention,
+                                         default_fp8_tiling, fill_rows, fp8_shared_memory_bytes, fp8_unsupported_reason,
+                                         select_fp8_kernel)
 
 CPU = torch.device("cpu")
 E4M3 = torch.float8_e4m3fn
@@ -30,6 +31,7 @@ E4M3 = torch.float8_e4m3fn
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64), "shared memory"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(scale_site="loader"), "scale_site"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(silu="sigmoid"), "silu"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(unmasked_whole_tiles=1), "unmasked_whole_tiles"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
@@ -82,9 +84,18 @@ def test_auto_stays_on_tl_where_the_fp8_kernel_cannot_run_and_triton_always_does
     assert select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0) is None
 
 
-def test_the_scale_copy_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+def test_the_scale_copy_is_async_where_pages_hold_whole_scale_words(monkeypatch):
     monkeypatch.delenv(SCALE_COPY_ENV, raising=False)
-    assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_copy=DEFAULT_SCALE_COPY)
+    assert default_fp8_tiling(256).scale_copy == "async" and default_fp8_tiling(256, 128, 32).scale_copy == "async"
+    assert default_fp8_tiling(256, 128, 2).scale_copy == "load"
+    monkeypatch.setenv(SCALE_COPY_ENV, "async")
+    reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, 256, 128, 0, 0, default_fp8_tiling(256, 128, 2), 2)
+    assert "page_size=2" in reason and "multiple of 4" in reason
+
+
+def test_the_scale_copy_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.setenv(SCALE_COPY_ENV, "load")
+    assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_copy="load")
     monkeypatch.setenv(SCALE_COPY_ENV, "async")
     assert default_fp8_tiling(128) == Fp8Tiling(block_n=64, scale_copy="async")
     monkeypatch.setenv(SCALE_COPY_ENV, "bytes")
@@ -95,17 +106,29 @@ def test_the_scale_copy_comes_from_the_environment_and_a_bad_one_is_named(monkey
 def test_the_scale_site_and_silu_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
     for name in (SCALE_SITE_ENV, SILU_ENV):
         monkeypatch.delenv(name, raising=False)
-    assert default_fp8_tiling(256).scale_site == "decode" and default_fp8_tiling(256).silu == "exact"
+    tiling = default_fp8_tiling(256)
+    assert tiling.scale_site == DEFAULT_SCALE_SITE and tiling.silu == DEFAULT_SILU
     monkeypatch.setenv(SCALE_SITE_ENV, "dots")
     monkeypatch.setenv(SILU_ENV, "tanh")
-    assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_copy=DEFAULT_SCALE_COPY, scale_site="dots",
-                                                silu="tanh")
+    assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_site="dots", silu="tanh")
     monkeypatch.setenv(SILU_ENV, "fast")
     with pytest.raises(ValueError, match="LAYERFLOW_FP8_SILU='fast'"):
         default_fp8_tiling(256)
     monkeypatch.delenv(SILU_ENV)
     monkeypatch.setenv(SCALE_SITE_ENV, "mma")
     with pytest.raises(ValueError, match="LAYERFLOW_FP8_SCALE_SITE='mma'"):
+        select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
+
+
+def test_the_whole_tile_mask_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.delenv(WHOLE_TILES_ENV, raising=False)
+    assert default_fp8_tiling(256).unmasked_whole_tiles == DEFAULT_UNMASKED_WHOLE_TILES
+    monkeypatch.setenv(WHOLE_TILES_ENV, "1")
+    assert default_fp8_tiling(256).unmasked_whole_tiles
+    monkeypatch.setenv(WHOLE_TILES_ENV, "0")
+    assert not default_fp8_tiling(256).unmasked_whole_tiles
+    monkeypatch.setenv(WHOLE_TILES_ENV, "yes")
+    with pytest.raises(ValueError, match="LAYERFLOW_FP8_UNMASKED_WHOLE_TILES='yes'"):
         select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
 
 
