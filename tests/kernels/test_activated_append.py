@@ -1,5 +1,5 @@
-"""The KV append with the layer's SiLU folded in (`activated_kv_append`): every projection row activated in place and
-the activated K/V in the pages, bit for bit as the SiLU followed by the reference append writes them. On the GPU the
+"""The KV append with the layer's SiLU folded in (`activated_kv_append`): every projection row of the batch activated
+in place (the padding rows after it untouched) and the activated K/V in the pages, bit for bit as the SiLU followed by the reference append writes them. On the GPU the
 SiLU compared against is torch.nn.functional.silu itself; in the CPU's interpreter (numpy's exp) it is the same
 formula on numpy, since torch's CPU exp differs from numpy's in the last fp32 bit; and fp16 stands in for bf16 there,
 since the interpreter truncates fp32 to bf16 where the GPU rounds."""
@@ -53,7 +53,8 @@ def _both(dtype: torch.dtype, kv_dtype: torch.dtype | None, activate_qkv: bool):
         batch = quantised_batch(batch, kv_dtype, PAGE)
     got = _projection(48, dtype)
     expected = got.clone()
-    _silu_(expected if activate_qkv else expected[:, :HEADS * DIM])
+    rows = expected[:batch.total_tokens]
+    _silu_(rows if activate_qkv else rows[:, :HEADS * DIM])
     expected_cache, got_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
     _, ev, _, ek = _views(expected)
     kv_append_reference(ek, ev, expected_cache, *batch.lengths, kv_dtype)
