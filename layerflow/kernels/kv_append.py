@@ -93,11 +93,11 @@ def _kv_append_kernel(k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, hi
 
 
 @triton.jit
-def _activated_append_kernel(k_ptr, v_ptr, u_ptr, q_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr,
-                             appended_lens_ptr, k_stride, v_stride, u_stride, q_stride, page_table_stride, max_batch,
-                             PAGE: tl.constexpr, BATCH_P2: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr,
-                             D: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, FP8: tl.constexpr,
-                             ALL: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _activated_kv_append_kernel(k_ptr, v_ptr, u_ptr, q_ptr, cache_ptr, page_table_ptr, q_offsets_ptr,
+                                history_lens_ptr, appended_lens_ptr, k_stride, v_stride, u_stride, q_stride,
+                                page_table_stride, max_batch, PAGE: tl.constexpr, BATCH_P2: tl.constexpr,
+                                ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, H_P2: tl.constexpr,
+                                D_P2: tl.constexpr, FP8: tl.constexpr, ALL: tl.constexpr, LIBDEVICE: tl.constexpr):
     # Every load comes before the first store (a load after a store through a pointer that may alias cannot be
     # issued ahead of it): the row's four slices and the batch's offsets are in flight together, then the user's
     # lengths and its page, and the SiLU runs while the page entry is read.
@@ -202,7 +202,7 @@ def _launch(k: torch.Tensor, v: torch.Tensor, u: torch.Tensor | None, q: torch.T
         _kv_append_kernel[(k.shape[0],)](k, v, *lengths, k.stride(0), v.stride(0), page_table.stride(0), max_batch,
                                          **shape)
         return
-    _activated_append_kernel[(k.shape[0],)](
+    _activated_kv_append_kernel[(k.shape[0],)](
         k, v, u, q if q is not None else u, *lengths, k.stride(0), v.stride(0), u.stride(0),
         0 if q is None else q.stride(0), page_table.stride(0), max_batch, **shape, ALL=q is not None,
         LIBDEVICE=k.is_cuda)
