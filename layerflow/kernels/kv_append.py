@@ -6,8 +6,9 @@ The mask options change nothing here: every history token is cached at its posit
 tokens a window will stop reading included); K and V share one head dim (dqk == dv), like the paged cache.
 An fp8 cache's tokens are quantised here, each (token, head) row with its own scale (layerflow.kernels.fp8), so the
 tokens a page already holds are never touched by a later append into it.
-`activated_kv_append` also applies the layer's SiLU in place to the rows of the fused projection it is given, so the
-activation costs no kernel of its own (each row is read once, its K and V written to the pages already activated).
+`activated_kv_append` also applies the layer's SiLU in place to the batch's rows of the fused projection it is given,
+so the activation costs no kernel of its own: each row is read once, its K and V written to the pages already
+activated, and the rows past the batch (a bucket's padding, which nothing reads) are left as they are.
 """
 
 from __future__ import annotations
@@ -20,24 +21,26 @@ from triton.language.extra.cuda import libdevice
 from layerflow.kernels.fp8 import encode, kernel_code, power_of_two, scale_exponent
 from layerflow.tier.layout import fp8_page_size
 
-# Which parts of a projection row the kernel activates: none, u only (the stu family), u, v, q and k (hstu).
-_ACTIVATE_NONE, _ACTIVATE_U, _ACTIVATE_ALL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
 
 @triton.jit
-def _silu_in_place(ptr, e, ok, LIBDEVICE: tl.constexpr):
-    """SiLU of the elements `ptr + e` in place, returned as stored: torch's x / (1 + exp(-x)) in fp32 with an IEEE
-    exp and division (libdevice's expf on the GPU, as torch's kernel calls it; numpy's in the interpreter), rounded
-    to the row's dtype, so the fused path stores what torch.nn.functional.silu would."""
-    x = tl.load(ptr + e, mask=ok, other=0.0)
+def _silu(x, LIBDEVICE: tl.constexpr):
+    """torch's x / (1 + exp(-x)) in fp32 with an IEEE exp and division (libdevice's expf on the GPU, as torch's kernel
+    calls it; numpy's in the interpreter), rounded to x's dtype: what torch.nn.functional.silu stores."""
     f = x.to(tl.float32)
     if LIBDEVICE:
         expm = libdevice.exp(-f)
     else:
         expm = tl.exp(-f)
-    y = tl.math.div_rn(f, 1.0 + expm).to(x.dtype)
-    tl.store(ptr + e, y, mask=ok)
-    return y
+    return tl.math.div_rn(f, 1.0 + expm).to(x.dtype)
+
+
+@triton.jit
+def _user_of(q_offsets_ptr, token, max_batch, BATCH_P2: tl.constexpr):
+    """The user whose query rows hold `token` (max_batch for a row past the batch)."""
+    users = tl.arange(0, BATCH_P2)
+    valid = users < max_batch
+    ends = tl.load(q_offsets_ptr + users + 1, mask=valid, other=0)
+    return tl.sum((valid & (ends <= token)).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -51,48 +54,82 @@ def _append_quantised(x, dst, scale_dst, h, ok, e, H: tl.constexpr, PAGE: tl.con
 
 
 @triton.jit
-def _kv_append_kernel(k_ptr, v_ptr, u_ptr, q_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr,
-                      appended_lens_ptr, k_stride, v_stride, u_stride, q_stride, page_table_stride, max_batch,
-                      PAGE: tl.constexpr, BATCH_P2: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr,
-                      D: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, FP8: tl.constexpr,
-                      ACTIVATE: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _write_token(k, v, cache_ptr, page, slot, h, ok, e, ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 PAGE: tl.constexpr, FP8: tl.constexpr):
+    """One token's K and V rows into `slot` of `page`, as codes and scales when the pages are fp8."""
+    page_base = cache_ptr + page * (2 * ROWS * H * D)
+    dst = page_base + slot * (H * D)
+    if FP8 == 0:
+        tl.store(dst + e, k, mask=ok)
+        tl.store(dst + PAGE * H * D + e, v, mask=ok)
+    else:
+        scale_dst = page_base + PAGE * H * D + slot     # scale bytes [H, PAGE] after the token rows
+        _append_quantised(k, dst, scale_dst, h, ok, e, H, PAGE, FP8)
+        _append_quantised(v, dst + ROWS * H * D, scale_dst + ROWS * H * D, h, ok, e, H, PAGE, FP8)
+
+
+@triton.jit
+def _kv_append_kernel(k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr,
+                      k_stride, v_stride, page_table_stride, max_batch, PAGE: tl.constexpr, BATCH_P2: tl.constexpr,
+                      ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr,
+                      FP8: tl.constexpr):
     token = tl.program_id(0)
     row = token.to(tl.int64)
     h = tl.arange(0, H_P2)
     ok = (h[:, None] < H) & (tl.arange(0, D_P2)[None, :] < D)
     e = h[:, None] * D + tl.arange(0, D_P2)[None, :]
-    # Every row of the capacity is activated (as the separate SiLU over the whole projection did), appended or not.
-    if ACTIVATE != _ACTIVATE_NONE:
-        _silu_in_place(u_ptr + row * u_stride, e, ok, LIBDEVICE)
-    if ACTIVATE == _ACTIVATE_ALL:
-        _silu_in_place(q_ptr + row * q_stride, e, ok, LIBDEVICE)
-        k = _silu_in_place(k_ptr + row * k_stride, e, ok, LIBDEVICE)
-        v = _silu_in_place(v_ptr + row * v_stride, e, ok, LIBDEVICE)
-    users = tl.arange(0, BATCH_P2)
-    valid = users < max_batch
-    ends = tl.load(q_offsets_ptr + users + 1, mask=valid, other=0)
-    user = tl.sum((valid & (ends <= token)).to(tl.int32), axis=0)
+    user = _user_of(q_offsets_ptr, token, max_batch, BATCH_P2)
     if user >= max_batch:
         return
     j = token - tl.load(q_offsets_ptr + user)
     appended = tl.load(appended_lens_ptr + user)
     if j >= appended:
         return
-    if ACTIVATE != _ACTIVATE_ALL:
-        k = tl.load(k_ptr + row * k_stride + e, mask=ok)
-        v = tl.load(v_ptr + row * v_stride + e, mask=ok)
+    k = tl.load(k_ptr + row * k_stride + e, mask=ok)
+    v = tl.load(v_ptr + row * v_stride + e, mask=ok)
     position = tl.load(history_lens_ptr + user) - appended + j
     page = tl.load(page_table_ptr + user * page_table_stride + position // PAGE).to(tl.int64)
-    page_base = cache_ptr + page * (2 * ROWS * H * D)
-    dst = page_base + (position % PAGE) * (H * D)
-    if FP8 == 0:
-        tl.store(dst + e, k, mask=ok)
-        tl.store(dst + PAGE * H * D + e, v, mask=ok)
-    else:
-        scale_dst = page_base + PAGE * H * D + position % PAGE     # scale bytes [H, PAGE] after the token rows
-        _append_quantised(k, dst, scale_dst, h, ok, e, H, PAGE, FP8)
-        _append_quantised(v, dst + ROWS * H * D, scale_dst + ROWS * H * D, h, ok, e, H, PAGE, FP8)
+    _write_token(k, v, cache_ptr, page, position % PAGE, h, ok, e, ROWS, H, D, PAGE, FP8)
 
+
+@triton.jit
+def _activated_kv_append_kernel(k_ptr, v_ptr, u_ptr, q_ptr, cache_ptr, page_table_ptr, q_offsets_ptr,
+                                history_lens_ptr, appended_lens_ptr, k_stride, v_stride, u_stride, q_stride,
+                                page_table_stride, max_batch, PAGE: tl.constexpr, BATCH_P2: tl.constexpr,
+                                ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, H_P2: tl.constexpr,
+                                D_P2: tl.constexpr, FP8: tl.constexpr, ALL: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # Every load comes before the first store (a load after a store through a pointer that may alias cannot be
+    # issued ahead of it): the row's four slices and the batch's offsets are in flight together, then the user's
+    # lengths and its page, and the SiLU runs while the page entry is read.
+    token = tl.program_id(0)
+    row = token.to(tl.int64)
+    h = tl.arange(0, H_P2)
+    ok = (h[:, None] < H) & (tl.arange(0, D_P2)[None, :] < D)
+    e = h[:, None] * D + tl.arange(0, D_P2)[None, :]
+    u = tl.load(u_ptr + row * u_stride + e, mask=ok, other=0.0)
+    k = tl.load(k_ptr + row * k_stride + e, mask=ok, other=0.0)
+    v = tl.load(v_ptr + row * v_stride + e, mask=ok, other=0.0)
+    if ALL:
+        q = tl.load(q_ptr + row * q_stride + e, mask=ok, other=0.0)
+    user = _user_of(q_offsets_ptr, token, max_batch, BATCH_P2)
+    if user >= max_batch:
+        return
+    j = token - tl.load(q_offsets_ptr + user)
+    appended = tl.load(appended_lens_ptr + user)
+    position = tl.load(history_lens_ptr + user) - appended + j
+    cached = j < appended
+    page = tl.load(page_table_ptr + user * page_table_stride + position // PAGE, mask=cached, other=0).to(tl.int64)
+    u = _silu(u, LIBDEVICE)
+    tl.store(u_ptr + row * u_stride + e, u, mask=ok)
+    if ALL:
+        q = _silu(q, LIBDEVICE)
+        k = _silu(k, LIBDEVICE)
+        v = _silu(v, LIBDEVICE)
+        tl.store(q_ptr + row * q_stride + e, q, mask=ok)
+        tl.store(k_ptr + row * k_stride + e, k, mask=ok)
+        tl.store(v_ptr + row * v_stride + e, v, mask=ok)
+    if cached:
+        _write_token(k, v, cache_ptr, page, position % PAGE, h, ok, e, ROWS, H, D, PAGE, FP8)
 
 
 def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
@@ -104,15 +141,16 @@ def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_tab
     entry); history_lens already include the appended tokens. `kv_dtype` None: the cache holds k's dtype; an fp8
     dtype: the cache is uint8 pages of codes and scale rows, written by the rule of layerflow.kernels.fp8.
     """
-    _launch(k, v, k, k, kv_cache, page_table, q_offsets, history_lens, appended_lens, kv_dtype, _ACTIVATE_NONE.value)
+    _launch(k, v, None, None, kv_cache, page_table, q_offsets, history_lens, appended_lens, kv_dtype)
 
 
 def activated_kv_append(u: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor,
                         page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
                         appended_lens: torch.Tensor, kv_dtype: torch.dtype | None = None, *,
                         activate_qkv: bool = True) -> None:
-    """SiLU in place on every row of u [T, H*D] (and of v, q, k [T, H, D] with `activate_qkv`), then `kv_append` of
-    k and v as they are after it: the layer's activation and its KV append as one kernel that reads each row once.
+    """SiLU in place on the batch's rows of u [T, H*D] (and of v, q, k [T, H, D] with `activate_qkv`), then
+    `kv_append` of k and v as they are after it: the layer's activation and its KV append as one kernel that reads
+    each row once. Rows from q_offsets[-1] on are the bucket's padding: left as they are.
     u, v, q, k are the fused projection's column slices (any row stride); the pages get the activated K/V exactly
     as `kv_append` after torch.nn.functional.silu would write them."""
     if u.dim() != 2 or u.shape[0] != k.shape[0] or u.shape[1] != k[0].numel() or u.stride(1) != 1 \
@@ -122,13 +160,14 @@ def activated_kv_append(u: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k: to
     if q.shape != k.shape or q.dtype != k.dtype or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         raise ValueError(f"q {q.dtype} shape {tuple(q.shape)} strides {q.stride()}: expected k's {k.dtype} "
                          f"{tuple(k.shape)} with dense heads in each row")
-    activate = _ACTIVATE_ALL if activate_qkv else _ACTIVATE_U
-    _launch(k, v, u, q, kv_cache, page_table, q_offsets, history_lens, appended_lens, kv_dtype, activate.value)
+    _launch(k, v, u, q if activate_qkv else None, kv_cache, page_table, q_offsets, history_lens, appended_lens,
+            kv_dtype)
 
 
-def _launch(k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
-            page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
-            appended_lens: torch.Tensor, kv_dtype: torch.dtype | None, activate: int) -> None:
+def _launch(k: torch.Tensor, v: torch.Tensor, u: torch.Tensor | None, q: torch.Tensor | None,
+            kv_cache: torch.Tensor, page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
+            appended_lens: torch.Tensor, kv_dtype: torch.dtype | None) -> None:
+    """The append alone (u None), or with the SiLU of u (q None) or of u, v, q and k."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)}: expected equal [T, H, D]")
     for name, t in (("k", k), ("v", v)):
@@ -155,10 +194,15 @@ def _launch(k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, q: torch.Tensor, 
         raise ValueError(f"page_size={page_size}: must be a power of two")
     if k.shape[0] == 0:
         return
-    _kv_append_kernel[(k.shape[0],)](
-        k, v, u, q, kv_cache, page_table, q_offsets, history_lens, appended_lens, k.stride(0), v.stride(0),
-        u.stride(0), q.stride(0), page_table.stride(0), max_batch,
-        PAGE=page_size, BATCH_P2=max(2, triton.next_power_of_2(max_batch)), ROWS=rows, H=heads, D=dim,
-        H_P2=triton.next_power_of_2(heads), D_P2=triton.next_power_of_2(dim), FP8=kernel_code(kv_dtype),
-        ACTIVATE=activate, LIBDEVICE=k.is_cuda, num_warps=4,
-    )
+    lengths = (kv_cache, page_table, q_offsets, history_lens, appended_lens)
+    shape = dict(PAGE=page_size, BATCH_P2=max(2, triton.next_power_of_2(max_batch)), ROWS=rows, H=heads, D=dim,
+                 H_P2=triton.next_power_of_2(heads), D_P2=triton.next_power_of_2(dim), FP8=kernel_code(kv_dtype),
+                 num_warps=4)
+    if u is None:
+        _kv_append_kernel[(k.shape[0],)](k, v, *lengths, k.stride(0), v.stride(0), page_table.stride(0), max_batch,
+                                         **shape)
+        return
+    _activated_kv_append_kernel[(k.shape[0],)](
+        k, v, u, q if q is not None else u, *lengths, k.stride(0), v.stride(0), u.stride(0),
+        0 if q is None else q.stride(0), page_table.stride(0), max_batch, **shape, ALL=q is not None,
+        LIBDEVICE=k.is_cuda)

@@ -44,9 +44,10 @@ from layerflow.transfer.signals.base import LayerSignals
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8)
-# Powers of two (a request may pad by up to 100%) until the H200 has measured the finer ladder, token_ladder(64, 2048):
-# at most 12.5% padding, for 7x the graphs and attention workspaces (docs/performance.md, "Bucket ladder").
-TOKEN_BUCKETS = token_ladder(64, 2048, steps=1)
+# Powers of two up to 4096, so that the largest batch bucket of hstu-bench's requests (8 x 320 query tokens) has a graph
+# and the serving queue (which caps a batch at the largest bucket) can form it. Finer steps measured no faster at BS=1
+# on the H200 (docs/performance.md, "Bucket ladder").
+TOKEN_BUCKETS = token_ladder(64, 4096, steps=1)
 # How an item-id batch reaches the device (the first mode is the default): "slab" packs the requests straight into a
 # pinned slab of the bucket in prepare (runtime/staging.py), so the launch issues only the copy; "batch" builds a
 # JaggedBatch in prepare and packs the bucket's slab at the launch (H200, 2K GPU hits back to back: the launch's fill
@@ -162,10 +163,12 @@ class Engine:
                             pack_items=self._stage_items if self.staging == "slab" else None,
                             reap_after_launch=self.reap == "after")
         kv_dtype = self.layout.groups[0].fp8_dtype
+        self.buckets = sorted(Bucket(b, t) for b in self._batch_sizes for t in self._token_sizes)
         kernels = TritonKernels(self.weights, self.config.page_size, self.max_pages, kv_dtype) if cuda \
             else ReferenceKernels(self.weights, kv_dtype)
+        if cuda:
+            kernels.reserve(self.buckets, self.device)   # the attentions' shared workspace sized once, for them all
         self.pipeline = LayerPipeline(self.weights, gpu.kv, kernels)
-        self.buckets = sorted(Bucket(b, t) for b in self._batch_sizes for t in self._token_sizes)
         self._buffers: dict[Bucket, BatchBuffers] = {}
         self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
         self.no_wait = NoWait()

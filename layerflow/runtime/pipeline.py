@@ -3,16 +3,17 @@
 The wait comes after the input projection (which reads no KV) and before the KV append (which writes into the page
 an onboarding may still be filling), so each layer's copy overlaps as much compute as the data allows. The same
 `forward` runs eagerly or under CUDA-graph capture; it never synchronises with the host. The layer math is the model
-family's (`weights.family`). On the GPU a layer outside attention is five kernels: the input LayerNorm, the uvqk GEMM
-with its bias in the epilogue, the activation in place, the output gate writing the projection's whole input (it sums
-the attention's split partials as it reads them: no reduction kernel), and the output GEMM adding the residual in its
-epilogue (the running rows are updated in place, so no copy or add runs); four with `silu="append"`, where the KV
-append applies the activation as it reads the rows.
+family's (`weights.family`). On the GPU a layer outside attention is four kernels: the input LayerNorm, the uvqk GEMM
+with its bias in the epilogue, the KV append applying the activation in place as it reads the rows, the output gate
+writing the projection's whole input (it sums the attention's split partials as it reads them: no reduction kernel),
+and the output GEMM adding the residual in its epilogue (the running rows are updated in place, so no copy or add
+runs); five with `silu="separate"`, where the activation is a kernel of its own after the GEMM.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -26,13 +27,13 @@ from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.embedding import candidate_scores, embed
 from layerflow.model.family import layer_norm as layer_norm_reference
 from layerflow.model.weights import HSTUWeights, LayerWeights
-from layerflow.runtime.buffers import BatchBuffers
+from layerflow.runtime.buffers import BatchBuffers, Bucket
 from layerflow.runtime.waits import LayerWait
 
 SILU_ENV = "LAYERFLOW_SILU"                       # where the GPU path applies the layer's SiLU
-SILU_CHOICES = ("separate", "append")             # its own kernel (the default) | inside the KV append
+SILU_CHOICES = ("append", "separate")             # inside the KV append (the default) | its own kernel
 WORKSPACE_ENV = "LAYERFLOW_SPLIT_WORKSPACE"       # where the attention's split partials live
-WORKSPACE_CHOICES = ("bucket", "shared")          # one workspace per bucket (the default) | one for all buckets
+WORKSPACE_CHOICES = ("shared", "bucket")          # one for all buckets (the default) | one workspace per bucket
 
 
 def _choice(name: str, value: str | None, env: str, choices: tuple[str, ...]) -> str:
@@ -73,10 +74,10 @@ class LayerKernels(Protocol):
 
 class TritonKernels:
     """The Triton kernels, with an attention per bucket (allocated once, graph capturable); `kv_dtype`: the fp8 dtype
-    of the pages, None when they hold the model's dtype. `silu` (SILU_CHOICES, None: $LAYERFLOW_SILU or "separate"):
-    the SiLU as its own kernel after the projection GEMM, or inside the KV append. `split_workspace`
-    (WORKSPACE_CHOICES, None: $LAYERFLOW_SPLIT_WORKSPACE or "bucket"): each bucket's attention with its own split-K
-    workspace, or all of them in one (the engine runs one bucket's graph at a time)."""
+    of the pages, None when they hold the model's dtype. `silu` (SILU_CHOICES, None: $LAYERFLOW_SILU or "append"):
+    the SiLU inside the KV append, or as its own kernel after the projection GEMM. `split_workspace`
+    (WORKSPACE_CHOICES, None: $LAYERFLOW_SPLIT_WORKSPACE or "shared"): every bucket's attention over one split-K
+    workspace (the engine runs one bucket's graph at a time), or each with its own."""
 
     def __init__(self, weights: HSTUWeights, page_size: int, max_pages: int, kv_dtype: torch.dtype | None = None, *,
                  silu: str | None = None, split_workspace: str | None = None):
@@ -90,14 +91,31 @@ class TritonKernels:
         self.shared_workspace = workspace == "shared"
         self.workspace: SplitWorkspace | None = None
 
+    def reserve(self, buckets: Iterable[Bucket], device: torch.device) -> None:
+        """Build every bucket's attention before the first batch. With the shared workspace they end up over one
+        buffer of exactly the largest need (built once to learn the needs, then again over a buffer of that size), so
+        no order of buckets or captures holds more; with a workspace per bucket this does nothing (they stay lazy)."""
+        if not self.shared_workspace:
+            return
+        if self._attention:
+            raise RuntimeError(f"reserve after {len(self._attention)} attentions were built: call it before any batch")
+        keys = sorted({(b.max_batch, b.max_tokens) for b in buckets})
+        self.workspace = SplitWorkspace(device)
+        partials = (self._build(key, device).partials for key in keys)
+        self.workspace = SplitWorkspace(device, max((p.numel() for p in partials if p is not None), default=0))
+        for key in keys:
+            self._attention[key] = self._build(key, device)
+
+    def _build(self, key: tuple[int, int], device: torch.device) -> PagedAttention:
+        return PagedAttention.for_model(self.config, *key, self.max_pages, self.page_size, device,
+                                        kv_dtype=self.kv_dtype, workspace=self.workspace)
+
     def _for(self, bufs: BatchBuffers) -> PagedAttention:
         key = (bufs.bucket.max_batch, bufs.bucket.max_tokens)
         if key not in self._attention:
             if self.shared_workspace and self.workspace is None:
                 self.workspace = SplitWorkspace(bufs.device)
-            self._attention[key] = PagedAttention.for_model(self.config, bufs.bucket.max_batch, bufs.bucket.max_tokens,
-                                                            self.max_pages, self.page_size, bufs.device,
-                                                            kv_dtype=self.kv_dtype, workspace=self.workspace)
+            self._attention[key] = self._build(key, bufs.device)
         return self._attention[key]
 
     def embed(self, weights, ids, positions):

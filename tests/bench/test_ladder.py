@@ -40,7 +40,7 @@ def test_ladder_mode_prints_the_table_and_writes_the_json(capsys, tmp_path):
     main(parser.parse_args(["--ladder", "--ladder-steps", "1,8", "--sms", "132", "--device", "cpu",
                             "--out", str(tmp_path / "l.json")]))
     out = capsys.readouterr().out
-    assert "hstu-bench model" in out and "| 8 | 41 | 12.5% | 164 | 328 |" in out
+    assert "hstu-bench model" in out and "| 8 | 49 | 12.5% | 196 | 392 |" in out   # the default 64..4096
     data = json.loads((tmp_path / "l.json").read_text())
     assert data["environment"]["cpu_path"] is True and data["sms"] == 132
-    assert [c["graphs"] for c in data["ladders"]] == [48, 328] and data["ladders"][1]["token_sizes"][:3] == [64, 72, 80]
+    assert [c["graphs"] for c in data["ladders"]] == [56, 392] and data["ladders"][1]["token_sizes"][:3] == [64, 72, 80]

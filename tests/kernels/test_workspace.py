@@ -29,6 +29,18 @@ def test_views_share_the_buffer_and_growth_keeps_old_views():
     assert workspace.view((17,)).numel() == 17 and workspace.nbytes == 32 * 4   # at least doubled
 
 
+def test_a_buffer_sized_up_front_serves_views_up_to_it():
+    workspace = SplitWorkspace(DEVICE, 12)
+    assert workspace.nbytes == 12 * 4
+    assert workspace.view((3, 4)).data_ptr() == workspace.view((5,)).data_ptr() and workspace.nbytes == 12 * 4
+
+
+@pytest.mark.parametrize("numel", [-1, 2.0, True])
+def test_bad_size_is_named(numel):
+    with pytest.raises(ValueError, match="numel="):
+        SplitWorkspace(DEVICE, numel)
+
+
 @pytest.mark.parametrize("shape", [(0, 2), (2, -1), (1.5,), (True, 2)])
 def test_bad_shape_is_named(shape):
     with pytest.raises(ValueError, match="shape="):
