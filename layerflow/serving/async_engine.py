@@ -3,12 +3,13 @@
 The scheduler is the only caller of the engine's steps. Its rules, in the order it applies them:
 - Batches come from the queue (layerflow.serving.queue: arrival order, one request per user, busy users skipped,
   capped in requests and query tokens, held back up to `serve_max_wait_ms` to fill).
-- Prefetch, policy "mixed" (`serve_prefetch`, the default): while batch N computes, the scheduler keeps admitting
-  requests and prepares batch N+1 (its KV placed, its onboarding issued on the copy engine) as soon as the queue
-  holds a full batch, or at once when N onboards nothing (the copy engine is free), or when N has computed (polled,
-  never waited for): so batches grow with the load and N+1's copies run while N computes. N+1 is launched once N is
-  collected. If the GPU pool cannot hold N+1 beside N (PoolExhausted), it goes back to the head of the queue and is
-  prepared after N is collected: at most one batch is prepared ahead, and only when the pool holds it.
+- Prefetch, policy "mixed" (`serve_prefetch`, off by default: at saturation on the H200 "off" served more): while
+  batch N computes, the scheduler keeps admitting requests and prepares batch N+1 (its KV placed, its onboarding
+  issued on the copy engine) as soon as the queue holds a full batch, or at once when N onboards nothing (the copy
+  engine is free), or when N has computed (polled, never waited for): so batches grow with the load and N+1's
+  copies run while N computes. N+1 is launched once N is collected. If the GPU pool cannot hold N+1 beside N
+  (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at most one batch is
+  prepared ahead, and only when the pool holds it.
 - Prefetch, policy "split" (the constructor's `policy`; "off": none): while batch N computes, the batch prepared
   ahead takes only requests whose user's KV is not on the GPU, as soon as one is queued, so their copies queue behind
   N's and the copy engine does not wait for a batch to fill. When N is collected, the GPU-resident requests queued
@@ -16,7 +17,9 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   batch of their own, which needs no copies and computes while the prepared batch's KV is still landing; then the
   prepared batch is launched (at most one hit batch per prepared one, so neither starves). Policy "split_ahead" also
   prepares that hit batch ahead, while a batch that onboards is in flight (polled until it computes), so it is
-  launched without a prepare in between. A user's requests are served in arrival order under every policy.
+  launched without a prepare in between. Policies "guarded" and "free" prepare ahead as "mixed" does, but the
+  batch prepared ahead evicts no resident user of the next two batches' requests, or none at all (serving.guard).
+  A user's requests are served in arrival order under every policy.
 - Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
   when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
   other requests go back to the head of the queue, in order. A launched request is answered with its scores.
@@ -42,6 +45,7 @@ from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingError, error_kind
 from layerflow.serving.flights import DeviceMark, InFlight, Prepared
+from layerflow.serving.guard import pin_guarded
 from layerflow.serving.metrics import ServingMetrics
 from layerflow.serving.queue import Pending, RequestQueue
 from layerflow.serving.validation import check_deadline_s
@@ -52,7 +56,7 @@ log = logging.getLogger(__name__)
 
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
 POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
-POLICIES = ("off", "mixed", "split", "split_ahead")   # prefetch across batches (see the module docstring)
+POLICIES = ("off", "mixed", "split", "split_ahead", "guarded", "free")   # prefetch across batches (module docstring)
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,7 @@ class AsyncEngine:
         or prepared) goes back to the head of the queue, to be prepared after it."""
         gpu = self.engine.kv.gpu
         resident = len(gpu)
+        guarded = pin_guarded(self.policy, gpu, self.queue, batch) if prefetch else []
         try:
             plan = self.engine.prepare([p.request for p in batch])
         except PoolExhausted as e:
@@ -266,6 +271,9 @@ class AsyncEngine:
             self.metrics.failed_batches.inc()
             self._retry.extend(batch)
             return None
+        finally:
+            for user in guarded:
+                gpu.unpin(user)
         layout = self.engine.layout
         onboard = sum(layout.pages_for_tokens(cached) for cached, tier in zip(plan.batch.cached_lens, plan.tiers)
                       if tier in (Tier.HOST, Tier.SSD)) * layout.page_bytes

@@ -104,6 +104,11 @@ class RequestQueue:
             self._closed = True
             self._cond.notify_all()
 
+    def users(self, oldest: int) -> set[int]:
+        """The users of the `oldest` requests queued longest."""
+        with self._cond:
+            return {p.user for p in itertools.islice(self._items, oldest)}
+
     def clear(self) -> list[Pending]:
         """Remove and return everything queued."""
         with self._cond:

@@ -227,6 +227,38 @@ def test_a_prefetch_the_pool_cannot_hold_waits_for_the_collect(weights):
     assert close_to(a.scores, expected[2]) and close_to(b.scores, expected[3])
 
 
+@pytest.mark.parametrize("policy, kept, prefetched", [("mixed", {4}, 1), ("guarded", {3}, 1), ("free", {3, 4}, 0)])
+def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(weights, policy, kept, prefetched):
+    """27 pages, 7 a user: users 3 and 4 are resident (3 least recently used), 1 and 2 on the host. While [1] is in
+    flight, [2] is prepared ahead and needs one of them evicted: "mixed" takes the LRU one, 3, though 3's request is
+    the next batch; "guarded" keeps 3 and takes 4; "free" keeps both, so [2] waits for [1]'s collect."""
+    with HeldEngine(weights, config(gpu_pages=27, serve_max_batch_size=1)) as engine, \
+            AsyncEngine(engine, policy=policy) as serving:
+        on_host(engine, {1: 100, 2: 100})
+        for user in (3, 4):
+            engine.score([history(user, 100)])
+        engine.kv.wait_offloads()
+        engine.launch_gate.close()
+        engine.collect_gate.close()
+        first = serving.submit(Request(1, [3], [4]))
+        assert engine.launch_gate.entered.wait(WAIT_S)
+        later = [serving.submit(Request(2, [5], [6])), serving.submit(Request(3, [7], [8]))]
+        wait_until(lambda: len(serving.queue) == 2, "both requests queued")
+        engine.launch_gate.open()
+        assert engine.collect_gate.entered.wait(WAIT_S)   # [1] in flight, its prefetch done or deferred
+        assert {u for u in (3, 4) if u in engine.kv.gpu} == kept
+        assert serving.metrics.prefetched._value.get() == prefetched
+        assert serving.metrics.prefetch_deferred._value.get() == 1 - prefetched
+        engine.collect_gate.open()
+        results = [f.result(WAIT_S) for f in [first, *later]]
+        assert engine.kv.gpu.num_pinned == 0
+    assert results[2].tier is (Tier.GPU if policy == "guarded" else Tier.HOST)
+    expected = sequential_scores(weights, [history(1, 100), history(2, 100), history(3, 100), history(4, 100),
+                                           Request(1, [3], [4]), Request(2, [5], [6]), Request(3, [7], [8])],
+                                 gpu_pages=27)
+    assert all(close_to(r.scores, e) for r, e in zip(results, expected[4:]))
+
+
 def test_a_failed_batch_fails_only_the_request_that_fails_alone_again(weights):
     copies = FaultyThreadCopyEngine()
     with HeldEngine(weights, config(serve_max_batch_size=3), copy_engine=copies) as engine, \

@@ -106,3 +106,11 @@ def test_bad_limits_are_refused():
         RequestQueue(4, 0, 10, 0.0)
     with pytest.raises(ValueError, match="max_wait_s=-1"):
         RequestQueue(4, 1, 10, -1)
+
+
+def test_users_names_the_users_of_the_oldest_queued_requests():
+    q = queue_of(pending(5), pending(5), pending(7), pending(8))
+    assert q.users(oldest=3) == {5, 7}
+    assert q.users(oldest=10) == {5, 7, 8}
+    q.requeue([pending(9)])
+    assert q.users(oldest=1) == {9}
