@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10, final H200 call B on merged main: serving, attention alone (bf16), GPU-hit throughput at BS=8, then
+# Session 10, final H200 call B on merged main: serving and attention alone (bf16), then
 # the helpers' A/B scripts named on the command line (.session/<branch>.sh, run on this tree, <= 60 s each).
 set -u
 ROOT=$PWD
@@ -14,9 +14,6 @@ python3 -c "import json; print(json.load(open('$out/serving-h200.json')).get('ta
 step 30 python3 benchmarks/kernels.py --batch 1 --history 2048 16384 --candidates 0 256 --head-dim 256 --no-sweep \
   --no-gate --no-reference --iters 20 --kernel triton auto --out "$out/kernels-bs1-h200.json"
 grep -E "^\| (triton|gluon|auto)|copy|GEMM" "$log" | tail -12
-step 40 python3 -m layerflow.cli bench --batch-size 8 --seq-lens 2K,16K --timed-iters 10 --warmup-iters 3 \
-  --scenarios gpu_hit --out "$out/inference-bs8-h200.json"
-grep -A4 "^| seq_len | GPU hit ms | GPU hit users" "$log" | tail -5
 tar czf "$final/final-b.tgz" -C "$out" .
 for b in "$@"; do
   echo "##### branch $b"
