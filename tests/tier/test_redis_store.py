@@ -154,25 +154,31 @@ def test_a_reader_never_sees_a_torn_copy_while_two_hosts_replace_it(redis_url, s
     assert reads > 0
 
 
+# 4 MiB pages, 16 of them: a connection's reader runs ahead of the consumer, so only replies this large are still in
+# flight when the first group is handed on and the server is killed (with the small layout every reply had landed).
+BIG = KVLayout((LayerGroup(8, 8, 128, torch.float32),), 64)
+
+
 def test_redis_killed_mid_read_is_a_miss_logged_once_and_the_store_recovers(redis_process, stores, caplog):
     server = redis_process()
-    store = stores(server.url, fetch_bytes=LAYOUT.page_bytes, connections=1)
-    host, other = Host(seed=6), Host(seed=7)
-    write(store, 3, 32, host, list(range(8)))
+    store = stores(server.url, layout_fingerprint(BIG, "model-a"), BIG, fetch_bytes=BIG.page_bytes, connections=1)
+    blocks = list(range(16))
+    host, other = Host(BIG, blocks=16, seed=6), Host(BIG, blocks=16, seed=7)
+    write(store, 3, 16 * BIG.page_size, host, blocks)
     store.lookup(3)
     caplog.set_level(logging.INFO)
     with pytest.raises(Miss, match="failed mid-read"):
-        store.load(3, other.views, list(range(8)), on_group=lambda blocks: server.kill())
+        store.load(3, other.views, blocks, on_group=lambda landed: server.kill())
     for _ in range(3):
         assert store.lookup(3) is None
         with pytest.raises(Miss):
-            store.load(3, other.views, list(range(8)))
+            store.load(3, other.views, blocks)
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     server.restart()
     store.outage.succeeded()   # skip the rest of the backoff; the next call reconnects
-    write(store, 3, 32, host, list(range(8)))
-    store.load(3, other.views, list(range(8)))
-    assert same(host, range(8), other, range(8))
+    write(store, 3, 16 * BIG.page_size, host, blocks)
+    store.load(3, other.views, blocks)
+    assert same(host, blocks, other, blocks)
     assert any("recovered" in r.getMessage() for r in caplog.records)
 
 
