@@ -10,15 +10,10 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   copies run while N computes. N+1 is launched once N is collected. If the GPU pool cannot hold N+1 beside N
   (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at most one batch is
   prepared ahead, and only when the pool holds it.
-- Prefetch, policy "split" (the constructor's `policy`; "off": none): while batch N computes, the batch prepared
-  ahead takes only requests whose user's KV is not on the GPU, as soon as one is queued, so their copies queue behind
-  N's and the copy engine does not wait for a batch to fill. When N is collected, the GPU-resident requests queued
-  meanwhile (e.g. the next request of a user N served: it could not join the batch prepared ahead) run first as a
-  batch of their own, which needs no copies and computes while the prepared batch's KV is still landing; then the
-  prepared batch is launched (at most one hit batch per prepared one, so neither starves). Policy "split_ahead" also
-  prepares that hit batch ahead, while a batch that onboards is in flight (polled until it computes), so it is
-  launched without a prepare in between. Policies "guarded" and "free" prepare ahead as "mixed" does, but the
-  batch prepared ahead evicts no resident user of the next two batches' requests, or none at all (serving.guard).
+- The other policies (the constructor's `policy`; "off": none; docs/serving.md has their rules and figures):
+  "split" and "split_ahead" prepare only users whose KV is not on the GPU ahead and run the GPU-resident requests
+  queued meanwhile as a batch of their own; "guarded" and "free" prepare ahead as "mixed" does, but the batch
+  prepared ahead evicts no resident user of the next two batches' requests, or none at all (serving.guard).
   A user's requests are served in arrival order under every policy.
 - Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
   when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
