@@ -25,13 +25,15 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
-from layerflow.kernels.gluon_launcher import GluonLauncher, chosen
+from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
+                                             shape_reason)
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _split_range,
                                            _store_partial, _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
+KERNEL_NAME = "the Gluon kernel"   # how its refusals name it
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 GLUON_VARIANTS = ("sync", "ws")
@@ -204,9 +206,7 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: unmasked whole tiles need variant 'ws' without overlap"
     if tiling.overlap and tiling.stages < 3:
         return f"{tiling}: overlap needs stages >= 3 (the consumer holds two slots)"
-    if tiling.producer_registers % 8 or not 24 <= tiling.producer_registers <= 256:
-        return f"{tiling}: producer_registers must be a multiple of 8 in [24, 256]"
-    return None
+    return registers_reason(tiling)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int,
@@ -215,21 +215,16 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch
     """Why the Gluon kernel cannot serve this attention (None when it can; page_size None: not checked)."""
     if dtype not in GLUON_DTYPES or kv_dtype is not None:
         return f"dtype={dtype}, kv_dtype={kv_dtype}: the Gluon kernel needs a bf16/fp16 cache"
-    if window or contextual:
-        return f"max_attn_len={window}, contextual_len={contextual}: the Gluon kernel serves the default mask only"
-    reason = tiling_reason(tiling)
+    block_m = tiling.query_block(block_m)
+    reason = mask_reason(KERNEL_NAME, window, contextual) or tiling_reason(tiling) or \
+        shape_reason(KERNEL_NAME, block_m, head_dim)
     if reason is not None:
         return reason
-    block_m = tiling.query_block(block_m)
-    if block_m not in (64, 128) or head_dim not in (64, 128, 256):
-        return f"block_m={block_m}, head_dim={head_dim}: the Gluon kernel needs block_m 64/128, head_dim 64/128/256"
     if tiling.loader == "tma" and page_size is not None and 2 * page_size < tiling.block_n:
         return f"{tiling} at page_size={page_size}: the TMA loader needs page_size >= block_n / 2"
     if shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
         return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return f"device {device}: the Gluon kernel needs a CUDA sm_90 GPU"
-    return None
+    return device_reason(KERNEL_NAME, device)
 
 
 class GluonAttention(GluonLauncher):

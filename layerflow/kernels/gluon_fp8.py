@@ -32,16 +32,19 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile, _start_codes,
-                                              _tile_dots)
-from layerflow.kernels.gluon_launcher import GluonLauncher, chosen
+from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile,
+                                              _start_codes, _tile_dots)
+from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
+                                             shape_reason)
 from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _user_block, _whole_tiles
 from layerflow.tier.layout import FP8_DTYPES
 
+KERNEL_NAME = "the fp8 Gluon kernel"   # how its refusals name it
 SCALE_COPIES = ("load", "async")
 SCALE_COPY_ENV = "LAYERFLOW_FP8_SCALE_COPY"
 # The H200 showed "async" correct (16K, 0 and 256 candidates), faster at 2K/0 (13.8 us against 14.6 for "load") and
-# even at 16K/256 (100.1 against 99.7); "load" stays for pages of a size that is not a multiple of 4 tokens (the scale words would straddle two keys' pages).
+# even at 16K/256 (100.1 against 99.7); "load" stays for pages of a size that is not a multiple of 4 tokens (the
+# scale words would straddle two keys' pages).
 DEFAULT_SCALE_COPY = "async"
 SCALE_SITES = ("decode", "dots")
 SCALE_SITE_ENV = "LAYERFLOW_FP8_SCALE_SITE"
@@ -123,8 +126,9 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: block_n must be 32 or 64, stages >= 2 and code_stages >= 3"
     if tiling.scale_copy not in SCALE_COPIES:
         return f"{tiling}: scale_copy must be one of {SCALE_COPIES} (field or ${SCALE_COPY_ENV})"
-    if tiling.producer_registers % 8 or not 24 <= tiling.producer_registers <= 256:
-        return f"{tiling}: producer_registers must be a multiple of 8 in [24, 256]"
+    reason = registers_reason(tiling)
+    if reason is not None:
+        return reason
     if tiling.producer_warps not in LOADER_WARPS:
         return f"{tiling}: producer_warps must be one of {LOADER_WARPS}"
     if tiling.scale_site not in SCALE_SITES:
@@ -142,11 +146,8 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
     """Why the fp8 Gluon kernel cannot serve this attention (None when it can; page_size None: not checked)."""
     if dtype not in MODEL_DTYPES or kv_dtype not in FP8_DTYPES:
         return f"dtype={dtype}, kv_dtype={kv_dtype}: the fp8 Gluon kernel needs a bf16/fp16 model over fp8 pages"
-    if window or contextual:
-        return f"max_attn_len={window}, contextual_len={contextual}: the fp8 Gluon kernel serves the default mask only"
-    if block_m not in (64, 128) or head_dim not in (64, 128, 256):
-        return f"block_m={block_m}, head_dim={head_dim}: the fp8 Gluon kernel needs block_m 64/128, head_dim 64/128/256"
-    reason = fp8_tiling_reason(tiling)
+    reason = mask_reason(KERNEL_NAME, window, contextual) or shape_reason(KERNEL_NAME, block_m, head_dim) or \
+        fp8_tiling_reason(tiling)
     if reason is not None:
         return reason
     if tiling.scale_copy == "async" and page_size is not None and page_size % 4:
@@ -157,9 +158,7 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
                 "the registers left per thread)")
     if fp8_shared_memory_bytes(block_m, head_dim, tiling) > SHARED_MEMORY_BYTES:
         return f"{tiling} at block_m={block_m}, head_dim={head_dim}: over {SHARED_MEMORY_BYTES} bytes of shared memory"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return f"device {device}: the fp8 Gluon kernel needs a CUDA sm_90 GPU"
-    return None
+    return device_reason(KERNEL_NAME, device)
 
 
 @gluon.jit
