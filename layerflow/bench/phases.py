@@ -2,7 +2,8 @@
 
 `PhaseTimer.attach(engine)` wraps, on that one engine and its parts (never their classes), the methods each phase is
 made of; a wrapped call adds its host time to its phase only while a request is open (`start` .. `stop`), so staging,
-warm-up and probes are not counted. `rows` turns one request's phase times and its wall time into the reported rows:
+warm-up and probes are not counted, and only inside its own step (the slab staging chooses the bucket in `prepare`:
+that call is part of prepare's packing, not of `launch.bucket`). `rows` turns one request's phase times and its wall time into the reported rows:
 the three steps of `Engine.score`, their parts (a part may have parts of its own), what each step or part spends
 outside its parts ("other") and what the timed call spends outside the three steps (the engine's lock, splitting and
 converting the scores).
@@ -26,7 +27,7 @@ PHASES: tuple[tuple[str, str | None, str], ...] = (
     ("prepare.alloc", "prepare", "GPU page allocation (KVManager._allocate)"),
     ("prepare.onboard", "prepare", "onboarding issue (KVManager._onboard)"),
     ("launch", None, "Engine.launch"),
-    ("launch.bucket", "launch", "bucket choice (Engine._bucket)"),
+    ("launch.bucket", "launch", "bucket choice (Engine._bucket; the slab staging makes it in prepare.pack)"),
     ("launch.fill", "launch", "buffer fill and its host->device copy (BatchBuffers.fill)"),
     ("launch.fill.copy", "launch.fill", "the host->device copy issue (BatchBuffers._to_device)"),
     ("launch.bind", "launch", "wait binding (LayerWait.bind)"),
@@ -75,6 +76,7 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self._open: dict[str, float] | None = None
+        self._step: str | None = None   # the step (prepare, launch, collect) being timed
 
     def start(self) -> None:
         self._open = {}
@@ -88,15 +90,19 @@ class PhaseTimer:
 
     def timed(self, phase: str, fn: Callable) -> Callable:
         """`fn`, adding its host time to `phase` while a request is open."""
+        step = phase.split(".")[0]
+
         @wraps(fn)
         def call(*args, **kwargs):
-            if self._open is None:
+            if self._open is None or (step != phase and step != self._step):
                 return fn(*args, **kwargs)
+            outer, self._step = self._step, step
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._open[phase] = self._open.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+                self._step = outer
         return call
 
     def _wrap(self, owner: object, method: str, phase: str) -> None:

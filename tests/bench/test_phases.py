@@ -86,7 +86,8 @@ def test_the_timer_counts_only_open_requests_and_only_on_its_engine():
         timer.start()
         second = timed.score([Request(2, [3, 4, 5], [6, 7])])
         phases = timer.stop()
-        assert set(phases) == {name for name, _, _ in PHASES}
+        # every phase but the bucket choice, which the slab staging makes inside prepare's packing
+        assert set(phases) == {name for name, _, _ in PHASES} - {"launch.bucket"}
         assert torch.equal(first[0], second[0])   # the wrappers change no result
         timer.start()
         assert torch.equal(plain.score([request])[0], first[0])
