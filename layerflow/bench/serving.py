@@ -3,8 +3,8 @@
 Returning users with Zipf popularity, more of them than the GPU pool holds, arrive open-loop (Poisson) at each
 offered rate; the same arrivals go through the AsyncEngine in process and through the HTTP server with a real aiohttp
 client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off, mixed,
-split), all on one engine. Each visit appends `append_len` items (histories grow during a run
-and are truncated back to `history_len` between runs).
+guarded, free), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
+truncated back to `history_len` between runs).
 
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each

@@ -65,9 +65,8 @@ class TimedAsyncEngine(AsyncEngine):
             totals[0] += spent - inner
             totals[1] += start >= self._since   # a step begun before `reset` is that run's call, not this one's
 
-    def _take(self, wait: bool, full_only: bool = False,
-              accept: Callable[[Pending], bool] | None = None) -> list[Pending] | None:
-        return self._timed("idle" if wait else "take", super()._take, wait, full_only, accept)
+    def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
+        return self._timed("idle" if wait else "take", super()._take, wait, full_only)
 
     def _prepare(self, batch: list[Pending], prefetch: bool) -> Prepared | None:
         phase = "prepare ahead" if prefetch else "prepare"

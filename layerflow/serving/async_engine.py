@@ -10,10 +10,9 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   copies run while N computes. N+1 is launched once N is collected. If the GPU pool cannot hold N+1 beside N
   (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at most one batch is
   prepared ahead, and only when the pool holds it.
-- The other policies (the constructor's `policy`; "off": none; docs/serving.md has their rules and figures):
-  "split" and "split_ahead" prepare only users whose KV is not on the GPU ahead and run the GPU-resident requests
-  queued meanwhile as a batch of their own; "guarded" and "free" prepare ahead as "mixed" does, but the batch
-  prepared ahead evicts no resident user of the next two batches' requests, or none at all (serving.guard).
+- The other policies (the constructor's `policy`; "off": none; docs/serving.md has their figures): "guarded" and
+  "free" prepare ahead as "mixed" does, but the batch prepared ahead evicts no resident user of the next two
+  batches' requests, or none at all (serving.guard).
   A user's requests are served in arrival order under every policy.
 - Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
   when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
@@ -30,7 +29,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 
@@ -51,7 +49,7 @@ log = logging.getLogger(__name__)
 
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
 POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
-POLICIES = ("off", "mixed", "split", "split_ahead", "guarded", "free")   # prefetch across batches (module docstring)
+POLICIES = ("off", "mixed", "guarded", "free")   # prefetch across batches (module docstring)
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,6 @@ class AsyncEngine:
         self.metrics = metrics or ServingMetrics()
         self.policy = policy
         self.prefetch = policy != "off"
-        self._host_only_ahead = policy in ("split", "split_ahead")
         self.default_deadline_s = config.serve_deadline_ms / 1e3 if config.serve_deadline_ms > 0 else None
         max_batch = min(config.serve_max_batch_size, max(b.max_batch for b in engine.buckets))
         max_tokens = max(b.max_tokens for b in engine.buckets)
@@ -96,8 +93,6 @@ class AsyncEngine:
         self._prepared: Prepared | None = None
         self._retry: list[Pending] = []
         self._deferred = False       # the prefetch did not fit beside the batch in flight: wait for its collect
-        self._hits_next = False      # "split": a batch was prepared ahead; resident requests go before it
-        self._hits: Prepared | None = None   # "split_ahead": those resident requests, prepared ahead
         self._sampled = 0.0
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="layerflow-scheduler", daemon=True)
@@ -156,14 +151,12 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            if self._retry and self._flight is None and self._prepared is None and self._hits is None:
+            if self._retry and self._flight is None and self._prepared is None:
                 batch, self._retry = self._retry, []   # retries run alone: after the batches in flight and prepared
                 self._retry_alone(batch)
-            elif self._flight is None and self._hits is not None:
-                hits, self._hits, self._hits_next = self._hits, None, False
-                self._launch(hits)
             elif self._flight is None and self._prepared is not None:
-                self._launch_next()
+                prepared, self._prepared = self._prepared, None
+                self._launch(prepared)
             elif self._flight is None:
                 taken = self._take(wait=True)
                 if taken is None:
@@ -172,40 +165,17 @@ class AsyncEngine:
                     self._prepared = self._prepare(taken, prefetch=False)
             elif self.prefetch and self._prepared is None and not self._deferred and not self._retry:
                 self._prefetch_or_poll()
-            elif self._hits_ahead_wanted():
-                self._hits_or_poll()
             else:
                 self._collect()
 
     def _prefetch_or_poll(self) -> None:
         """Batch N is in flight and nothing is prepared behind it: prepare N+1 if it is due (see the module
         docstring), collect N once it has computed, else pause until a request arrives or the next poll."""
-        if self._host_only_ahead:
-            due = True
-            taken = self._take(wait=False, accept=lambda p: not self._resident(p))
-        else:
-            due = self._next_is_due(self._flight)
-            taken = self._take(wait=False, full_only=not due)
+        due = self._next_is_due(self._flight)
+        taken = self._take(wait=False, full_only=not due)
         if taken:
             self._prepared = self._prepare(taken, prefetch=True)
-            self._hits_next = self._host_only_ahead and self._prepared is not None
         elif due and self._flight.computed():
-            self._collect()
-        else:
-            self._pause()
-
-    def _hits_ahead_wanted(self) -> bool:
-        """"split_ahead": a batch that onboards is in flight, a batch is prepared behind it and its hit batch is not."""
-        return (self.policy == "split_ahead" and self._hits_next and self._hits is None and not self._deferred
-                and not self._retry and self._flight.prepared.onboards())
-
-    def _hits_or_poll(self) -> None:
-        """Prepare the GPU-resident requests queued now as the hit batch ahead; else collect the batch in flight once
-        it has computed, or pause until a request arrives or the next poll."""
-        hits = self._take(wait=False, accept=self._resident)
-        if hits:
-            self._hits = self._prepare(hits, prefetch=True)
-        elif self._flight.computed():
             self._collect()
         else:
             self._pause()
@@ -215,9 +185,6 @@ class AsyncEngine:
         GPU: the batch in flight onboards nothing, or has computed."""
         return not in_flight.prepared.onboards() or in_flight.computed()
 
-    def _resident(self, pending: Pending) -> bool:
-        return pending.user in self.engine.kv.gpu
-
     def _pause(self) -> None:
         self.queue.wait_for_put(POLL_S)
 
@@ -226,12 +193,12 @@ class AsyncEngine:
         batches = [self._retry]
         if self._flight is not None:
             batches.append(self._flight.prepared.batch)
-        batches += [ahead.batch for ahead in (self._prepared, self._hits) if ahead is not None]
+        if self._prepared is not None:
+            batches.append(self._prepared.batch)
         return {p.user for batch in batches for p in batch}
 
-    def _take(self, wait: bool, full_only: bool = False,
-              accept: Callable[[Pending], bool] | None = None) -> list[Pending] | None:
-        taken = self.queue.take(self._busy(), wait, full_only, accept)
+    def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
+        taken = self.queue.take(self._busy(), wait, full_only)
         if taken is None:
             return None
         self._expire(taken.expired)
@@ -286,18 +253,6 @@ class AsyncEngine:
         self._requeue(batch[half:])
         return self._prepare(batch[:half], prefetch)
 
-    def _launch_next(self) -> None:
-        """Launch the prepared batch; under "split", first the GPU-resident requests queued since it was prepared."""
-        if self._hits_next:
-            self._hits_next = False
-            hits = self._take(wait=False, accept=self._resident)
-            prepared = self._prepare(hits, prefetch=False) if hits else None
-            if prepared is not None:
-                self._launch(prepared)
-                return
-        prepared, self._prepared = self._prepared, None
-        self._launch(prepared)
-
     def _launch(self, prepared: Prepared) -> None:
         now = time.monotonic()
         dropped = [p for p in prepared.batch if p.expired(now) or p.future.cancelled()]
@@ -326,11 +281,10 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the engine rolled the batch back
             log.warning("a batch of %d failed (%s): retrying its requests alone", len(prepared.batch), e)
             self.metrics.failed_batches.inc()
-            for ahead in (self._prepared, self._hits):   # pages back: the retries must find the pool as it was
-                if ahead is not None:
-                    self.engine.cancel(ahead.plan)
-                    self._requeue(ahead.batch)
-            self._prepared, self._hits, self._hits_next = None, None, False
+            if self._prepared is not None:   # pages back: the retries must find the pool as it was
+                self.engine.cancel(self._prepared.plan)
+                self._requeue(self._prepared.batch)
+            self._prepared = None
             self._retry.extend(prepared.batch)
             return
         now = time.monotonic()
@@ -399,9 +353,8 @@ class AsyncEngine:
         self.queue.close()
         reason = ShuttingDown(f"the serving scheduler stopped: {error!r}")
         waiting = list(self._retry) + self.queue.clear()
-        for ahead in (self._prepared, self._hits):
-            if ahead is not None:
-                waiting += ahead.batch
+        if self._prepared is not None:
+            waiting += self._prepared.batch
         if self._flight is not None:
             waiting += self._flight.prepared.batch
         for p in waiting:

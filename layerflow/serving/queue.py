@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -115,20 +115,18 @@ class RequestQueue:
             items, self._items = list(self._items), deque()
             return items
 
-    def take(self, busy: set[int], wait: bool, full_only: bool = False,
-             accept: Callable[[Pending], bool] | None = None) -> Taken | None:
+    def take(self, busy: set[int], wait: bool, full_only: bool = False) -> Taken | None:
         """The next batch (see the module docstring) and the requests that expired or were cancelled meanwhile.
 
         Without `wait`, whatever batch can be formed now (maybe empty; with `full_only`, empty unless it is full).
         With `wait`, block until a batch is ready or something expired; None once the queue is closed and empty. A
-        closed queue's batches are ready at once. `accept` narrows the batch to the requests it accepts (a user
-        whose oldest queued request it refuses is skipped, so per-user order holds).
+        closed queue's batches are ready at once.
         """
         with self._cond:
             while True:
                 now = time.monotonic()
                 expired = self._remove_expired(now)
-                batch, full = self._eligible(busy, accept)
+                batch, full = self._eligible(busy)
                 if full_only and not full:
                     batch = []
                 ready = bool(batch) and (full or self._closed or now - batch[0].arrived >= self.max_wait_s)
@@ -148,7 +146,7 @@ class RequestQueue:
         with self._cond:
             self._cond.wait(timeout_s)
 
-    def _eligible(self, busy: set[int], accept: Callable[[Pending], bool] | None) -> tuple[list[Pending], bool]:
+    def _eligible(self, busy: set[int]) -> tuple[list[Pending], bool]:
         """The batch that can be formed now, and whether it is full (in requests, or the next one's tokens)."""
         picked: list[Pending] = []
         blocked = set(busy)
@@ -157,8 +155,6 @@ class RequestQueue:
             if p.user in blocked:
                 continue
             blocked.add(p.user)
-            if accept is not None and not accept(p):
-                continue
             if picked and tokens + p.tokens > self.max_tokens:
                 return picked, True
             picked.append(p)

@@ -111,9 +111,9 @@ def test_serve_command_on_cpu_runs_both_transports_with_prefetch_off_and_on(caps
 
 def test_every_policy_serves_the_whole_stream_on_one_engine_and_its_engine_phases_are_summed():
     settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
-                               ("inprocess",), policies=("off", "mixed", "split"), profile=True)
+                               ("inprocess",), policies=("off", "mixed", "guarded"), profile=True)
     data = run_serving(settings, CPU)
-    assert [r["policy"] for r in data["runs"]] == ["off", "mixed", "split"]
+    assert [r["policy"] for r in data["runs"]] == ["off", "mixed", "guarded"]
     assert all(r["answered"] == 12 and not r["errors"] and r["tiers"].get("host", 0) > 0 for r in data["runs"])
     for r in data["runs"]:   # the engine's phases of the run's batches, each within the scheduler's own steps
         phases, steps = r["engine_phases_ms"], r["scheduler"]["phases"]

@@ -175,14 +175,12 @@ def test_prefetch_starts_the_next_batchs_onboarding_before_the_current_one_is_co
         assert serving.metrics.prefetched._value.get() == (1 if prefetch else 0)
 
 
-@pytest.mark.parametrize("policy, batches, ahead", [("mixed", [[1], [2, 3], [1]], 2), ("split", [[1], [3, 1], [2]], 1),
-                                                    ("split_ahead", [[1], [3], [2], [1]], 2)])
-def test_split_prefetches_only_host_users_and_runs_the_resident_ones_before_them(weights, policy, batches, ahead):
-    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight "split" prepares [2] ahead (its copies start)
-    but not 3, whose request, with 1's next one, then runs first as a batch of GPU hits; "split_ahead" prepares that
-    hit batch ahead too, while 1 is still in flight; "mixed" prepares [2, 3] ahead, then [1] behind it."""
+def test_mixed_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weights):
+    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight "mixed" prepares [2, 3] ahead, then 1's next
+    request runs behind it (per-user order)."""
+    batches, ahead = [[1], [2, 3], [1]], 2
     with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, \
-            AsyncEngine(engine, policy=policy) as serving:
+            AsyncEngine(engine, policy="mixed") as serving:
         on_host(engine, {1: 40, 2: 40})
         engine.score([history(3, 40)])
         engine.kv.wait_offloads()

@@ -42,16 +42,6 @@ def test_a_busy_users_later_requests_wait_behind_it():
     assert len(q) == 2
 
 
-def test_an_accept_filter_narrows_the_batch_without_letting_a_users_later_request_jump_ahead():
-    first_of_3, later_of_3 = pending(3), pending(3, tokens=4)
-    q = queue_of(pending(1), first_of_3, pending(2), later_of_3, pending(4), max_batch=3)
-    assert users(q.take(busy=set(), wait=False, accept=lambda p: p.tokens == 4).batch) == []   # 3's first is older
-    odd = q.take(busy=set(), wait=False, accept=lambda p: p.user % 2 == 1).batch
-    assert users(odd) == [1, 3] and odd[1] is first_of_3
-    rest = q.take(busy=set(), wait=False).batch
-    assert users(rest) == [2, 3, 4] and rest[1] is later_of_3
-
-
 def test_the_token_cap_closes_a_batch_but_a_lone_large_request_still_goes():
     q = queue_of(pending(1, tokens=60), pending(2, tokens=50), pending(3, tokens=30), max_tokens=100)
     assert users(q.take(busy=set(), wait=False).batch) == [1]
