@@ -247,9 +247,9 @@ class PagedAttention:
     rows (layerflow.tier.layout); `fp8_mma`: the tl kernel's MMA dtypes over them. `kernel`: select_kernel's choice of
     a Gluon kernel over the `tl` one, `gluon_tiling` its tiling (None: the default; its block_m sets the query block).
     `workspace`: where the split partials live when attentions that never run at once share them (None: its own).
-    `splits` (splits.SPLIT_RULES; None: $LAYERFLOW_SPLITS, else "bucket"): the split count of the capacity, or of each
-    launch's real query blocks (never more than the capacity's); the fp8 Gluon kernel reads no table yet, so under
-    it the rule stays "bucket" (`split_rule` says which one holds).
+    `splits` (splits.SPLIT_RULES): the split count of each launch's real query blocks (never more than the
+    capacity's), or of the capacity; the fp8 Gluon kernel reads no table yet, so under it the rule is "bucket"
+    (`split_rule` says which one holds).
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
@@ -257,7 +257,7 @@ class PagedAttention:
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
                  kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None,
                  gluon_tiling: GluonTiling | None = None, workspace: SplitWorkspace | None = None,
-                 splits: str | None = None) -> None:
+                 splits: str = "rows") -> None:
         for name, value in dict(max_batch=max_batch, max_tokens=max_tokens, max_pages_per_user=max_pages_per_user,
                                 num_heads=num_heads, max_seq_len=max_seq_len).items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -295,7 +295,9 @@ class PagedAttention:
         self.split_table = torch.tensor(table, dtype=torch.int32, device=self.device) if rows else None
         self.active_splits = torch.full((1,), self.num_splits, dtype=torch.int32, device=self.device) if rows \
             else None
-        self.chunk_pages = self._chunk_pages(min(table) if rows else self.num_splits) if tiling.preload_pages else 0
+        # Entry 0 (no real block: every program exits) bounds no chunk.
+        self.chunk_pages = self._chunk_pages(min(table[1:]) if rows else self.num_splits) if tiling.preload_pages \
+            else 0
         shape = (self.num_splits, max_tokens, num_heads, head_dim)
         self.partials = None if self.num_splits == 1 else torch.empty(shape, dtype=torch.float32, device=self.device) \
             if workspace is None else workspace.view(shape)

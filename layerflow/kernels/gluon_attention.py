@@ -33,8 +33,6 @@ from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
-SELF_TILES_ENV = "LAYERFLOW_SELF_TILES"           # which split runs the candidates' self tiles (GluonTiling.self_last)
-SELF_TILES_CHOICES = ("first", "last")            # split 0 beside a full chunk (the default) | the last, balanced
 KERNEL_NAME = "the Gluon kernel"   # how its refusals name it
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
@@ -85,16 +83,13 @@ def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTi
     """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys, SiLU by one
     tanh.approx per score and without a mask on whole tiles (the H200's fastest at 16K and 2K with 0 and 256
     candidates, docs/performance.md; page_size None: assumed to); smaller heads: 64-key tiles three deep,
-    synchronous (not yet measured otherwise). The self tiles' split is $LAYERFLOW_SELF_TILES's (SELF_TILES_CHOICES,
-    default "first")."""
-    choice = os.environ.get(SELF_TILES_ENV) or SELF_TILES_CHOICES[0]
-    if choice not in SELF_TILES_CHOICES:
-        raise ValueError(f"${SELF_TILES_ENV}={choice!r}: expected one of {SELF_TILES_CHOICES}")
+    synchronous (not yet measured otherwise). Both run the candidates' self tiles on the last split, dealt with the
+    history (`self_last`: no program runs a full chunk and the self tiles; faster on the H200 at 16K and 2K)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
         return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async", tanh_silu=True,
-                           unmasked_whole_tiles=True, self_last=choice == "last")
-    return GluonTiling(block_n=64, stages=3, self_last=choice == "last")
+                           unmasked_whole_tiles=True, self_last=True)
+    return GluonTiling(block_n=64, stages=3, self_last=True)
 
 
 # The K/V ring's and the query block's shared-memory layout (128-byte swizzle, what wgmma reads), also the TMA boxes'.

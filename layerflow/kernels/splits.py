@@ -1,23 +1,21 @@
 """Split-K bookkeeping of the paged attention: how many splits a launch takes, and the sum of their partials.
 
-A split count fills whole waves of the GPU's SMs. It is chosen once from the bucket's capacity ("bucket", the
-default), or at each launch from the batch's real query blocks ("rows"): a table made at construction, read on the
-device, so a captured graph for 512 tokens launches a 320-token batch's programs in one wave of 132 SMs instead of
-1.4 (the grid stays the capacity's and the programs past the count exit at once; the launch stores its count where
-the split sum reads it).
+A split count fills whole waves of the GPU's SMs. It is chosen at each launch from the batch's real query blocks
+("rows", the default): a table made at construction, read on the device, so a captured graph for 512 tokens launches
+a 320-token batch's programs in one wave of 132 SMs instead of 1.4 (the grid stays the capacity's and the programs
+past the count exit at once; the launch stores its count where the split sum reads it). "bucket" fixes the count
+once from the capacity: the rule of a kernel that reads no table (the fp8 Gluon kernel).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-SPLITS_ENV = "LAYERFLOW_SPLITS"
-SPLIT_RULES = ("bucket", "rows")
+SPLIT_RULES = ("rows", "bucket")
 
 
 class SplitPartials(NamedTuple):
@@ -28,12 +26,11 @@ class SplitPartials(NamedTuple):
     active: torch.Tensor | None
 
 
-def split_rule(choice: str | None) -> str:
-    """`choice`, else $LAYERFLOW_SPLITS, else "bucket"; ValueError naming a rule not in SPLIT_RULES."""
-    rule = choice or os.environ.get(SPLITS_ENV) or SPLIT_RULES[0]
-    if rule not in SPLIT_RULES:
-        raise ValueError(f"splits={rule!r} (argument or ${SPLITS_ENV}): expected one of {SPLIT_RULES}")
-    return rule
+def split_rule(choice: str) -> str:
+    """`choice` checked: ValueError naming a rule not in SPLIT_RULES."""
+    if choice not in SPLIT_RULES:
+        raise ValueError(f"splits={choice!r}: expected one of {SPLIT_RULES}")
+    return choice
 
 
 def wave_splits(programs: int, slots: int, max_splits: int) -> int:

@@ -14,9 +14,8 @@ if not torch.cuda.is_available():
 
 from layerflow.kernels import AttentionTiling, PagedAttention, kv_append, paged_attention_reference  # noqa: E402
 from layerflow.kernels import attention  # noqa: E402
-from layerflow.kernels.gluon_attention import SELF_TILES_ENV, default_gluon_tiling  # noqa: E402
 from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm  # noqa: E402
-from layerflow.kernels.splits import SPLITS_ENV, SplitPartials, rows_table, split_rule, wave_splits  # noqa: E402
+from layerflow.kernels.splits import SplitPartials, rows_table, wave_splits  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,29 +34,27 @@ def test_wave_splits_fill_whole_waves_of_132_sms():
 def test_bucket_and_rows_rules_on_the_h200s_512_token_bucket(monkeypatch):
     monkeypatch.setattr(attention, "sm_count", lambda device: 132)
 
-    def layer(tokens: int, rule: str) -> PagedAttention:
-        return PagedAttention(1, tokens, 528, 4, 256, 32, torch.bfloat16, "cpu", ALPHA, 16896, splits=rule)
+    def layer(tokens: int, rule: str | None = None) -> PagedAttention:
+        options = {} if rule is None else {"splits": rule}
+        return PagedAttention(1, tokens, 528, 4, 256, 32, torch.bfloat16, "cpu", ALPHA, 16896, **options)
 
-    bucket, rows, exact = layer(512, "bucket"), layer(512, "rows"), layer(320, "bucket")
+    bucket, rows, exact = layer(512, "bucket"), layer(512), layer(320, "bucket")
     assert (bucket.num_splits, bucket.query_slots, bucket.split_table) == (15, 4, None)
     assert rows.split_rule == "rows" and rows.split_table.tolist() == [1, 15, 15, 11, 15]
     assert rows.split_table[3] == exact.num_splits == 11      # 320 real rows split as in their own bucket
     assert rows.active_splits.tolist() == [15]
+    # the tl kernel's page-table slice covers the chunk of the fewest splits a launch with real rows takes (11 here)
+    assert rows.chunk_pages == bucket.chunk_pages == 64
 
 
-def test_split_rule_comes_from_the_argument_then_the_environment(monkeypatch):
-    monkeypatch.delenv(SPLITS_ENV, raising=False)
-    assert split_rule(None) == "bucket"
-    monkeypatch.setenv(SPLITS_ENV, "rows")
-    assert split_rule(None) == "rows" and split_rule("bucket") == "bucket"
-    monkeypatch.setenv(SPLITS_ENV, "waves")
-    with pytest.raises(ValueError, match="'waves'"):
-        split_rule(None)
+def test_a_split_rule_not_known_is_named():
+    with pytest.raises(ValueError, match="splits='waves'"):
+        PagedAttention(1, 64, 4, H, D, PAGE, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN, splits="waves")
 
 
 def rows_attention(batch, num_splits: int) -> PagedAttention:
     return PagedAttention(batch.page_table.shape[0], batch.q.shape[0], batch.page_table.shape[1], H, D, PAGE,
-                          torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN, splits="rows",
+                          torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN,
                           tiling=AttentionTiling(16, 16, 4, 1, preload_pages=True, num_splits=num_splits))
 
 
@@ -96,12 +93,3 @@ def test_gated_split_norm_names_a_bad_count_tensor():
         gated_split_norm(u, torch.zeros(2, 4, 8, device=DEVICE), torch.ones(8, device=DEVICE),
                          torch.zeros(8, device=DEVICE), 1e-6, active_splits=torch.ones(1, dtype=torch.int64))
 
-
-def test_self_tiles_split_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(SELF_TILES_ENV, raising=False)
-    assert not default_gluon_tiling(256).self_last
-    monkeypatch.setenv(SELF_TILES_ENV, "last")
-    assert default_gluon_tiling(256).self_last and default_gluon_tiling(128).self_last
-    monkeypatch.setenv(SELF_TILES_ENV, "middle")
-    with pytest.raises(ValueError, match="'middle'"):
-        default_gluon_tiling(256)
