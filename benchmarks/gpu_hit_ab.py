@@ -174,7 +174,7 @@ def ladder_warmup(weights: HSTUWeights, config, device: torch.device, steps: int
     with Engine(weights, config, device=device, token_buckets=tokens) as engine:
         built = time.perf_counter() - start
         engine.warmup()
-        workspace = engine.pipeline.kernels.workspace
+        workspace = getattr(engine.pipeline.kernels, "workspace", None)   # None: no Triton kernels (CPU)
         return {"steps": steps, "token_sizes": len(tokens), "buckets": len(engine.buckets),
                 "graphs": 2 * len(engine.buckets), "build_s": built, "warmup_s": time.perf_counter() - start - built,
                 "workspace_mib": (workspace.nbytes if workspace else 0) / 2 ** 20,
