@@ -186,7 +186,8 @@ FP8_SWEEP = {
 
 
 GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU), "
-                 "rN (the loader's registers per thread), wt (no mask on whole tiles)")
+                 "rN (the loader's registers per thread), wt (no mask on whole tiles), sl (self tiles on the last "
+                 "split)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -214,6 +215,8 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["tanh_silu"] = True
         elif word == "wt":
             options["unmasked_whole_tiles"] = True
+        elif word == "sl":
+            options["self_last"] = True
         elif word[:1] == "r" and word[1:].isdigit():
             options["producer_registers"] = int(word[1:])
         else:
@@ -241,6 +244,8 @@ def gluon_label(tiling: dict) -> str:
         words.append(f"r{tiling['producer_registers']}")
     if tiling.get("unmasked_whole_tiles"):
         words.append("wt")
+    if tiling.get("self_last"):
+        words.append("sl")
     return ":".join(words)
 
 

@@ -3,7 +3,8 @@
 HSTU has no softmax, so the output over the history is a plain sum of per-chunk partial sums: each program takes one
 chunk of one user's history for one block of its queries and one head and writes an fp32 partial; the partials are
 added in split order (deterministic) by a second kernel, or by their consumer (`run(reduce=False)`). Splitting fills
-a 132-SM GPU at batch size 1. Lengths, offsets and page indices are read from device tensors and programs past the
+a 132-SM GPU at batch size 1; the split count fills whole waves for the capacity or for each launch's real query
+blocks (layerflow.kernels.splits). Lengths, offsets and page indices are read from device tensors and programs past the
 batch exit at once: one compiled kernel and one captured graph serve any lengths up to the capacity. The mask is the
 model's (layerflow.model.mask; window and contextual rows compile-time options); a program reads only the history
 keys its rows may see, so with a window only the pages `MaskRule.cached_read_start` names. 1/N is read from a device
@@ -19,13 +20,15 @@ import triton.language as tl
 
 from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
 from layerflow.kernels.gluon_attention import GluonTiling, select_kernel
+from layerflow.kernels.splits import SplitPartials, _query_blocks, _row_splits, rows_table, split_rule, sum_splits, \
+    wave_splits
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.config import HSTUConfig
 from layerflow.model.mask import MaskRule
 from layerflow.tier.layout import FP8_DTYPES, fp8_scale_rows
 
-__all__ = ["AttentionTiling", "PagedAttention", "default_tiling"]
+__all__ = ["AttentionTiling", "PagedAttention", "SplitPartials", "default_tiling"]
 
 PAGE_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (64, 128, 256)
@@ -37,11 +40,7 @@ MAX_SPLITS = 128
 def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Map a program slot to (user, query block of that user); user == max_batch when the slot is past the batch.
     Users' query blocks are numbered consecutively (a prefix sum of ceil(len / BLOCK_M)); empty users own none."""
-    users = tl.arange(0, BATCH_P2)
-    valid = users < max_batch
-    starts = tl.load(q_offsets_ptr + users, mask=valid, other=0)
-    ends = tl.load(q_offsets_ptr + users + 1, mask=valid, other=0)
-    blocks = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    users, valid, blocks = _query_blocks(q_offsets_ptr, max_batch, BATCH_P2, BLOCK_M)
     inclusive = tl.cumsum(blocks, axis=0)
     user = tl.sum((valid & (inclusive <= slot)).to(tl.int32), axis=0)
     first = tl.sum(tl.where(users == user, inclusive - blocks, 0), axis=0)
@@ -132,9 +131,15 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
     INV_N_PER_USER: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
     ROWS: tl.constexpr, FP8: tl.constexpr, F16_QK: tl.constexpr, V_UNIT: tl.constexpr,
+    split_table_ptr, active_splits_ptr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(2)
+    num_splits = NUM_SPLITS
+    if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
+        num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M)
+        if split >= num_splits:
+            return
     user, block = _user_block(q_offsets_ptr, tl.program_id(1), max_batch, BATCH_P2, BLOCK_M)
     if user >= max_batch:
         return
@@ -166,7 +171,7 @@ def _paged_attention_kernel(
         full_end = tl.minimum(hist, hist - appended + first + 1)
     # The user's keys [user_lo, hist) are split evenly; user_lo is where its first query's window starts.
     user_lo = _window_start(_token_ids(hist - appended, m, SHIFT), WINDOW, SHIFT)
-    chunk = tl.cdiv(tl.cdiv(hist - user_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(hist - user_lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = user_lo + split * chunk
     lo = tl.maximum(split_lo, block_lo)
     hi = tl.minimum(split_lo + chunk, kv_end)
@@ -234,23 +239,6 @@ def _paged_attention_kernel(
     tl.store(dst, (acc * inv_n).to(dst_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, q_offsets_ptr, split_stride, max_batch,
-                       HD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """out = the sum of the split partials over the batch's tokens, all loaded at once and reduced by a tree fixed at
-    compile time: the same bits on every run."""
-    total = tl.load(q_offsets_ptr + max_batch).to(tl.int64) * HD
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if start >= total:
-        return
-    offsets = start + tl.arange(0, BLOCK)
-    splits = tl.arange(0, SPLITS_P2)
-    ok = offsets < total
-    ptrs = partial_ptr + splits[:, None].to(tl.int64) * split_stride + offsets[None, :]
-    parts = tl.load(ptrs, mask=(splits[:, None] < NUM_SPLITS) & ok[None, :], other=0.0)
-    tl.store(out_ptr + offsets, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=ok)
-
-
 class PagedAttention:
     """HSTU attention of one batch's queries over their users' paged history, with workspaces sized at construction:
     `run` allocates nothing and reads every length from device tensors, so one captured graph replays any batch within
@@ -259,13 +247,17 @@ class PagedAttention:
     rows (layerflow.tier.layout); `fp8_mma`: the tl kernel's MMA dtypes over them. `kernel`: select_kernel's choice of
     a Gluon kernel over the `tl` one, `gluon_tiling` its tiling (None: the default; its block_m sets the query block).
     `workspace`: where the split partials live when attentions that never run at once share them (None: its own).
+    `splits` (splits.SPLIT_RULES): the split count of each launch's real query blocks (never more than the
+    capacity's), or of the capacity; the fp8 Gluon kernel reads no table yet, so under it the rule is "bucket"
+    (`split_rule` says which one holds).
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str, alpha: float, max_seq_len: int,
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
                  kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None,
-                 gluon_tiling: GluonTiling | None = None, workspace: SplitWorkspace | None = None) -> None:
+                 gluon_tiling: GluonTiling | None = None, workspace: SplitWorkspace | None = None,
+                 splits: str = "rows") -> None:
         for name, value in dict(max_batch=max_batch, max_tokens=max_tokens, max_pages_per_user=max_pages_per_user,
                                 num_heads=num_heads, max_seq_len=max_seq_len).items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -289,12 +281,23 @@ class PagedAttention:
         self.gluon = select_kernel(kernel, self.device, dtype, kv_dtype, head_dim, tiling.block_m, mask.max_attn_len,
                                    mask.contextual_len, gluon_tiling, page_size=page_size)
         self.block_m = self.gluon.tiling.query_block(tiling.block_m) if self.gluon else tiling.block_m
-        self.tiling, self.num_splits = tiling, tiling.num_splits or self._pick_splits(tiling)
+        rule = split_rule(splits)
+        slots = sm_count(self.device) * tiling.programs_per_sm
+        self.tiling, self.num_splits = tiling, tiling.num_splits or self._pick_splits(tiling, slots)
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits={self.num_splits}: expected 1..{MAX_SPLITS}")
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
         self.query_slots = (max_tokens + max_batch * (self.block_m - 1)) // self.block_m
-        self.chunk_pages = self._chunk_pages() if tiling.preload_pages else 0
+        self.split_rule = rule if self.gluon is None or self.gluon.row_splits else "bucket"
+        # "rows": entry n is the split count of a launch with n real query blocks (n = 0: one).
+        table = rows_table(self.query_slots, num_heads, slots, self.num_splits)
+        rows = self.split_rule == "rows"
+        self.split_table = torch.tensor(table, dtype=torch.int32, device=self.device) if rows else None
+        self.active_splits = torch.full((1,), self.num_splits, dtype=torch.int32, device=self.device) if rows \
+            else None
+        # Entry 0 (no real block: every program exits) bounds no chunk.
+        self.chunk_pages = self._chunk_pages(min(table[1:]) if rows else self.num_splits) if tiling.preload_pages \
+            else 0
         shape = (self.num_splits, max_tokens, num_heads, head_dim)
         self.partials = None if self.num_splits == 1 else torch.empty(shape, dtype=torch.float32, device=self.device) \
             if workspace is None else workspace.view(shape)
@@ -310,27 +313,19 @@ class PagedAttention:
                    device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule, kv_dtype=kv_dtype,
                    workspace=workspace)
 
-    def _pick_splits(self, tiling: AttentionTiling) -> int:
-        """The fewest splits whose grid, at full capacity split evenly over users, fills whole waves to >= 90% (208
-        programs on 132 SMs run two waves for 1.6 waves of work: the idle SMs cost as much as the split-K gains)."""
+    def _pick_splits(self, tiling: AttentionTiling, slots: int) -> int:
+        """The splits whose grid, at full capacity split evenly over users, fills whole waves (wave_splits), at most
+        one per tile of the longest history."""
         per_user = triton.cdiv(self.max_tokens, self.max_batch)
         programs = self.max_batch * triton.cdiv(per_user, self.block_m) * self.num_heads
-        slots = sm_count(self.device) * tiling.programs_per_sm
         tiles = triton.cdiv(self.max_pages_per_user * self.page_size, tiling.block_n)
-        best, best_fill = 1, 0.0
-        for splits in range(1, min(tiles, MAX_SPLITS) + 1):
-            total = programs * splits
-            fill = total / (triton.cdiv(total, slots) * slots)
-            if total >= slots and fill >= 0.9:
-                return splits
-            if fill > best_fill + 1e-9:
-                best, best_fill = splits, fill
-        return best
+        return wave_splits(programs, slots, min(tiles, MAX_SPLITS))
 
-    def _chunk_pages(self) -> int:
-        """Page-table entries one program's chunk can touch (power of two for the register slice)."""
+    def _chunk_pages(self, fewest_splits: int) -> int:
+        """Page-table entries one program's chunk can touch at `fewest_splits` (power of two for the register
+        slice)."""
         longest, block_n = self.max_pages_per_user * self.page_size, self.tiling.block_n
-        chunk = triton.cdiv(triton.cdiv(longest, self.num_splits), block_n) * block_n
+        chunk = triton.cdiv(triton.cdiv(longest, fewest_splits), block_n) * block_n
         return triton.next_power_of_2(triton.cdiv(chunk, self.page_size) + 1)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -372,10 +367,10 @@ class PagedAttention:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
             appended_lens: torch.Tensor, out: torch.Tensor, inv_n: torch.Tensor | None = None,
-            reduce: bool = True) -> torch.Tensor:
+            reduce: bool = True) -> torch.Tensor | SplitPartials:
         """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees; `inv_n`: 1/N on the device ([1] or
-        [max_batch]; None: 1/max_seq_len). `reduce=False` returns a split kernel's fp32 partials [splits, max_tokens,
-        H, D] unsummed, for a consumer that sums them as it reads them (the output gate); one split: `out`."""
+        [max_batch]; None: 1/max_seq_len). `reduce=False` returns a split kernel's partials unsummed (SplitPartials),
+        for a consumer that sums them as it reads them (the output gate); one split: `out`."""
         inv_n = self.constant_inv_n if inv_n is None else inv_n
         self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out, inv_n)
         t = self.tiling
@@ -392,15 +387,11 @@ class PagedAttention:
             PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
             ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores, V_UNIT=self.value_unit,
+            split_table_ptr=self.split_table, active_splits_ptr=self.active_splits,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None and not reduce:
-            return self.partials
+            return SplitPartials(self.partials, self.active_splits)
         if self.partials is not None:
-            splits_p2 = triton.next_power_of_2(self.num_splits)
-            block = max(16, 8192 // splits_p2)
-            _sum_splits_kernel[(triton.cdiv(split_stride, block),)](
-                self.partials, out, q_offsets, split_stride, self.max_batch, HD=self.num_heads * self.head_dim,
-                NUM_SPLITS=self.num_splits, SPLITS_P2=splits_p2, BLOCK=block, num_warps=4,
-            )
+            sum_splits(SplitPartials(self.partials, self.active_splits), out, q_offsets, self.max_batch)
         return out

@@ -27,8 +27,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
                                              shape_reason)
-from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _query_rows, _row_bounds, _split_range,
-                                           _store_partial, _tile_pages, _user_block)
+from layerflow.kernels.gluon_tiles import (_balanced_range, _issue_tile, _masked_silu, _query_rows, _row_bounds,
+                                           _row_splits, _split_range, _store_partial, _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
@@ -58,7 +58,9 @@ class GluonTiling:
     two slots). `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any
     variant. `producer_registers`: the loader warpgroup's registers per thread under "ws" (a multiple of 8
     in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap):
-    no mask on the history tiles every row of the block sees whole.
+    no mask on the history tiles every row of the block sees whole. `self_last`: the candidates' self tiles count in
+    the split of the block's tiles and the last split runs them (gluon_tiles._balanced_range), instead of split 0
+    running them beside a full chunk.
     """
 
     block_n: int = 32
@@ -70,6 +72,7 @@ class GluonTiling:
     tanh_silu: bool = False
     producer_registers: int = 64
     unmasked_whole_tiles: bool = False
+    self_last: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -80,12 +83,13 @@ def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTi
     """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys, SiLU by one
     tanh.approx per score and without a mask on whole tiles (the H200's fastest at 16K and 2K with 0 and 256
     candidates, docs/performance.md; page_size None: assumed to); smaller heads: 64-key tiles three deep,
-    synchronous (not yet measured otherwise)."""
+    synchronous (not yet measured otherwise). Both run the candidates' self tiles on the last split, dealt with the
+    history (`self_last`: no program runs a full chunk and the self tiles; faster on the H200 at 16K and 2K)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
         return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async", tanh_silu=True,
-                           unmasked_whole_tiles=True)
-    return GluonTiling(block_n=64, stages=3)
+                           unmasked_whole_tiles=True, self_last=True)
+    return GluonTiling(block_n=64, stages=3, self_last=True)
 
 
 # The K/V ring's and the query block's shared-memory layout (128-byte swizzle, what wgmma reads), also the TMA boxes'.
@@ -96,13 +100,19 @@ SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_
 def _gluon_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, num_splits, cache_desc,
+    split_table_ptr, active_splits_ptr,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
-    PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
+    if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
+        num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M,
+                                 num_warps)
+        if split >= num_splits:
+            return
     user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
     if user >= max_batch:
         return
@@ -118,8 +128,12 @@ def _gluon_attention_kernel(
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
-    q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
-        q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
+    if SELF_LAST:
+        q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _balanced_range(
+            q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
+    else:
+        q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
+            q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
 
     # The query block, once, into shared memory (wgmma's A operand).
     q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
@@ -231,9 +245,11 @@ class GluonAttention(GluonLauncher):
     """The bf16/fp16 Gluon kernel behind the `tl` kernel's launch interface (it ignores the `tl`-only tiling knobs)."""
 
     tiling_reason = staticmethod(tiling_reason)
+    row_splits = True
 
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
+                split_table_ptr: torch.Tensor | None = None, active_splits_ptr: torch.Tensor | None = None,
                 **tl_tiling) -> None:
         if WINDOW or CONTEXTUAL or FP8:
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the Gluon kernel serves the "
@@ -246,12 +262,14 @@ class GluonAttention(GluonLauncher):
             kv_cache = args[3]
             cache_desc = TensorDescriptor(kv_cache, [kv_cache.numel() // (H * D), H * D], [H * D, 1],
                                           [min(PAGE, t.block_n), D], SMEM_LAYOUT.value)
-        _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc, H=H, D=D, PAGE=PAGE,
+        _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc,
+                                      split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H, D=D,
+                                      PAGE=PAGE,
                                       BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
                                       TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      num_warps=BLOCK_M // 16)
+                                      SELF_LAST=t.self_last, num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -16,7 +16,10 @@ QUERY_BLOCKS = (64, 128)
 
 
 class GluonLauncher(ABC):
-    """A Gluon kernel behind the `tl` kernel's launch interface, with its tiling checked at construction."""
+    """A Gluon kernel behind the `tl` kernel's launch interface, with its tiling checked at construction.
+    `row_splits`: whether the kernel takes the "rows" split rule's table (layerflow.kernels.splits)."""
+
+    row_splits = False
 
     def __init__(self, tiling) -> None:
         reason = self.tiling_reason(tiling)

@@ -15,20 +15,52 @@ def _add(a, b):
 
 
 @gluon.jit
-def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
-                num_warps: gl.constexpr):
-    """(user, query block of that user) of a program slot, as the `tl` kernel numbers them; user == max_batch past
-    the batch."""
+def _query_blocks(q_offsets_ptr, max_batch, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """(users, valid, blocks): each user's query blocks, ceil(len / BLOCK_M), over BATCH_P2 lanes (0 past the batch)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     users = gl.arange(0, BATCH_P2, layout=layout)
     valid = users < max_batch
     starts = gl.load(q_offsets_ptr + users, mask=valid, other=0)
     ends = gl.load(q_offsets_ptr + users + 1, mask=valid, other=0)
-    blocks = gl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    return users, valid, gl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+
+
+@gluon.jit
+def _user_block(q_offsets_ptr, slot, max_batch, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
+                num_warps: gl.constexpr):
+    """(user, query block of that user) of a program slot, as the `tl` kernel numbers them; user == max_batch past
+    the batch."""
+    users, valid, blocks = _query_blocks(q_offsets_ptr, max_batch, BATCH_P2, BLOCK_M, num_warps)
     inclusive = gl.associative_scan(blocks, 0, _add)
     user = gl.sum((valid & (inclusive <= slot)).to(gl.int32), axis=0)
     first = gl.sum(gl.where(users == user, inclusive - blocks, 0), axis=0)
     return user, slot - first
+
+
+@gluon.jit
+def _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2: gl.constexpr,
+                BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """The launch's split count under the "rows" rule (layerflow.kernels.splits): the table's entry for the batch's
+    real query blocks; program (0, 0, 0) also stores it where the split sum reads it."""
+    _, _, blocks = _query_blocks(q_offsets_ptr, max_batch, BATCH_P2, BLOCK_M, num_warps)
+    splits = gl.load(split_table_ptr + gl.sum(blocks, axis=0))
+    if (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0):
+        gl.store(active_splits_ptr, splits)
+    return splits
+
+
+@gluon.jit
+def _block_rows(q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, BLOCK_M: gl.constexpr):
+    """The block's rows and its user's lengths: (q_start, q_len, row0, hist, appended, last, kv_end); `last` is the
+    block's last row, kv_end the end of the history keys any of its rows sees (the default mask)."""
+    q_start = gl.load(q_offsets_ptr + user)
+    q_len = gl.load(q_offsets_ptr + user + 1) - q_start
+    hist = gl.load(history_lens_ptr + user)
+    appended = gl.load(appended_lens_ptr + user)
+    row0 = block * BLOCK_M
+    last = gl.minimum(row0 + BLOCK_M, q_len) - 1
+    kv_end = gl.minimum(hist, hist - appended + last + 1)
+    return q_start, q_len, row0, hist, appended, last, kv_end
 
 
 @gluon.jit
@@ -37,18 +69,32 @@ def _split_range(q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block
     """The program's rows and keys: (q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles). History keys
     [lo, hi) are the `tl` kernel's split of [0, hist) for the default mask (chunks of whole tiles, the block's last row
     bounding what any of its rows sees); the candidates' own keys are BLOCK_M // BLOCK_N more tiles, run by split 0."""
-    q_start = gl.load(q_offsets_ptr + user)
-    q_len = gl.load(q_offsets_ptr + user + 1) - q_start
-    hist = gl.load(history_lens_ptr + user)
-    appended = gl.load(appended_lens_ptr + user)
-    row0 = block * BLOCK_M
-    last = gl.minimum(row0 + BLOCK_M, q_len) - 1
-    kv_end = gl.minimum(hist, hist - appended + last + 1)
+    q_start, q_len, row0, hist, appended, last, kv_end = _block_rows(q_offsets_ptr, history_lens_ptr,
+                                                                     appended_lens_ptr, user, block, BLOCK_M)
     chunk = gl.cdiv(gl.cdiv(hist, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = gl.minimum(lo + chunk, kv_end)
     num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
     num_tiles = num_hist + gl.where((split == 0) & (last >= appended), BLOCK_M // BLOCK_N, 0)
+    return q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles
+
+
+@gluon.jit
+def _balanced_range(q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """_split_range's values with the candidates' self tiles counted in the split: the block's history tiles and its
+    BLOCK_M // BLOCK_N self tiles (a block with candidates) are dealt evenly, chunks of whole tiles from key 0, and
+    the last split runs the self tiles after what history it has left, so no program runs more than
+    ceil(tiles / splits) of them where split 0 ran its chunk and the self tiles (2K history, 11 splits: 5 tiles
+    where the others ran 3)."""
+    q_start, q_len, row0, hist, appended, last, kv_end = _block_rows(q_offsets_ptr, history_lens_ptr,
+                                                                     appended_lens_ptr, user, block, BLOCK_M)
+    self_tiles = gl.where(last >= appended, BLOCK_M // BLOCK_N, 0)
+    chunk = gl.cdiv(gl.cdiv(kv_end, BLOCK_N) + self_tiles, num_splits) * BLOCK_N
+    lo = split * chunk
+    hi = gl.minimum(lo + chunk, kv_end)
+    num_hist = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    num_tiles = num_hist + gl.where(split == num_splits - 1, self_tiles, 0)
     return q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles
 
 

@@ -15,7 +15,8 @@ _NORM, _GATED, _CONCAT = 0, 1, 2   # what the kernel writes: Norm(a), u * Norm(a
 
 
 @triton.jit
-def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, split_stride, eps, GROUPS: tl.constexpr,
+def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, split_stride, eps, active_splits_ptr,
+                 GROUPS: tl.constexpr,
                  G: tl.constexpr, GROUPS_P2: tl.constexpr, G_P2: tl.constexpr, PER_GROUP: tl.constexpr,
                  WRITE: tl.constexpr, SPLITS: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -26,10 +27,17 @@ def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, spli
     if SPLITS == 0:
         raw = tl.load(a_ptr + token * (GROUPS * G) + e, mask=ok, other=0.0)
     else:
-        # The attention's fp32 split partials, added in split order (unrolled: every load is in flight at once).
+        # The attention's fp32 split partials, added in split order (unrolled: every load is in flight at once);
+        # where the launch wrote fewer (active_splits_ptr), the others load as +0.0, which leaves the sum's bits.
         total = tl.zeros([GROUPS_P2, G_P2], dtype=tl.float32)
-        for split in tl.static_range(SPLITS):
-            total += tl.load(a_ptr + split * split_stride + token * (GROUPS * G) + e, mask=ok, other=0.0)
+        if active_splits_ptr is None:
+            for split in tl.static_range(SPLITS):
+                total += tl.load(a_ptr + split * split_stride + token * (GROUPS * G) + e, mask=ok, other=0.0)
+        else:
+            active = tl.load(active_splits_ptr)
+            for split in tl.static_range(SPLITS):
+                live = tl.full([GROUPS_P2, G_P2], split, tl.int32) < active
+                total += tl.load(a_ptr + split * split_stride + token * (GROUPS * G) + e, mask=ok & live, other=0.0)
         raw = total.to(out_ptr.dtype.element_ty)
     a = raw.to(tl.float32)
     mean = tl.sum(a, axis=1) / G
@@ -57,7 +65,8 @@ def _norm_kernel(a_ptr, w_ptr, b_ptr, u_ptr, out_ptr, u_stride, out_stride, spli
 
 
 def _launch(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, groups: int,
-            u: torch.Tensor | None, write: int, out: torch.Tensor | None, splits: int = 0) -> torch.Tensor:
+            u: torch.Tensor | None, write: int, out: torch.Tensor | None, splits: int = 0,
+            active_splits: torch.Tensor | None = None) -> torch.Tensor:
     tokens, width = a.shape[-2:]
     dtype = a.dtype if u is None else u.dtype
     if groups < 1 or width % groups:
@@ -74,7 +83,7 @@ def _launch(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: floa
     if tokens:
         g = width // groups
         _norm_kernel[(tokens,)](a, weight, bias, a if u is None else u, out, 0 if u is None else u.stride(0),
-                                out.stride(0), a.stride(0) if splits else 0, eps, GROUPS=groups, G=g,
+                                out.stride(0), a.stride(0) if splits else 0, eps, active_splits, GROUPS=groups, G=g,
                                 GROUPS_P2=triton.next_power_of_2(groups), G_P2=triton.next_power_of_2(g),
                                 PER_GROUP=groups > 1, WRITE=write, SPLITS=splits, num_warps=4)
     return out
@@ -104,15 +113,20 @@ def gated_layer_norm(u: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bia
 
 
 def gated_split_norm(u: torch.Tensor, partials: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                     out: torch.Tensor | None = None, *, groups: int = 1, concat: bool = False) -> torch.Tensor:
+                     out: torch.Tensor | None = None, *, groups: int = 1, concat: bool = False,
+                     active_splits: torch.Tensor | None = None) -> torch.Tensor:
     """`gated_layer_norm` of a = the sum of the attention's fp32 split partials [S, T, E], added in split order and
     rounded to u's dtype as the attention's own reduction would round them: the partials are read once, by the gate,
-    instead of by a reduction kernel whose output the gate reads again."""
+    instead of by a reduction kernel whose output the gate reads again. `active_splits`: a device int32 [1] holding
+    how many of the S partials the launch wrote (the "rows" split rule, layerflow.kernels.splits); None: all S."""
     if partials.dim() != 3 or partials.shape[1:] != u.shape or partials.dtype != torch.float32 or \
             not partials.is_contiguous() or u.stride(1) != 1:
         raise ValueError(f"u {u.dtype} {tuple(u.shape)}, partials {partials.dtype} {tuple(partials.shape)}: expected "
                          f"contiguous float32 [S, T, E] partials of u's [T, E] rows (unit column stride)")
-    return _launch(partials, weight, bias, eps, groups, u, _CONCAT if concat else _GATED, out, partials.shape[0])
+    if active_splits is not None and (active_splits.dtype != torch.int32 or active_splits.shape != (1,)):
+        raise ValueError(f"active_splits {active_splits.dtype} shape {tuple(active_splits.shape)}: expected int32 [1]")
+    return _launch(partials, weight, bias, eps, groups, u, _CONCAT if concat else _GATED, out, partials.shape[0],
+                   active_splits)
 
 
 def gated_layer_norm_reference(u: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

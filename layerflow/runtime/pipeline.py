@@ -23,6 +23,7 @@ from layerflow.kernels.ends import candidate_dot, embed_rows
 from layerflow.kernels.kv_append import activated_kv_append, kv_append
 from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm, layer_norm
 from layerflow.kernels.reference import kv_append_reference, paged_attention_reference
+from layerflow.kernels.splits import SplitPartials
 from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.embedding import candidate_scores, embed
 from layerflow.model.family import layer_norm as layer_norm_reference
@@ -65,11 +66,12 @@ class LayerKernels(Protocol):
         """Write the new tokens' K/V to their pages; u, v, q, k are activated when it returns."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               bufs: BatchBuffers, out: torch.Tensor) -> torch.Tensor:
+               bufs: BatchBuffers, out: torch.Tensor) -> torch.Tensor | SplitPartials:
         """The attention output for `output_input`: `out` filled, or what the kernels' gate reads instead of it (the
         attention's unsummed split partials)."""
 
-    def output_input(self, layer: LayerWeights, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
+    def output_input(self, layer: LayerWeights, u: torch.Tensor,
+                     attn: torch.Tensor | SplitPartials) -> torch.Tensor: ...
 
 
 class TritonKernels:
@@ -142,11 +144,12 @@ class TritonKernels:
                                    bufs.appended_lens, out, inv_n=bufs.inv_n, reduce=False)
 
     def output_input(self, layer, u, attn):
-        """u * Norm(attn), where attn is the attention output [T, H, D] or its fp32 split partials [S, T, H, D]."""
+        """u * Norm(attn), where attn is the attention output [T, H, D] or its fp32 split partials."""
         norm = (layer.ln_attn_weight, layer.ln_attn_bias, self.config.layer_norm_eps)
-        if attn.dim() == 4:
-            return gated_split_norm(u, attn.view(attn.shape[0], attn.shape[1], -1), *norm, groups=self._gate_groups,
-                                    concat=self._concat)
+        if isinstance(attn, SplitPartials):
+            partials = attn.partials
+            return gated_split_norm(u, partials.view(partials.shape[0], partials.shape[1], -1), *norm,
+                                    groups=self._gate_groups, concat=self._concat, active_splits=attn.active)
         return gated_layer_norm(u, attn.view(attn.shape[0], -1), *norm, groups=self._gate_groups, concat=self._concat)
 
 

@@ -1,11 +1,13 @@
 """The Gluon attention kernel on an H200 against the `tl` kernel and the fp32 torch reference: ragged batches with
 0-history users, 0 and 256 candidates, BS 1 and 8, every head dim, and one CUDA graph replayed across lengths."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
-from layerflow.kernels.gluon_attention import GluonTiling
+from layerflow.kernels.gluon_attention import GluonTiling, default_gluon_tiling
 from tests.kernels.cuda_graph import captured, replay_on
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
@@ -120,7 +122,10 @@ def test_variants_match_tl_at_the_benchmark_shapes(tiling, users, candidates):
     assert relative_error(gluon, tl, batch.total_tokens) < TOLERANCE[torch.bfloat16]
 
 
-def test_one_graph_replays_any_lengths_like_eager():
+@pytest.mark.parametrize("splits,self_last", [("bucket", False), ("rows", True)], ids=["bucket-first", "rows-last"])
+def test_one_graph_replays_any_lengths_like_eager(splits, self_last):
+    """Under the "rows" split rule the graph's split count follows each replay's rows, here with the self tiles on
+    the last split too."""
     max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
     cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),
              ([0, 300], [0, 17], [256, 3])]
@@ -131,7 +136,8 @@ def test_one_graph_replays_any_lengths_like_eager():
                               max_pages_per_user=max_pages, spare_pages=num_pages - pages)
 
     attn = PagedAttention(max_batch, max_tokens, max_pages, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5,
-                          MAX_SEQ_LEN, kernel="gluon")
+                          MAX_SEQ_LEN, kernel="gluon", splits=splits,
+                          gluon_tiling=replace(default_gluon_tiling(256, PAGE), self_last=self_last))
     static = batch_of(cases[0])
     static_out = torch.zeros_like(static.q)
     graph = captured(lambda: attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out))

@@ -108,11 +108,11 @@ def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
 
 def test_the_default_for_256_wide_heads_is_ws_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
     assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws", loader="tma", tanh_silu=True,
-                                                    unmasked_whole_tiles=True)
+                                                    unmasked_whole_tiles=True, self_last=True)
     assert default_gluon_tiling(256, page_size=32).loader == "tma"
     assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="ws", tanh_silu=True,
-                                                                  unmasked_whole_tiles=True)
-    assert default_gluon_tiling(128).variant == "sync"
+                                                                  unmasked_whole_tiles=True, self_last=True)
+    assert default_gluon_tiling(128) == GluonTiling(block_n=64, stages=3, variant="sync", self_last=True)
 
 
 def test_the_tma_loader_is_refused_for_pages_shorter_than_half_a_tile():

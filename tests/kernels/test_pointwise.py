@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm, layer_norm  # noqa: E402
+from layerflow.kernels.splits import SplitPartials  # noqa: E402
 from layerflow.model import HSTUConfig, HSTUWeights  # noqa: E402
 from layerflow.model import family as model_family  # noqa: E402
 from layerflow.runtime.pipeline import TritonKernels  # noqa: E402
@@ -67,12 +68,22 @@ def test_the_gate_over_split_partials_is_the_gate_over_their_sum(family, norm, d
     layer, kernels = weights.layers[0], TritonKernels(weights, page_size=16, max_pages=4)
     u = _randn(5, config.uvqk_dim, seed=4, dtype=dtype)[:, :18]
     partials = _randn(3, 5, 3, 6, seed=6)
-    total = (partials[0] + partials[1]) + partials[2]
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        total = (total.view(torch.int32) & -65536).view(torch.float32)   # the interpreter's truncation
-    summed = total.to(dtype)
-    got = kernels.output_input(layer, u, partials)
+
+    def rounded(total: torch.Tensor) -> torch.Tensor:
+        if dtype == torch.bfloat16 and DEVICE == "cpu":
+            total = (total.view(torch.int32) & -65536).view(torch.float32)   # the interpreter's truncation
+        return total.to(dtype)
+
+    summed = rounded((partials[0] + partials[1]) + partials[2])
+    got = kernels.output_input(layer, u, SplitPartials(partials, None))
     assert torch.equal(got, kernels.output_input(layer, u, summed))
+    # The "rows" split rule's count of written partials: all 3 give the same bits, 2 ignore a poisoned third.
+    count = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    assert torch.equal(kernels.output_input(layer, u, SplitPartials(partials, count)), got)
+    two = rounded(partials[0] + partials[1])
+    poisoned = torch.cat([partials[:2], torch.full_like(partials[2:], float("nan"))])
+    assert torch.equal(kernels.output_input(layer, u, SplitPartials(poisoned, count - 1)),
+                       kernels.output_input(layer, u, two))
     _assert_close(got, weights.family.output_input(layer, u, summed))
 
 

@@ -23,7 +23,10 @@ def test_the_ladder_steps_by_an_eighth_of_each_power_of_two():
     assert token_ladder(64, 256) == (64, 72, 80, 88, 96, 104, 112, 120, 128, 144, 160, 176, 192, 208, 224, 240, 256)
     assert token_ladder(64, 2048, steps=1) == (64, 128, 256, 512, 1024, 2048)
     assert token_ladder(16, 16) == (16,) and token_ladder(8, 32, steps=2) == (8, 12, 16, 24, 32)
-    assert len(LADDER) == 41 and TOKEN_BUCKETS == (64, 128, 256, 512, 1024, 2048, 4096)   # the default
+    assert len(LADDER) == 41
+    # the default: four steps per power of two, so hstu-bench's 64 + 256 tokens fill a bucket of their own
+    assert TOKEN_BUCKETS[:10] == (64, 80, 96, 112, 128, 160, 192, 224, 256, 320)
+    assert len(TOKEN_BUCKETS) == 25 and TOKEN_BUCKETS[-1] == 4096
 
 
 @pytest.mark.parametrize("kwargs, bad", [
@@ -60,10 +63,11 @@ def test_bad_bucket_sizes_are_refused_by_name(kwargs, bad):
                **kwargs)
 
 
-def test_the_default_buckets_still_pick_the_smallest_power_of_two():
+def test_the_default_buckets_pick_the_smallest_size_of_four_per_power_of_two():
     with Engine(HSTUWeights.init(PRESETS["tiny"], seed=0), Config(cpu_cache_gb=0.01, gpu_cache_gb=0.01),
                 device="cpu") as default:
-        assert default._bucket(1, 320) == Bucket(1, 512) and default._bucket(3, 64) == Bucket(4, 64)
-        assert default._bucket(5, 1025) == Bucket(8, 2048) and len(default.buckets) == 28
+        assert default._bucket(1, 320) == Bucket(1, 320) and default._bucket(1, 321) == Bucket(1, 384)
+        assert default._bucket(3, 64) == Bucket(4, 64)
+        assert default._bucket(5, 1025) == Bucket(8, 1280) and len(default.buckets) == 100
         # 8 users x (64 appended + 256 candidates) = 2560 query tokens: a captured bucket, not an eager one
-        assert default._bucket(8, 8 * 320) == Bucket(8, 4096) and Bucket(8, 4096) in default.buckets
+        assert default._bucket(8, 8 * 320) == Bucket(8, 2560) and Bucket(8, 4096) in default.buckets
