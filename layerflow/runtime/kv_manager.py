@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
 from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.tier.in_process import InProcessTier
 from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import SignalHandle
@@ -70,12 +72,14 @@ class BatchPlan:
 class KVManager:
     """`pack_items(users, cached lens, appended ids, candidate ids, page rows)` packs an item-id batch instead of
     `JaggedBatch.from_lists`, validating the ids alike; `reap_after_launch`: a batch of GPU hits forgets finished
-    offloads after its launch, overlapping the block (one placing other users first: they may need those pins)."""
+    offloads after its launch, overlapping the block (one placing other users first: they may need those pins);
+    `issue` (None: inline), when set, is handed an in-process onboarding's copy issue (`InProcessTier.onboard`)."""
 
     def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool,
                  pack_items: Callable[..., BatchShape] | None = None, reap_after_launch: bool = False):
         self.config, self.gpu, self.below, self.layerwise, self.pack_items = config, gpu, below, layerwise, pack_items
         self.reap_after_launch = reap_after_launch
+        self.issue: Callable[[Callable[[], None]], Any] | None = None
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
         self._quarantine: list[tuple[Onboarding, list[tuple]]] = []   # pages a failed onboarding may still write
@@ -343,7 +347,8 @@ class KVManager:
             if first < last:
                 loads.append(Load(r.user_id, tier, cached, pages[first:last], first_page=first))
         if loads:
-            plan.onboarding = self.below.onboard(loads, self.layerwise)
+            elsewhere = self.issue is not None and isinstance(self.below, InProcessTier)
+            plan.onboarding = self.below.onboard(loads, self.layerwise, **({"issue": self.issue} if elsewhere else {}))
 
     def _allocate(self, user: int, tokens: int) -> tuple[int, ...]:
         """GPU pages for `tokens` tokens of `user`, evicting LRU users whose offload landed. When the pool is short,

@@ -1,13 +1,15 @@
 """The tier below the GPU kept in this process: the host cache (pinned host pool, optional SSD) and a copy engine.
 
 The copies write this process's signal ring directly. Onboardings run on the calling thread (an SSD read-back blocks
-it, group by group, each group copied on as it lands); offloads are asynchronous and settled by `reap`.
+it, group by group, each group copied on as it lands), or on the thread an `issue` callable hands them to; offloads
+are asynchronous and settled by `reap`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -24,18 +26,21 @@ log = logging.getLogger(__name__)
 class _LocalOnboarding(Onboarding):
     def __init__(self, handle: SignalHandle, copies: OnboardCopies, cache: HostCache, pinned: list[Pinned]):
         self.handle, self.copies, self.cache, self.pinned = handle, copies, cache, pinned
+        self.issuing = None   # the handle `issue` returned, while the copies are issued elsewhere
         self._released = False
 
     def finish(self, wait: bool) -> bool:
         """Copies in this process always end (or fail) on their own, so they are waited for even when `wait` is
         False: the host blocks they read stay pinned until then."""
+        if self.issuing is not None:
+            self.issuing.wait()
         self.copies.settle()
         self.handle.release()
         return self.fenced()
 
     def fenced(self) -> bool:
         if not self._released:
-            if not self.copies.done():
+            if (self.issuing is not None and not self.issuing.done()) or not self.copies.done():
                 return False
             self.cache.release_onboarded(self.pinned, failed=not self.copies.succeeded())
             self._released = True
@@ -56,7 +61,11 @@ class InProcessTier(KVTier):
         tier, held = self.cache.lookup(user)
         return tier if tokens > 0 and held >= tokens else Tier.NONE
 
-    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
+    def onboard(self, loads: Sequence[Load], layerwise: bool,
+                issue: Callable[[Callable[[], None]], Any] | None = None) -> Onboarding:
+        """As KVTier.onboard; with `issue`, the pins and the signal are taken here and the copies' issue is handed to
+        `issue(work)`, which runs `work` elsewhere and returns a handle with `done()` and `wait()` (a failure reaches
+        the waiters through the poisoned signal)."""
         try:
             pinned = self.cache.pin_for_onboard([(load.user, load.first_page, len(load.gpu_pages)) for load in loads])
         except LookupError as e:
@@ -68,6 +77,9 @@ class InProcessTier(KVTier):
             raise
         copies = OnboardCopies(self.cache, self.copier, pinned, [load.gpu_pages for load in loads], handle)
         onboarding = _LocalOnboarding(handle, copies, self.cache, pinned)
+        if issue is not None:
+            onboarding.issuing = issue(copies.run)
+            return onboarding
         try:
             copies.run()
         except BaseException:

@@ -1,0 +1,63 @@
+"""An onboarding's copies issued from a thread of their own, so the engine's thread packs, fills and launches the
+batch while the copy calls go out.
+
+A layer's wait in the block is on its signal, not on the issue, so the block may be launched before its copies are
+issued when the wait reads the signal at run time: a waitvalue word or an eventfd (an `event` wait would see the
+previous onboarding's event; the engine refuses that pairing). The copy calls go through ctypes and cuda.bindings,
+which drop the GIL in the driver, so the two threads mostly alternate at those calls. `submit` returns once the
+worker has taken the job up: the first copy then leaves as early as it would inline, and the thread hand-off happens
+before the engine's thread runs Python the worker would have to wait for.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from layerflow.transfer.fifo_worker import FifoWorker
+
+
+class IssueJob:
+    """One submitted issue: `done()` / `wait()` for its end; what it raised is kept in `error` (the onboarding's
+    copies already report it to their waiters through the poisoned signal)."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self.started, self._done = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        self.started.set()
+        try:
+            self._work()
+        except BaseException as e:   # noqa: BLE001 - kept for the onboarding's owner, who decides
+            self.error = e
+        finally:
+            self._work = None
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Until the issue ended (the copies it started may still be running)."""
+        self._done.wait()
+
+
+class IssueWorker:
+    """Runs issue jobs one at a time, in submission order: onboardings reach the copy stream in the order their
+    signals were acquired, which the signal modes rely on."""
+
+    def __init__(self) -> None:
+        self._worker = FifoWorker("layerflow-onboard-issue")
+
+    def submit(self, work: Callable[[], None]) -> IssueJob:
+        """Queue `work`; returns once the worker has started it (or finished the jobs ahead of it and started it)."""
+        job = IssueJob(work)
+        self._worker.submit(job.run)
+        job.started.wait()
+        return job
+
+    def close(self) -> None:
+        """Run what was submitted, then stop the thread."""
+        self._worker.stop()
