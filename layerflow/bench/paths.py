@@ -1,0 +1,155 @@
+"""`python -m layerflow.bench.paths`: the layerwise paths of one engine A/B'd in one process.
+
+The engine's `issue` and `fetch` modes are attributes, so one engine per KV dtype serves every variant: per history
+length, blocks of CPU-hit + layerwise requests (then GPU hits) run each variant in turn, the order rotating from block
+to block, so drift of the machine spreads over all variants alike. The lower bound is the inference benchmark's
+(stats.lower_bound) from the same run: the transfer probes of every variant's requests (the same pages), the GPU hit
+of the default paths and its per-layer compute. Every result is compared with the GPU hit's scores (0: bitwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+from layerflow.bench.environment import results_header
+from layerflow.bench.measure import _copy_engine, device_tools, transfer_config
+from layerflow.bench.recording import BenchCopyEngine
+from layerflow.bench.scenarios import Context, CpuHitLayerwise, GpuHit, Measured, Scenario
+from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths
+from layerflow.bench.stats import Summary, lower_bound
+from layerflow.bench.workload import Workload, as_scores
+from layerflow.model import HSTUWeights
+from layerflow.runtime.buffers import Bucket
+from layerflow.runtime.engine import Engine
+
+# name -> the engine's (issue, fetch) modes; the first is the default paths, which the bound's GPU hit runs on.
+VARIANTS = {"base": ("inline", "sync"), "thread": ("thread", "sync"), "spin": ("inline", "spin"),
+            "thread+spin": ("thread", "spin")}
+
+
+class GpuHitsOnly(GpuHit):
+    """GPU hits timed back to back, without the per-layer compute probes (the bound takes those once)."""
+
+    def finish(self, ctx: Context, probes, iterations: int) -> None:
+        Scenario.finish(self, ctx, probes, iterations)
+
+
+def _pooled(runs: list[Measured]) -> list[float]:
+    return [w for m in runs for w in m.wall.samples]
+
+
+def measure_length(ctx: Context, variants: dict[str, tuple[str, str]], blocks: int) -> dict:
+    """Every variant's layerwise and GPU-hit requests at one length, alternated in `blocks` blocks; the bound."""
+    engine, names = ctx.engine, list(variants)
+    layerwise = {n: [] for n in names}
+    hits = {n: [] for n in names}
+    for block in range(blocks):
+        for name in names[block % len(names):] + names[:block % len(names)]:
+            engine.issue, engine.fetch = variants[name]
+            layerwise[name].append(CpuHitLayerwise().measure(ctx))
+            hits[name].append(GpuHitsOnly().measure(ctx))
+    engine.issue, engine.fetch = variants[names[0]]
+    compute = GpuHit().measure(replace(ctx, timed_iters=3)).probes.layer_compute
+    transfers = [t for runs in layerwise.values() for m in runs for t in m.probes.transfers]
+    t_transfer = Summary.of([t.total_ms for t in transfers]).median
+    t_first = Summary.of([t.layer_ms[0] for t in transfers]).median
+    t_last = Summary.of([layers[-1] for layers in compute]).median
+    t_compute = Summary.of(_pooled(hits[names[0]])).median
+    bound = lower_bound(t_transfer, t_compute, t_first, t_last)
+    rows = {}
+    for name in names:
+        wall, hit = Summary.of(_pooled(layerwise[name])), Summary.of(_pooled(hits[name]))
+        rows[name] = {"issue": variants[name][0], "fetch": variants[name][1], "layerwise_ms": wall.to_dict(),
+                      "gpu_hit_ms": hit.to_dict(), "pipeline_efficiency": bound / wall.median,
+                      "max_abs_diff_vs_gpu_hit": max(m.max_abs_diff for m in layerwise[name] + hits[name])}
+    return {"seq_len": ctx.workload.seq_len, "lower_bound_ms": bound, "t_transfer_ms": t_transfer,
+            "t_compute_ms": t_compute, "t_first_layer_transfer_ms": t_first, "t_last_layer_compute_ms": t_last,
+            "variants": rows}
+
+
+def run_dtype(settings: Settings, variants: dict[str, tuple[str, str]], blocks: int,
+              device: torch.device) -> list[dict]:
+    """One engine with `settings.kv_cache_dtype`, every length of `settings`."""
+    weights = HSTUWeights.init(settings.model, seed=settings.seed)
+    config = replace(transfer_config(settings, None), enable_layerwise=True)
+    clock, timer = device_tools(device)
+    copy = BenchCopyEngine(_copy_engine(device, timeline=False))
+    bucket = Bucket(settings.batch_size, settings.query_tokens)
+    out = []
+    per_length = (blocks * len(variants) * 2 * (settings.warmup_iters + settings.timed_iters)
+                  + settings.warmup_iters + 3)
+    total = len(settings.seq_lens) * per_length
+    try:
+        with Engine(weights, config, device=device, batch_buckets=(bucket.max_batch,),
+                    token_buckets=(bucket.max_tokens,), copy_engine=copy, issue="thread") as engine, \
+                tqdm(total=total, desc=f"paths {config.kv_cache_dtype}", file=sys.stderr, mininterval=2.0) as bar:
+            engine.warmup()
+            for index, seq_len in enumerate(settings.seq_lens):
+                users = [index * settings.batch_size + b for b in range(settings.batch_size)]
+                workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates,
+                                          settings.model, settings.seed)
+                workload.load(engine)
+                reference = as_scores(engine.score(workload.requests))
+                ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters,
+                              settings.timed_iters, False, bar, reference)
+                out.append({"kv_cache_dtype": config.kv_cache_dtype, **measure_length(ctx, variants, blocks)})
+                workload.drop(engine)
+    finally:
+        timer.close()
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """One line per dtype, length and variant: layerwise median (p90), LB, efficiency, GPU hit, score difference."""
+    lines = ["| dtype | history | variant | layerwise ms | LB ms | eff | GPU hit ms | max diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for name, v in row["variants"].items():
+            lw, hit = v["layerwise_ms"], v["gpu_hit_ms"]
+            lines.append(f"| {row['kv_cache_dtype']} | {row['seq_len']} | {name} | {lw['median']:.3f} "
+                         f"({lw['p90']:.3f}) | {row['lower_bound_ms']:.3f} | {v['pipeline_efficiency']:.3f} | "
+                         f"{hit['median']:.3f} | {v['max_abs_diff_vs_gpu_hit']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default=GPU_DEFAULTS["preset"])
+    parser.add_argument("--seq-lens", type=parse_lengths, default=(2048, 16384))
+    parser.add_argument("--append-len", type=int, default=GPU_DEFAULTS["append_len"])
+    parser.add_argument("--num-candidates", type=int, default=GPU_DEFAULTS["num_candidates"])
+    parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="comma-separated, one engine each")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
+    parser.add_argument("--blocks", type=int, default=6, help="alternation blocks per length")
+    parser.add_argument("--iters", type=int, default=5, help="timed requests per variant and block")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown or args.blocks <= 0:
+        raise SystemExit(f"--variants {args.variants!r} / --blocks {args.blocks}: expected some of "
+                         f"{list(VARIANTS)} and blocks > 0")
+    variants = {v: VARIANTS[v] for v in args.variants.split(",")}
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    for dtype in args.kv_cache_dtypes.split(","):   # each dtype's table as soon as it is measured
+        settings = Settings(preset=args.preset, seq_lens=args.seq_lens, append_len=args.append_len,
+                            num_candidates=args.num_candidates, batch_size=1, timed_iters=args.iters,
+                            warmup_iters=1, scenarios=("gpu_hit", "cpu_hit_layerwise"), kv_cache_dtype=dtype)
+        measured = run_dtype(settings, variants, args.blocks, device)
+        print(table(measured), flush=True)
+        rows += measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results_header(device) | {"blocks": args.blocks, "iters": args.iters, "rows": rows,
+                                                    "table": table(rows)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
