@@ -5,6 +5,7 @@ length, blocks of CPU-hit + layerwise requests (then GPU hits) run each variant 
 to block, so drift of the machine spreads over all variants alike. The lower bound is the inference benchmark's
 (stats.lower_bound) from the same run: the transfer probes of every variant's requests (the same pages), the GPU hit
 of the default paths and its per-layer compute. Every result is compared with the GPU hit's scores (0: bitwise).
+With `--profile` the layerwise requests' host phases (bench.phases) are kept per variant too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from layerflow.bench.environment import results_header
 from layerflow.bench.measure import _copy_engine, device_tools, transfer_config
+from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.scenarios import Context, CpuHitLayerwise, GpuHit, Measured, Scenario
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths
@@ -29,6 +31,9 @@ from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 
 # name -> the engine's (issue, fetch) modes; the first is the default paths, which the bound's GPU hit runs on.
+# The phase rows `--profile` prints (bench.phases names).
+PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.forward", "launch.offload", "launch.other",
+                "collect.fetch", "collect.commit", "collect.other", "outside")
 VARIANTS = {"base": ("inline", "sync"), "thread": ("thread", "sync"), "spin": ("inline", "spin"),
             "thread+spin": ("thread", "spin")}
 
@@ -68,6 +73,10 @@ def measure_length(ctx: Context, variants: dict[str, tuple[str, str]], blocks: i
         rows[name] = {"issue": variants[name][0], "fetch": variants[name][1], "layerwise_ms": wall.to_dict(),
                       "gpu_hit_ms": hit.to_dict(), "pipeline_efficiency": bound / wall.median,
                       "max_abs_diff_vs_gpu_hit": max(m.max_abs_diff for m in layerwise[name] + hits[name])}
+        if ctx.phases is not None:
+            rows[name]["layerwise_phases_ms"] = {
+                phase: Summary.of([x for m in layerwise[name] for x in m.phases[phase].samples]).median
+                for phase in layerwise[name][0].phases}
     return {"seq_len": ctx.workload.seq_len, "lower_bound_ms": bound, "t_transfer_ms": t_transfer,
             "t_compute_ms": t_compute, "t_first_layer_transfer_ms": t_first, "t_last_layer_compute_ms": t_last,
             "variants": rows}
@@ -75,7 +84,7 @@ def measure_length(ctx: Context, variants: dict[str, tuple[str, str]], blocks: i
 
 def run_dtype(settings: Settings, variants: dict[str, tuple[str, str]], blocks: int,
               device: torch.device) -> list[dict]:
-    """One engine with `settings.kv_cache_dtype`, every length of `settings`."""
+    """One engine with `settings.kv_cache_dtype`, every length of `settings` (host phases with `settings.profile`)."""
     weights = HSTUWeights.init(settings.model, seed=settings.seed)
     config = replace(transfer_config(settings, None), enable_layerwise=True)
     clock, timer = device_tools(device)
@@ -90,6 +99,10 @@ def run_dtype(settings: Settings, variants: dict[str, tuple[str, str]], blocks: 
                     token_buckets=(bucket.max_tokens,), copy_engine=copy, issue="thread") as engine, \
                 tqdm(total=total, desc=f"paths {config.kv_cache_dtype}", file=sys.stderr, mininterval=2.0) as bar:
             engine.warmup()
+            phases = None
+            if settings.profile:
+                phases = PhaseTimer()
+                phases.attach(engine)
             for index, seq_len in enumerate(settings.seq_lens):
                 users = [index * settings.batch_size + b for b in range(settings.batch_size)]
                 workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates,
@@ -97,7 +110,7 @@ def run_dtype(settings: Settings, variants: dict[str, tuple[str, str]], blocks: 
                 workload.load(engine)
                 reference = as_scores(engine.score(workload.requests))
                 ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters,
-                              settings.timed_iters, False, bar, reference)
+                              settings.timed_iters, False, bar, reference, phases)
                 out.append({"kv_cache_dtype": config.kv_cache_dtype, **measure_length(ctx, variants, blocks)})
                 workload.drop(engine)
     finally:
@@ -115,6 +128,13 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {row['kv_cache_dtype']} | {row['seq_len']} | {name} | {lw['median']:.3f} "
                          f"({lw['p90']:.3f}) | {row['lower_bound_ms']:.3f} | {v['pipeline_efficiency']:.3f} | "
                          f"{hit['median']:.3f} | {v['max_abs_diff_vs_gpu_hit']:.1e} |")
+    if all("layerwise_phases_ms" in v for row in rows for v in row["variants"].values()):
+        lines += ["", "layerwise host phases, ms median (bench.phases):", "",
+                  "| dtype | history | variant | " + " | ".join(PROFILE_ROWS) + " |",
+                  "|---|---|---|" + "---|" * len(PROFILE_ROWS)]
+        lines += [f"| {row['kv_cache_dtype']} | {row['seq_len']} | {name} | "
+                  + " | ".join(f"{v['layerwise_phases_ms'][p]:.3f}" for p in PROFILE_ROWS) + " |"
+                  for row in rows for name, v in row["variants"].items()]
     return "\n".join(lines)
 
 
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
     parser.add_argument("--blocks", type=int, default=6, help="alternation blocks per length")
     parser.add_argument("--iters", type=int, default=5, help="timed requests per variant and block")
+    parser.add_argument("--profile", action="store_true", help="keep the layerwise requests' host phases too")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -141,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in args.kv_cache_dtypes.split(","):   # each dtype's table as soon as it is measured
         settings = Settings(preset=args.preset, seq_lens=args.seq_lens, append_len=args.append_len,
                             num_candidates=args.num_candidates, batch_size=1, timed_iters=args.iters,
-                            warmup_iters=1, scenarios=("gpu_hit", "cpu_hit_layerwise"), kv_cache_dtype=dtype)
+                            warmup_iters=1, scenarios=("gpu_hit", "cpu_hit_layerwise"), kv_cache_dtype=dtype,
+                            profile=args.profile)
         measured = run_dtype(settings, variants, args.blocks, device)
         print(table(measured), flush=True)
         rows += measured
