@@ -131,7 +131,8 @@ def test_a_bad_id_found_while_the_thread_issues_gives_everything_back(weights):
         assert torch.allclose(scores, reference(weights, history + [7], [1, 2]), atol=TOL)
 
 
-def test_the_issue_mode_can_change_between_batches(weights):
+def test_the_issue_mode_can_change_between_batches(weights, monkeypatch):
+    monkeypatch.delenv("LAYERFLOW_ONBOARD_ISSUE", raising=False)
     with make_engine(weights, None) as engine:
         assert engine.issue == "inline" and engine.kv.issue is None
         engine.issue = "thread"
