@@ -1,6 +1,7 @@
 """`python -m layerflow.bench.paths`: the layerwise paths of one engine A/B'd in one process.
 
-The engine's `issue` and `fetch` modes are attributes, so one engine per KV dtype serves every variant: per history
+The engine's host paths (`Engine.paths`: issue, fetch, finish) are attributes, so one engine per KV dtype serves
+every variant: per history
 length, blocks of CPU-hit + layerwise requests (then GPU hits) run each variant in turn, the order rotating from block
 to block, so drift of the machine spreads over all variants alike. The lower bound is the inference benchmark's
 (stats.lower_bound) from the same run: the transfer probes of every variant's requests (the same pages), the GPU hit
@@ -30,12 +31,14 @@ from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 
-# name -> the engine's (issue, fetch) modes; the first is the default paths, which the bound's GPU hit runs on.
+# name -> the engine's (issue, fetch, finish) modes; the first is the default paths, which the bound's GPU hit runs on.
 # The phase rows `--profile` prints (bench.phases names).
 PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.forward", "launch.offload", "launch.other",
                 "collect.fetch", "collect.commit", "collect.other", "outside")
-VARIANTS = {"base": ("inline", "sync"), "thread": ("thread", "sync"), "spin": ("inline", "spin"),
-            "thread+spin": ("thread", "spin")}
+VARIANTS = {"base": ("inline", "sync", "after"), "thread": ("thread", "sync", "after"),
+            "spin": ("inline", "spin", "after"), "early": ("inline", "sync", "early"),
+            "all": ("thread", "spin", "early")}
+Modes = tuple[str, str, str]
 
 
 class GpuHitsOnly(GpuHit):
@@ -49,17 +52,21 @@ def _pooled(runs: list[Measured]) -> list[float]:
     return [w for m in runs for w in m.wall.samples]
 
 
-def measure_length(ctx: Context, variants: dict[str, tuple[str, str]], blocks: int) -> dict:
+def _use(engine: Engine, modes: Modes) -> None:
+    engine.paths.issue, engine.paths.fetch, engine.paths.finish = modes
+
+
+def measure_length(ctx: Context, variants: dict[str, Modes], blocks: int) -> dict:
     """Every variant's layerwise and GPU-hit requests at one length, alternated in `blocks` blocks; the bound."""
     engine, names = ctx.engine, list(variants)
     layerwise = {n: [] for n in names}
     hits = {n: [] for n in names}
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
-            engine.issue, engine.fetch = variants[name]
+            _use(engine, variants[name])
             layerwise[name].append(CpuHitLayerwise().measure(ctx))
             hits[name].append(GpuHitsOnly().measure(ctx))
-    engine.issue, engine.fetch = variants[names[0]]
+    _use(engine, variants[names[0]])
     compute = GpuHit().measure(replace(ctx, timed_iters=3)).probes.layer_compute
     transfers = [t for runs in layerwise.values() for m in runs for t in m.probes.transfers]
     t_transfer = Summary.of([t.total_ms for t in transfers]).median
@@ -70,8 +77,9 @@ def measure_length(ctx: Context, variants: dict[str, tuple[str, str]], blocks: i
     rows = {}
     for name in names:
         wall, hit = Summary.of(_pooled(layerwise[name])), Summary.of(_pooled(hits[name]))
-        rows[name] = {"issue": variants[name][0], "fetch": variants[name][1], "layerwise_ms": wall.to_dict(),
-                      "gpu_hit_ms": hit.to_dict(), "pipeline_efficiency": bound / wall.median,
+        rows[name] = {"modes": dict(zip(("issue", "fetch", "finish"), variants[name])),
+                      "layerwise_ms": wall.to_dict(), "gpu_hit_ms": hit.to_dict(),
+                      "pipeline_efficiency": bound / wall.median,
                       "max_abs_diff_vs_gpu_hit": max(m.max_abs_diff for m in layerwise[name] + hits[name])}
         if ctx.phases is not None:
             rows[name]["layerwise_phases_ms"] = {
@@ -82,7 +90,7 @@ def measure_length(ctx: Context, variants: dict[str, tuple[str, str]], blocks: i
             "variants": rows}
 
 
-def run_dtype(settings: Settings, variants: dict[str, tuple[str, str]], blocks: int,
+def run_dtype(settings: Settings, variants: dict[str, Modes], blocks: int,
               device: torch.device) -> list[dict]:
     """One engine with `settings.kv_cache_dtype`, every length of `settings` (host phases with `settings.profile`)."""
     weights = HSTUWeights.init(settings.model, seed=settings.seed)

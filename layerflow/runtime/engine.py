@@ -14,7 +14,6 @@ in-process tier meanwhile and switches back when the server answers again (runti
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -22,14 +21,13 @@ from itertools import accumulate
 
 import torch
 
-from layerflow.config import Config, SignalMode
+from layerflow.config import Config
 from layerflow.model.batch import BatchShape
 from layerflow.model.weights import HSTUWeights
 from layerflow.runtime.buffers import BatchBuffers, Bucket, token_ladder
-from layerflow.runtime.completion import FETCH_MODES, EventSpin
 from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.graphs import GraphRunner
-from layerflow.runtime.issuer import IssueWorker
+from layerflow.runtime.host_paths import HostPaths, choose_mode
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
 from layerflow.runtime.request import EmbeddingRequest, Request
@@ -60,9 +58,6 @@ STAGING_ENV = "LAYERFLOW_STAGING"
 # the block (KVManager's reap_after_launch), or "before" placing it.
 REAP_MODES = ("after", "before")
 REAP_ENV = "LAYERFLOW_REAP"
-# Who issues an in-process onboarding's copies (first: default): prepare itself, or a thread (runtime/issuer.py).
-ISSUE_MODES, ISSUE_ENV = ("inline", "thread"), "LAYERFLOW_ONBOARD_ISSUE"
-FETCH_ENV = "LAYERFLOW_FETCH"   # how collect waits for the device: runtime/completion.py's FETCH_MODES
 
 
 def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -70,14 +65,6 @@ def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
         raise ValueError(f"{name}={sizes!r}: expected positive integers")
     return tuple(sorted(set(sizes)))
-
-
-def _mode(name: str, value: str | None, env: str, modes: tuple[str, ...]) -> str:
-    """`value`, else $`env`, else the first of `modes`; ValueError naming a value that is not one of them."""
-    chosen = value or os.environ.get(env, modes[0])
-    if chosen not in modes:
-        raise ValueError(f"{name}={chosen!r} ({env}): expected one of {list(modes)}")
-    return chosen
 
 
 def _next_power_of_2(n: int, floor: int) -> int:
@@ -132,9 +119,9 @@ class Engine:
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "slab") is one of
-    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES, `issue` (default:
-    $LAYERFLOW_ONBOARD_ISSUE, else "inline") one of ISSUE_MODES, `fetch` (default: $LAYERFLOW_FETCH, else "sync") one
-    of FETCH_MODES (both may be changed between batches). The captured shapes are every size of `batch_buckets` with
+    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES; `issue`, `fetch` and `finish`
+    are the host paths of a batch with an onboarding (`self.paths`, runtime/host_paths.py, each defaulting to its
+    env var, else the proven path). The captured shapes are every size of `batch_buckets` with
     every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest
     that fits.
     """
@@ -143,10 +130,10 @@ class Engine:
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
                  copy_engine: CopyEngine | None = None, staging: str | None = None, reap: str | None = None,
-                 issue: str | None = None, fetch: str | None = None):
+                 issue: str | None = None, fetch: str | None = None, finish: str | None = None):
         self.config = config or Config()
-        self.staging = _mode("staging", staging, STAGING_ENV, STAGING_MODES)
-        self.reap = _mode("reap", reap, REAP_ENV, REAP_MODES)
+        self.staging = choose_mode("staging", staging, STAGING_ENV, STAGING_MODES)
+        self.reap = choose_mode("reap", reap, REAP_ENV, REAP_MODES)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         check_config(self.config, self.device)
@@ -182,36 +169,7 @@ class Engine:
         self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
         self.no_wait = NoWait()
         self.layer_wait = make_layer_wait(below.signals, self.device, self.config.transfer_timeout_s)
-        self._issuer: IssueWorker | None = None
-        self._spin: EventSpin | None = None
-        self.issue, self.fetch = issue, fetch
-
-    @property
-    def issue(self) -> str:
-        """Who issues in-process onboardings (ISSUE_MODES); None takes $LAYERFLOW_ONBOARD_ISSUE."""
-        return self._issue
-
-    @issue.setter
-    def issue(self, mode: str | None) -> None:
-        chosen = _mode("issue", mode, ISSUE_ENV, ISSUE_MODES)
-        if chosen == "thread" and self.signals.mode is SignalMode.EVENT:
-            raise ValueError("issue='thread' with signal 'event': a replay launched before its copies are issued "
-                             "would wait on the previous onboarding's events; use 'waitvalue' or 'eventfd'")
-        if chosen == "thread" and self._issuer is None:
-            self._issuer = IssueWorker()
-        self._issue = chosen
-        self.kv.issue = self._issuer.submit if chosen == "thread" else None
-
-    @property
-    def fetch(self) -> str:
-        """How collect waits for the device (FETCH_MODES; the same without CUDA); None takes $LAYERFLOW_FETCH."""
-        return self._fetch
-
-    @fetch.setter
-    def fetch(self, mode: str | None) -> None:
-        self._fetch = _mode("fetch", mode, FETCH_ENV, FETCH_MODES)
-        if self._fetch == "spin" and self._spin is None and self.device.type == "cuda":
-            self._spin = EventSpin(self.config.transfer_timeout_s)
+        self.paths = HostPaths(self.kv, self.device, self.config.transfer_timeout_s, issue, fetch, finish)
 
     @property
     def signals(self) -> LayerSignals:
@@ -298,8 +256,7 @@ class Engine:
             if self._flight is not flight:
                 raise ValueError("collect: this batch is not the one in flight")
             try:
-                if flight.spin:
-                    self._spin.wait()
+                self.paths.before_fetch(flight.plan, flight.spin)
                 results = flight.bufs.fetch()
                 flight.wait.check()
             except BaseException:
@@ -325,8 +282,7 @@ class Engine:
                 return
             self._closed = True
             self.kv.wait_offloads()
-            if self._issuer is not None:
-                self._issuer.close()
+            self.paths.close()
             if self.graphs is not None:
                 torch.cuda.synchronize(self.device)
                 self.graphs.release()
@@ -335,8 +291,6 @@ class Engine:
                 self._failover.close(self.kv)
             if self._copy_engine is not None:
                 self._copy_engine.close()
-            if self._spin is not None:
-                self._spin.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -395,8 +349,6 @@ class Engine:
             self.graphs.replay(bufs, wait)
         else:
             self.pipeline.forward(bufs, wait)
-        spin = self._fetch == "spin" and self._spin is not None
-        if spin:
-            self._spin.record(bufs.stream.cuda_stream)
+        spin = self.paths.launched(bufs.stream)
         self.kv.offload_early(plan)
         return Flight(plan, bufs, wait, spin)

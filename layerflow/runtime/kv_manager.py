@@ -227,6 +227,14 @@ class KVManager:
         for b in range(len(plan.requests)):
             self._record(plan, b)
 
+    def finish_onboarding(self, plan: BatchPlan) -> None:
+        """While the block's last layers still run: wait for an in-process onboarding's copies to land and release
+        what they hold (host pins, the signal counter), so that after the block `commit` only unpins. The counter
+        is not acquired again before the engine's collect (which holds the engine's lock) returns."""
+        if plan.onboarding is not None and isinstance(self.below, InProcessTier):
+            plan.onboarding.finish(wait=True)
+            plan.onboarding = None
+
     def commit(self, plan: BatchPlan) -> None:
         """The block succeeded (its users were recorded by `offload_early`): release the onboarding and the pins. Every
         layer was signalled, so the producer has nothing left to write."""

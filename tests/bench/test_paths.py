@@ -18,7 +18,7 @@ def test_every_variant_is_timed_against_one_bound_and_scores_exactly():
     assert row["lower_bound_ms"] >= row["t_transfer_ms"] and row["lower_bound_ms"] >= row["t_compute_ms"]
     assert list(row["variants"]) == list(VARIANTS)
     for name, v in row["variants"].items():
-        assert (v["issue"], v["fetch"]) == VARIANTS[name]
+        assert tuple(v["modes"].values()) == VARIANTS[name]
         assert len(v["layerwise_ms"]["samples"]) == len(v["gpu_hit_ms"]["samples"]) == 4   # 2 blocks x 2 requests
         assert v["max_abs_diff_vs_gpu_hit"] == 0.0, name
         assert v["pipeline_efficiency"] == pytest.approx(row["lower_bound_ms"] / v["layerwise_ms"]["median"])

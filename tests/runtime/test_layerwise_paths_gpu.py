@@ -1,5 +1,6 @@
-"""The layerwise paths on the H200: copies issued by the issue thread and the collect's native spin give the scores
-of the default paths bit for bit (GPU hit and host hit, graph and eager), and a failed threaded issue fails fast."""
+"""The engine's host paths on the H200: copies issued by the issue thread, the collect's native spin and the early
+finish give the scores of the default paths bit for bit (GPU hit and host hit, graph and eager), and a failed
+onboarding on them fails fast."""
 
 import time
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.gpu
 MODEL = HSTUConfig(num_layers=4, num_heads=2, dqk=128, dv=128, embedding_dim=256, max_seq_len=4096,
                    dtype=torch.bfloat16, item_vocab_size=5000, position_table_size=4096)
 HISTORY = {1: 2000, 2: 333}
-PATHS = [("thread", "sync"), ("inline", "spin"), ("thread", "spin")]
+PATHS = [("thread", "sync", "after"), ("inline", "spin", "after"), ("inline", "sync", "early"),
+         ("thread", "spin", "early")]
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +54,13 @@ def gpu_hit(weights):
     return serve(weights, Tier.GPU)
 
 
-@pytest.mark.parametrize("issue,fetch,signal,graph", [
-    *[(issue, fetch, signal, True) for issue, fetch in PATHS for signal in (SignalMode.WAITVALUE, SignalMode.EVENTFD)],
-    ("thread", "spin", SignalMode.WAITVALUE, False)])
-def test_host_hit_on_the_new_paths_equals_the_gpu_hit_bitwise(weights, gpu_hit, issue, fetch, signal, graph):
-    got = serve(weights, Tier.HOST, signal=signal, graph=graph, issue=issue, fetch=fetch)
+@pytest.mark.parametrize("paths,signal,graph", [
+    *[(paths, SignalMode.WAITVALUE, True) for paths in PATHS],
+    (PATHS[0], SignalMode.EVENTFD, True), (PATHS[-1], SignalMode.EVENTFD, True),
+    (PATHS[-1], SignalMode.WAITVALUE, False)])
+def test_host_hit_on_the_new_paths_equals_the_gpu_hit_bitwise(weights, gpu_hit, paths, signal, graph):
+    issue, fetch, finish = paths
+    got = serve(weights, Tier.HOST, signal=signal, graph=graph, issue=issue, fetch=fetch, finish=finish)
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
 
 
@@ -71,9 +75,9 @@ def test_thread_issue_with_event_signals_is_refused(weights):
 
 
 @pytest.mark.parametrize("signal", [SignalMode.WAITVALUE, SignalMode.EVENTFD])
-def test_a_failed_threaded_issue_fails_within_a_second_and_the_next_batch_succeeds(weights, signal):
+def test_a_failed_onboarding_on_the_new_paths_fails_within_a_second_and_the_next_batch_succeeds(weights, signal):
     copier = FaultyCudaCopyEngine()
-    with engine_for(weights, signal=signal, copy_engine=copier, issue="thread", fetch="spin") as engine:
+    with engine_for(weights, signal=signal, copy_engine=copier, issue="thread", fetch="spin", finish="early") as engine:
         engine.score([Request(1, list(range(1500)), [])])
         engine.kv.evict_from_gpu(1)
         copier.fail_at_layer = 2

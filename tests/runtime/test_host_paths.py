@@ -1,5 +1,6 @@
-"""An onboarding issued by the engine's issue thread (`issue="thread"`) on the CPU path: the same scores as the
-inline issue, bit for bit, the copies issued off the engine's thread, and every failure failing its request alone."""
+"""The engine's host paths (runtime/host_paths.py) on the CPU path: an onboarding issued by the issue thread
+(`issue="thread"`) or released as soon as its copies landed (`finish="early"`) gives the default paths' scores bit for
+bit, the copies issued off the engine's thread, and every failure fails its request alone."""
 
 import logging
 import random
@@ -39,12 +40,12 @@ def weights():
     return HSTUWeights.init(CONFIG, seed=5)
 
 
-def make_engine(weights, issue, tmp_path=None, copy_engine=None, fetch=None, **overrides):
+def make_engine(weights, issue, tmp_path=None, copy_engine=None, fetch=None, finish=None, **overrides):
     values = dict(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16, transfer_timeout_s=5.0)
     if tmp_path is not None:
         values.update(ssd_cache_gb=0.05, ssd_cache_dir=str(tmp_path / "ssd"))
     values.update(overrides)
-    return Engine(weights, Config(**values), copy_engine=copy_engine, issue=issue, fetch=fetch)
+    return Engine(weights, Config(**values), copy_engine=copy_engine, issue=issue, fetch=fetch, finish=finish)
 
 
 def reference(weights, history, candidates):
@@ -64,7 +65,7 @@ def test_thread_issue_scores_bitwise_like_the_inline_issue(weights, tmp_path, ti
     for issue in ("inline", "thread"):
         copier = IssuingThreads()
         with make_engine(weights, issue, tmp_path / issue, copier, enable_layerwise=layerwise) as engine:
-            assert engine.issue == issue
+            assert engine.paths.issue == issue
             engine.score([Request(u, h, []) for u, h in histories.items()])
             for u in histories:
                 engine.kv.evict_from_gpu(u)
@@ -82,16 +83,19 @@ def test_thread_issue_scores_bitwise_like_the_inline_issue(weights, tmp_path, ti
                                                   visit[u - 1].candidates), atol=TOL, rtol=TOL)
 
 
-def test_a_failed_threaded_issue_fails_its_request_alone_then_the_engine_serves(weights):
+@pytest.mark.parametrize("issue,finish", [("thread", "after"), ("inline", "early"), ("thread", "early")])
+def test_a_failed_onboarding_on_the_new_paths_fails_its_request_alone_then_the_engine_serves(weights, issue, finish):
     copier = FaultyThreadCopyEngine()
     history = list(range(60))
-    with make_engine(weights, "thread", copy_engine=copier) as engine:
+    with make_engine(weights, issue, copy_engine=copier, finish=finish) as engine:
         engine.score([Request(5, history, []), Request(6, history, [])])
         engine.kv.evict_from_gpu(5)
         copier.fail_at_layer = 1
         with pytest.raises(TransferError, match="injected failure at layer 1"):
             engine.score([Request(5, [1], [2, 3])])
         assert engine.kv.tier(5) is Tier.HOST and engine.kv.gpu.num_pinned == 0
+        engine.kv.wait_offloads()
+        assert engine.kv.below.usage().pinned_users == 0   # the failed onboarding's host pins went back
         assert engine.kv.users[5].history == history
         copier.fail_at_layer = None
         hit = engine.score([Request(6, [1], [2, 3])])[0]   # a GPU hit between: nothing of the failure is left
@@ -131,23 +135,39 @@ def test_a_bad_id_found_while_the_thread_issues_gives_everything_back(weights):
         assert torch.allclose(scores, reference(weights, history + [7], [1, 2]), atol=TOL)
 
 
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_an_early_finish_scores_bitwise_like_the_finish_after_the_block(weights, layerwise):
+    rng = random.Random(6)
+    history, visit = items(rng, 200), Request(4, items(rng, 3), items(rng, 6))
+    results = []
+    for finish in ("after", "early"):
+        with make_engine(weights, "inline", finish=finish, enable_layerwise=layerwise) as engine:
+            engine.score([Request(4, history, [])])
+            engine.kv.evict_from_gpu(4)
+            results.append(engine.score([visit])[0])
+            engine.kv.wait_offloads()
+            assert engine.kv.below.usage().pinned_users == 0 and engine.kv.gpu.num_pinned == 0
+            assert all(engine.kv.below.signals._released)   # the counter went back with the host pins
+    assert torch.equal(results[0], results[1])
+
+
 def test_the_issue_mode_can_change_between_batches(weights, monkeypatch):
     monkeypatch.delenv("LAYERFLOW_ONBOARD_ISSUE", raising=False)
     with make_engine(weights, None) as engine:
-        assert engine.issue == "inline" and engine.kv.issue is None
-        engine.issue = "thread"
+        assert engine.paths.issue == "inline" and engine.kv.issue is None
+        engine.paths.issue = "thread"
         assert engine.kv.issue is not None
         engine.score([Request(3, list(range(20)), [])])
         engine.kv.evict_from_gpu(3)
         threaded = engine.score([Request(3, [1], [2])])[0]
         engine.kv.truncate(3, 20)
         engine.kv.evict_from_gpu(3)
-        engine.issue = "inline"
+        engine.paths.issue = "inline"
         assert engine.kv.issue is None
         assert torch.equal(engine.score([Request(3, [1], [2])])[0], threaded)
 
 
-@pytest.mark.parametrize("name,value", [("issue", "later"), ("fetch", "poll")])
+@pytest.mark.parametrize("name,value", [("issue", "later"), ("fetch", "poll"), ("finish", "soon")])
 def test_an_unknown_mode_is_refused_by_name(weights, name, value):
     with pytest.raises(ValueError, match=f"{name}='{value}'"):
         make_engine(weights, **{"issue": None, name: value})
@@ -156,4 +176,4 @@ def test_an_unknown_mode_is_refused_by_name(weights, name, value):
 def test_the_env_var_picks_the_issue_mode(weights, monkeypatch):
     monkeypatch.setenv("LAYERFLOW_ONBOARD_ISSUE", "thread")
     with make_engine(weights, None) as engine:
-        assert engine.issue == "thread"
+        assert engine.paths.issue == "thread"
