@@ -20,13 +20,12 @@ import torch
 from tqdm import tqdm
 
 from layerflow.bench.environment import results_header
-from layerflow.bench.measure import _copy_engine, device_tools, transfer_config
-from layerflow.bench.phases import PhaseTimer
+from layerflow.bench.measure import copy_engine_for, device_tools, phase_timer, transfer_config, workload_of
 from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.scenarios import Context, CpuHitLayerwise, GpuHit, Measured, Scenario
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths
 from layerflow.bench.stats import Summary, lower_bound
-from layerflow.bench.workload import Workload, as_scores
+from layerflow.bench.workload import as_scores
 from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
@@ -96,7 +95,7 @@ def run_dtype(settings: Settings, variants: dict[str, Modes], blocks: int,
     weights = HSTUWeights.init(settings.model, seed=settings.seed)
     config = replace(transfer_config(settings, None), enable_layerwise=True)
     clock, timer = device_tools(device)
-    copy = BenchCopyEngine(_copy_engine(device, timeline=False))
+    copy = BenchCopyEngine(copy_engine_for(device, timeline=False))
     bucket = Bucket(settings.batch_size, settings.query_tokens)
     out = []
     per_length = (blocks * len(variants) * 2 * (settings.warmup_iters + settings.timed_iters)
@@ -107,14 +106,9 @@ def run_dtype(settings: Settings, variants: dict[str, Modes], blocks: int,
                     token_buckets=(bucket.max_tokens,), copy_engine=copy, issue="thread") as engine, \
                 tqdm(total=total, desc=f"paths {config.kv_cache_dtype}", file=sys.stderr, mininterval=2.0) as bar:
             engine.warmup()
-            phases = None
-            if settings.profile:
-                phases = PhaseTimer()
-                phases.attach(engine)
+            phases = phase_timer(engine, settings)
             for index, seq_len in enumerate(settings.seq_lens):
-                users = [index * settings.batch_size + b for b in range(settings.batch_size)]
-                workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates,
-                                          settings.model, settings.seed)
+                workload = workload_of(settings, index, seq_len)
                 workload.load(engine)
                 reference = as_scores(engine.score(workload.requests))
                 ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters,

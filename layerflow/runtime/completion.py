@@ -45,10 +45,7 @@ class EventSpin:
 
     def __init__(self, timeout_s: float) -> None:
         spin_shim()   # built at set-up, never inside a request
-        runtime = cudart.lib()
-        runtime.cudaEventQuery.argtypes = [ctypes.c_void_p]
-        runtime.cudaEventQuery.restype = ctypes.c_int
-        self._query = ctypes.cast(runtime.cudaEventQuery, ctypes.c_void_p).value
+        self._query = ctypes.cast(cudart.lib().cudaEventQuery, ctypes.c_void_p).value   # called from C only
         self._event = cuda_api.create_event()
         self.timeout_s = timeout_s
 

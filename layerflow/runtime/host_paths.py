@@ -2,11 +2,14 @@
 proven path the default until the H200 says otherwise (docs/performance.md):
 
 - `issue`: who issues an in-process onboarding's copies: "inline" in prepare, or a "thread" of their own while the
-  engine's thread packs, fills and launches the batch (runtime/issuer.py; not with `event` signals);
+  engine's thread packs, fills and launches the batch (runtime/issuer.py; not with `event` signals; the in-process
+  tier a failover falls back to issues inline);
 - `fetch`: how collect waits for the device: the fetch's stream synchronisation ("sync"), or a native "spin" on an
   event recorded after the launch (runtime/completion.py);
-- `finish`: when collect releases the onboarding: "after" the block, or "early", as soon as its copies landed, while
-  the last layer still runs (KVManager.finish_onboarding).
+- `finish`: when collect releases an in-process onboarding (its host pins and signal counter): "after" the block, in
+  `KVManager.commit`, or "early", as soon as its copies landed, while the last layer still runs (no batch acquires a
+  counter while collect holds the engine's lock, and the block has ended when collect returns), so that commit only
+  unpins.
 
 The modes are attributes: a benchmark may switch them between batches of one engine.
 """
@@ -21,6 +24,7 @@ from layerflow.config import SignalMode
 from layerflow.runtime.completion import FETCH_MODES, EventSpin
 from layerflow.runtime.issuer import IssueWorker
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
+from layerflow.tier.in_process import InProcessTier
 
 ISSUE_MODES, ISSUE_ENV = ("inline", "thread"), "LAYERFLOW_ONBOARD_ISSUE"
 FETCH_ENV = "LAYERFLOW_FETCH"
@@ -59,7 +63,8 @@ class HostPaths:
         if chosen == "thread" and self._issuer is None:
             self._issuer = IssueWorker()
         self._issue = chosen
-        self.kv.issue = self._issuer.submit if chosen == "thread" else None
+        if isinstance(self.kv.below, InProcessTier):   # a transfer server issues its own copies
+            self.kv.below.issue = self._issuer.submit if chosen == "thread" else None
 
     @property
     def fetch(self) -> str:
@@ -89,8 +94,9 @@ class HostPaths:
 
     def before_fetch(self, plan: BatchPlan, spin: bool) -> None:
         """In collect, before the results are fetched: the early finish, then the spin on the block's end."""
-        if self._finish == "early":
-            self.kv.finish_onboarding(plan)
+        if self._finish == "early" and plan.onboarding is not None and isinstance(self.kv.below, InProcessTier):
+            plan.onboarding.finish(wait=True)
+            plan.onboarding = None   # commit skips it
         if spin:
             self._spin.wait()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -26,7 +25,6 @@ from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
 from layerflow.tier.gpu_pool import GpuKVPool
-from layerflow.tier.in_process import InProcessTier
 from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import SignalHandle
@@ -72,14 +70,12 @@ class BatchPlan:
 class KVManager:
     """`pack_items(users, cached lens, appended ids, candidate ids, page rows)` packs an item-id batch instead of
     `JaggedBatch.from_lists`, validating the ids alike; `reap_after_launch`: a batch of GPU hits forgets finished
-    offloads after its launch, overlapping the block (one placing other users first: they may need those pins);
-    `issue` (None: inline), when set, is handed an in-process onboarding's copy issue (`InProcessTier.onboard`)."""
+    offloads after its launch, overlapping the block (one placing other users first: they may need those pins)."""
 
     def __init__(self, config: HSTUConfig, gpu: GpuKVPool, below: KVTier, layerwise: bool,
                  pack_items: Callable[..., BatchShape] | None = None, reap_after_launch: bool = False):
         self.config, self.gpu, self.below, self.layerwise, self.pack_items = config, gpu, below, layerwise, pack_items
         self.reap_after_launch = reap_after_launch
-        self.issue: Callable[[Callable[[], None]], Any] | None = None
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
         self._quarantine: list[tuple[Onboarding, list[tuple]]] = []   # pages a failed onboarding may still write
@@ -227,14 +223,6 @@ class KVManager:
         for b in range(len(plan.requests)):
             self._record(plan, b)
 
-    def finish_onboarding(self, plan: BatchPlan) -> None:
-        """While the block's last layers still run: wait for an in-process onboarding's copies to land and release
-        what they hold (host pins, the signal counter), so that after the block `commit` only unpins. The counter
-        is not acquired again before the engine's collect (which holds the engine's lock) returns."""
-        if plan.onboarding is not None and isinstance(self.below, InProcessTier):
-            plan.onboarding.finish(wait=True)
-            plan.onboarding = None
-
     def commit(self, plan: BatchPlan) -> None:
         """The block succeeded (its users were recorded by `offload_early`): release the onboarding and the pins. Every
         layer was signalled, so the producer has nothing left to write."""
@@ -355,8 +343,7 @@ class KVManager:
             if first < last:
                 loads.append(Load(r.user_id, tier, cached, pages[first:last], first_page=first))
         if loads:
-            elsewhere = self.issue is not None and isinstance(self.below, InProcessTier)
-            plan.onboarding = self.below.onboard(loads, self.layerwise, **({"issue": self.issue} if elsewhere else {}))
+            plan.onboarding = self.below.onboard(loads, self.layerwise)
 
     def _allocate(self, user: int, tokens: int) -> tuple[int, ...]:
         """GPU pages for `tokens` tokens of `user`, evicting LRU users whose offload landed. When the pool is short,

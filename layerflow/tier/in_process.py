@@ -1,15 +1,14 @@
 """The tier below the GPU kept in this process: the host cache (pinned host pool, optional SSD) and a copy engine.
 
 The copies write this process's signal ring directly. Onboardings run on the calling thread (an SSD read-back blocks
-it, group by group, each group copied on as it lands), or on the thread an `issue` callable hands them to; offloads
-are asynchronous and settled by `reap`.
+it, group by group, each group copied on as it lands), or, with `issue` set, the pins and the signal are taken there
+and the copies issued wherever `issue` runs them; offloads are asynchronous and settled by `reap`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -49,23 +48,22 @@ class _LocalOnboarding(Onboarding):
 
 class InProcessTier(KVTier):
     """`cache` holds the KV, `engine` copies between `gpu_kv` (the GPU pool's layers) and the cache's host blocks;
-    `close()` closes the engine only if the tier `owns_engine`."""
+    `close()` closes the engine only if the tier `owns_engine`. `issue` (None: the calling thread) runs an onboarding's
+    copy issue elsewhere: `issue(work)` returns a handle with `done()` and `wait()`; a failure reaches the waiters
+    through the poisoned signal."""
 
     def __init__(self, cache: HostCache, layout: KVLayout, gpu_kv: Sequence[torch.Tensor], engine: CopyEngine,
                  signals: LayerSignals, timeout_s: float, owns_engine: bool = True) -> None:
         self.cache, self.engine, self.signals, self.owns_engine = cache, engine, signals, owns_engine
         self.copier = GroupCopier(engine, layout, gpu_kv, cache.host.blocks, timeout_s)
         self._offloads: dict[int, Transfer] = {}
+        self.issue: Callable[[Callable[[], None]], object] | None = None
 
     def locate(self, user: int, tokens: int) -> Tier:
         tier, held = self.cache.lookup(user)
         return tier if tokens > 0 and held >= tokens else Tier.NONE
 
-    def onboard(self, loads: Sequence[Load], layerwise: bool,
-                issue: Callable[[Callable[[], None]], Any] | None = None) -> Onboarding:
-        """As KVTier.onboard; with `issue`, the pins and the signal are taken here and the copies' issue is handed to
-        `issue(work)`, which runs `work` elsewhere and returns a handle with `done()` and `wait()` (a failure reaches
-        the waiters through the poisoned signal)."""
+    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
         try:
             pinned = self.cache.pin_for_onboard([(load.user, load.first_page, len(load.gpu_pages)) for load in loads])
         except LookupError as e:
@@ -77,8 +75,8 @@ class InProcessTier(KVTier):
             raise
         copies = OnboardCopies(self.cache, self.copier, pinned, [load.gpu_pages for load in loads], handle)
         onboarding = _LocalOnboarding(handle, copies, self.cache, pinned)
-        if issue is not None:
-            onboarding.issuing = issue(copies.run)
+        if self.issue is not None:
+            onboarding.issuing = self.issue(copies.run)
             return onboarding
         try:
             copies.run()

@@ -154,16 +154,16 @@ def test_an_early_finish_scores_bitwise_like_the_finish_after_the_block(weights,
 def test_the_issue_mode_can_change_between_batches(weights, monkeypatch):
     monkeypatch.delenv("LAYERFLOW_ONBOARD_ISSUE", raising=False)
     with make_engine(weights, None) as engine:
-        assert engine.paths.issue == "inline" and engine.kv.issue is None
+        assert engine.paths.issue == "inline" and engine.kv.below.issue is None
         engine.paths.issue = "thread"
-        assert engine.kv.issue is not None
+        assert engine.kv.below.issue is not None
         engine.score([Request(3, list(range(20)), [])])
         engine.kv.evict_from_gpu(3)
         threaded = engine.score([Request(3, [1], [2])])[0]
         engine.kv.truncate(3, 20)
         engine.kv.evict_from_gpu(3)
         engine.paths.issue = "inline"
-        assert engine.kv.issue is None
+        assert engine.kv.below.issue is None
         assert torch.equal(engine.score([Request(3, [1], [2])])[0], threaded)
 
 
