@@ -4,9 +4,10 @@ batch while the copy calls go out.
 A layer's wait in the block is on its signal, not on the issue, so the block may be launched before its copies are
 issued when the wait reads the signal at run time: a waitvalue word or an eventfd (an `event` wait would see the
 previous onboarding's event; the engine refuses that pairing). The copy calls go through ctypes and cuda.bindings,
-which drop the GIL in the driver, so the two threads mostly alternate at those calls. `submit` returns once the
-worker has taken the job up: the first copy then leaves as early as it would inline, and the thread hand-off happens
-before the engine's thread runs Python the worker would have to wait for.
+which drop the GIL in the driver, so the two threads alternate at those calls. `submit` returns once the first
+layer's copies are issued: the engine's thread would otherwise take the GIL at the worker's first driver call and
+hold it through its own Python (packing, filling), delaying the first copy by that long; the later layers have the
+first layer's copy time to be issued in.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import threading
 from typing import Callable
 
 from layerflow.transfer.fifo_worker import FifoWorker
+from layerflow.transfer.signals.base import SignalHandle
+
+POLL_S = 0.01   # how often `submit` also checks that its job has not ended without posting a layer
 
 
 class IssueJob:
@@ -23,11 +27,10 @@ class IssueJob:
 
     def __init__(self, work: Callable[[], None]) -> None:
         self._work = work
-        self.started, self._done = threading.Event(), threading.Event()
+        self._done = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        self.started.set()
         try:
             self._work()
         except BaseException as e:   # noqa: BLE001 - kept for the onboarding's owner, who decides
@@ -51,11 +54,15 @@ class IssueWorker:
     def __init__(self) -> None:
         self._worker = FifoWorker("layerflow-onboard-issue")
 
-    def submit(self, work: Callable[[], None]) -> IssueJob:
-        """Queue `work`; returns once the worker has started it (or finished the jobs ahead of it and started it)."""
+    def submit(self, work: Callable[[], None], signal: SignalHandle) -> IssueJob:
+        """Queue `work`, the copy issue of `signal`'s onboarding; returns once its first layer is posted (issued, or
+        failed: a failure posts every layer) or the job ended. A non-layerwise signal posts only with its last layer,
+        and an onboarding read back from SSD only once every read landed: `submit` then waits as long as an inline
+        issue would take."""
         job = IssueJob(work)
         self._worker.submit(job.run)
-        job.started.wait()
+        while not signal.wait_issued(0, POLL_S) and not job.done():
+            pass
         return job
 
     def close(self) -> None:

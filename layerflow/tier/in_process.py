@@ -49,15 +49,15 @@ class _LocalOnboarding(Onboarding):
 class InProcessTier(KVTier):
     """`cache` holds the KV, `engine` copies between `gpu_kv` (the GPU pool's layers) and the cache's host blocks;
     `close()` closes the engine only if the tier `owns_engine`. `issue` (None: the calling thread) runs an onboarding's
-    copy issue elsewhere: `issue(work)` returns a handle with `done()` and `wait()`; a failure reaches the waiters
-    through the poisoned signal."""
+    copy issue elsewhere: `issue(work, signal)` returns a handle with `done()` and `wait()`; a failure reaches the
+    waiters through the poisoned signal."""
 
     def __init__(self, cache: HostCache, layout: KVLayout, gpu_kv: Sequence[torch.Tensor], engine: CopyEngine,
                  signals: LayerSignals, timeout_s: float, owns_engine: bool = True) -> None:
         self.cache, self.engine, self.signals, self.owns_engine = cache, engine, signals, owns_engine
         self.copier = GroupCopier(engine, layout, gpu_kv, cache.host.blocks, timeout_s)
         self._offloads: dict[int, Transfer] = {}
-        self.issue: Callable[[Callable[[], None]], object] | None = None
+        self.issue: Callable[[Callable[[], None], SignalHandle], object] | None = None
 
     def locate(self, user: int, tokens: int) -> Tier:
         tier, held = self.cache.lookup(user)
@@ -76,7 +76,7 @@ class InProcessTier(KVTier):
         copies = OnboardCopies(self.cache, self.copier, pinned, [load.gpu_pages for load in loads], handle)
         onboarding = _LocalOnboarding(handle, copies, self.cache, pinned)
         if self.issue is not None:
-            onboarding.issuing = self.issue(copies.run)
+            onboarding.issuing = self.issue(copies.run, handle)
             return onboarding
         try:
             copies.run()
