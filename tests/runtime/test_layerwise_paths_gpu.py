@@ -1,8 +1,6 @@
 """The engine's host paths on the H200: copies issued by the issue thread, the collect's native spin and the early
-finish give the scores of the default paths bit for bit (GPU hit and host hit, graph and eager), and a failed
-onboarding on them fails fast."""
-
-import time
+finish give the scores of the default paths bit for bit (GPU hit and host hit, graph and eager). A failed onboarding
+on them: test_engine_gpu.py's failing-transfer test."""
 
 import pytest
 import torch
@@ -12,8 +10,6 @@ from layerflow.model import HSTUConfig, HSTUWeights
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
-from layerflow.transfer.errors import TransferError
-from tests.faults import FaultyCudaCopyEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -72,20 +68,3 @@ def test_gpu_hit_with_the_spin_fetch_equals_the_sync_fetch(weights, gpu_hit):
 def test_thread_issue_with_event_signals_is_refused(weights):
     with pytest.raises(ValueError, match="issue='thread' with signal 'event'"):
         engine_for(weights, signal=SignalMode.EVENT, issue="thread")
-
-
-@pytest.mark.parametrize("signal", [SignalMode.WAITVALUE, SignalMode.EVENTFD])
-def test_a_failed_onboarding_on_the_new_paths_fails_within_a_second_and_the_next_batch_succeeds(weights, signal):
-    copier = FaultyCudaCopyEngine()
-    with engine_for(weights, signal=signal, copy_engine=copier, issue="thread", fetch="spin", finish="early") as engine:
-        engine.score([Request(1, list(range(1500)), [])])
-        engine.kv.evict_from_gpu(1)
-        copier.fail_at_layer = 2
-        start = time.monotonic()
-        with pytest.raises(TransferError):
-            engine.score([Request(1, [5], [6, 7])])
-        assert time.monotonic() - start < 1.0
-        assert engine.kv.gpu.num_pinned == 0
-        copier.fail_at_layer = None
-        scores = engine.score([Request(1, [5], [6, 7])])[0]
-        assert scores.shape == (2,) and torch.isfinite(scores).all()
