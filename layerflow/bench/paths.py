@@ -1,12 +1,14 @@
-"""`python -m layerflow.bench.paths`: the layerwise paths of one engine A/B'd in one process.
+"""`python -m layerflow.bench.paths`: the engine's layerwise host paths A/B'd in one process.
 
-The engine's host paths (`Engine.paths`: issue, fetch, finish) are attributes, so one engine per KV dtype serves
-every variant: per history
-length, blocks of CPU-hit + layerwise requests (then GPU hits) run each variant in turn, the order rotating from block
-to block, so drift of the machine spreads over all variants alike. The lower bound is the inference benchmark's
-(stats.lower_bound) from the same run: the transfer probes of every variant's requests (the same pages), the GPU hit
-of the default paths and its per-layer compute. Every result is compared with the GPU hit's scores (0: bitwise).
-With `--profile` the layerwise requests' host phases (bench.phases) are kept per variant too.
+The paths are an engine attribute (`Engine.paths`, runtime/host_paths.py), so one engine per KV dtype serves every
+variant: "after" releases the onboarding after the block, in commit (the path before the early release), "early" is
+the engine's default (released as soon as its copies landed, the stream synchronisation's fetch), "spin" the early
+release with collect spinning on an event. Per history length, blocks of CPU-hit + layerwise requests (then GPU hits)
+run each variant in turn, the order rotating from block to block, so drift of the machine spreads over all variants
+alike. The lower bound is the inference benchmark's (stats.lower_bound) from the same run: the transfer probes of
+every variant's requests (the same pages), the GPU hit of the first variant and its per-layer compute. Every result
+is compared with the GPU hit's scores (0: bitwise). With `--profile` the layerwise requests' host phases
+(bench.phases) are kept per variant too.
 """
 
 from __future__ import annotations
@@ -29,15 +31,24 @@ from layerflow.bench.workload import as_scores
 from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
+from layerflow.runtime.host_paths import HostPaths
 
-# name -> the engine's (issue, fetch, finish) modes; the first is the default paths, which the bound's GPU hit runs on.
 # The phase rows `--profile` prints (bench.phases names).
 PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.forward", "launch.offload", "launch.other",
                 "collect.fetch", "collect.commit", "collect.other", "outside")
-VARIANTS = {"base": ("inline", "sync", "after"), "thread": ("thread", "sync", "after"),
-            "spin": ("inline", "spin", "after"), "early": ("inline", "sync", "early"),
-            "all": ("thread", "spin", "early")}
-Modes = tuple[str, str, str]
+
+
+class ReleaseAfterBlock(HostPaths):
+    """The onboarding released by commit, after the block, instead of before the fetch."""
+
+    def release_onboarding(self, plan) -> None:
+        pass
+
+
+# name -> (the paths' class, its fetch mode); the first is the one the bound's GPU hit runs on.
+VARIANTS: dict[str, tuple[type[HostPaths], str]] = {"after": (ReleaseAfterBlock, "sync"), "early": (HostPaths, "sync"),
+                                                     "spin": (HostPaths, "spin")}
+Variant = tuple[type[HostPaths], str]
 
 
 class GpuHitsOnly(GpuHit):
@@ -51,21 +62,17 @@ def _pooled(runs: list[Measured]) -> list[float]:
     return [w for m in runs for w in m.wall.samples]
 
 
-def _use(engine: Engine, modes: Modes) -> None:
-    engine.paths.issue, engine.paths.fetch, engine.paths.finish = modes
-
-
-def measure_length(ctx: Context, variants: dict[str, Modes], blocks: int) -> dict:
+def measure_length(ctx: Context, paths: dict[str, HostPaths], blocks: int) -> dict:
     """Every variant's layerwise and GPU-hit requests at one length, alternated in `blocks` blocks; the bound."""
-    engine, names = ctx.engine, list(variants)
+    engine, names = ctx.engine, list(paths)
     layerwise = {n: [] for n in names}
     hits = {n: [] for n in names}
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
-            _use(engine, variants[name])
+            engine.paths = paths[name]
             layerwise[name].append(CpuHitLayerwise().measure(ctx))
             hits[name].append(GpuHitsOnly().measure(ctx))
-    _use(engine, variants[names[0]])
+    engine.paths = paths[names[0]]
     compute = GpuHit().measure(replace(ctx, timed_iters=3)).probes.layer_compute
     transfers = [t for runs in layerwise.values() for m in runs for t in m.probes.transfers]
     t_transfer = Summary.of([t.total_ms for t in transfers]).median
@@ -76,7 +83,8 @@ def measure_length(ctx: Context, variants: dict[str, Modes], blocks: int) -> dic
     rows = {}
     for name in names:
         wall, hit = Summary.of(_pooled(layerwise[name])), Summary.of(_pooled(hits[name]))
-        rows[name] = {"modes": dict(zip(("issue", "fetch", "finish"), variants[name])),
+        rows[name] = {"release": "after" if isinstance(paths[name], ReleaseAfterBlock) else "early",
+                      "fetch": paths[name].fetch,
                       "layerwise_ms": wall.to_dict(), "gpu_hit_ms": hit.to_dict(),
                       "pipeline_efficiency": bound / wall.median,
                       "max_abs_diff_vs_gpu_hit": max(m.max_abs_diff for m in layerwise[name] + hits[name])}
@@ -89,7 +97,7 @@ def measure_length(ctx: Context, variants: dict[str, Modes], blocks: int) -> dic
             "variants": rows}
 
 
-def run_dtype(settings: Settings, variants: dict[str, Modes], blocks: int,
+def run_dtype(settings: Settings, variants: dict[str, Variant], blocks: int,
               device: torch.device) -> list[dict]:
     """One engine with `settings.kv_cache_dtype`, every length of `settings` (host phases with `settings.profile`)."""
     weights = HSTUWeights.init(settings.model, seed=settings.seed)
@@ -103,18 +111,26 @@ def run_dtype(settings: Settings, variants: dict[str, Modes], blocks: int,
     total = len(settings.seq_lens) * per_length
     try:
         with Engine(weights, config, device=device, batch_buckets=(bucket.max_batch,),
-                    token_buckets=(bucket.max_tokens,), copy_engine=copy, issue="thread") as engine, \
+                    token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine, \
                 tqdm(total=total, desc=f"paths {config.kv_cache_dtype}", file=sys.stderr, mininterval=2.0) as bar:
             engine.warmup()
-            phases = phase_timer(engine, settings)
-            for index, seq_len in enumerate(settings.seq_lens):
-                workload = workload_of(settings, index, seq_len)
-                workload.load(engine)
-                reference = as_scores(engine.score(workload.requests))
-                ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters,
-                              settings.timed_iters, False, bar, reference, phases)
-                out.append({"kv_cache_dtype": config.kv_cache_dtype, **measure_length(ctx, variants, blocks)})
-                workload.drop(engine)
+            own = engine.paths
+            paths = {name: cls(engine.kv, device, config.transfer_timeout_s, fetch)
+                     for name, (cls, fetch) in variants.items()}
+            try:
+                phases = phase_timer(engine, settings)
+                for index, seq_len in enumerate(settings.seq_lens):
+                    workload = workload_of(settings, index, seq_len)
+                    workload.load(engine)
+                    reference = as_scores(engine.score(workload.requests))
+                    ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters,
+                                  settings.timed_iters, False, bar, reference, phases)
+                    out.append({"kv_cache_dtype": config.kv_cache_dtype, **measure_length(ctx, paths, blocks)})
+                    workload.drop(engine)
+            finally:
+                engine.paths = own
+                for p in paths.values():
+                    p.close()
     finally:
         timer.close()
     return out

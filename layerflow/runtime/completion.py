@@ -2,7 +2,7 @@
 
 `sync` (the default) leaves it to the stream synchronisation inside `BatchBuffers.fetch`. `spin` records an event
 after the launch and, at the collect, polls it with the runtime's cudaEventQuery from C (csrc/event_spin.c), the GIL
-released the whole time, so other Python threads (an onboarding's issue, a notifier) run meanwhile; the fetch's
+released the whole time, so other Python threads (a notifier, a server connection) run meanwhile; the fetch's
 synchronisation then returns at once. The host wakes within one query of the scores landing, for one busy core while
 it waits.
 """

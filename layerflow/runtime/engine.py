@@ -119,18 +119,17 @@ class Engine:
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "slab") is one of
-    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES; `issue`, `fetch` and `finish`
-    are the host paths of a batch with an onboarding (`self.paths`, runtime/host_paths.py, each defaulting to its
-    env var, else the proven path). The captured shapes are every size of `batch_buckets` with
-    every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest
-    that fits.
+    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES, `fetch` (default:
+    $LAYERFLOW_FETCH, else "sync") how collect waits for the device (`self.paths`, runtime/host_paths.py, which also
+    releases an onboarding before the fetch). The captured shapes are every size of `batch_buckets` with every size of
+    `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
                  copy_engine: CopyEngine | None = None, staging: str | None = None, reap: str | None = None,
-                 issue: str | None = None, fetch: str | None = None, finish: str | None = None):
+                 fetch: str | None = None):
         self.config = config or Config()
         self.staging = choose_mode("staging", staging, STAGING_ENV, STAGING_MODES)
         self.reap = choose_mode("reap", reap, REAP_ENV, REAP_MODES)
@@ -169,7 +168,7 @@ class Engine:
         self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
         self.no_wait = NoWait()
         self.layer_wait = make_layer_wait(below.signals, self.device, self.config.transfer_timeout_s)
-        self.paths = HostPaths(self.kv, self.device, self.config.transfer_timeout_s, issue, fetch, finish)
+        self.paths = HostPaths(self.kv, self.device, self.config.transfer_timeout_s, fetch)
 
     @property
     def signals(self) -> LayerSignals:

@@ -1,14 +1,13 @@
 """The tier below the GPU kept in this process: the host cache (pinned host pool, optional SSD) and a copy engine.
 
 The copies write this process's signal ring directly. Onboardings run on the calling thread (an SSD read-back blocks
-it, group by group, each group copied on as it lands), or, with `issue` set, the pins and the signal are taken there
-and the copies issued wherever `issue` runs them; offloads are asynchronous and settled by `reap`.
+it, group by group, each group copied on as it lands); offloads are asynchronous and settled by `reap`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,21 +24,18 @@ log = logging.getLogger(__name__)
 class _LocalOnboarding(Onboarding):
     def __init__(self, handle: SignalHandle, copies: OnboardCopies, cache: HostCache, pinned: list[Pinned]):
         self.handle, self.copies, self.cache, self.pinned = handle, copies, cache, pinned
-        self.issuing = None   # the handle `issue` returned, while the copies are issued elsewhere
         self._released = False
 
     def finish(self, wait: bool) -> bool:
         """Copies in this process always end (or fail) on their own, so they are waited for even when `wait` is
         False: the host blocks they read stay pinned until then."""
-        if self.issuing is not None:
-            self.issuing.wait()
         self.copies.settle()
         self.handle.release()
         return self.fenced()
 
     def fenced(self) -> bool:
         if not self._released:
-            if (self.issuing is not None and not self.issuing.done()) or not self.copies.done():
+            if not self.copies.done():
                 return False
             self.cache.release_onboarded(self.pinned, failed=not self.copies.succeeded())
             self._released = True
@@ -48,16 +44,13 @@ class _LocalOnboarding(Onboarding):
 
 class InProcessTier(KVTier):
     """`cache` holds the KV, `engine` copies between `gpu_kv` (the GPU pool's layers) and the cache's host blocks;
-    `close()` closes the engine only if the tier `owns_engine`. `issue` (None: the calling thread) runs an onboarding's
-    copy issue elsewhere: `issue(work, signal)` returns a handle with `done()` and `wait()`; a failure reaches the
-    waiters through the poisoned signal."""
+    `close()` closes the engine only if the tier `owns_engine`."""
 
     def __init__(self, cache: HostCache, layout: KVLayout, gpu_kv: Sequence[torch.Tensor], engine: CopyEngine,
                  signals: LayerSignals, timeout_s: float, owns_engine: bool = True) -> None:
         self.cache, self.engine, self.signals, self.owns_engine = cache, engine, signals, owns_engine
         self.copier = GroupCopier(engine, layout, gpu_kv, cache.host.blocks, timeout_s)
         self._offloads: dict[int, Transfer] = {}
-        self.issue: Callable[[Callable[[], None], SignalHandle], object] | None = None
 
     def locate(self, user: int, tokens: int) -> Tier:
         tier, held = self.cache.lookup(user)
@@ -75,9 +68,6 @@ class InProcessTier(KVTier):
             raise
         copies = OnboardCopies(self.cache, self.copier, pinned, [load.gpu_pages for load in loads], handle)
         onboarding = _LocalOnboarding(handle, copies, self.cache, pinned)
-        if self.issue is not None:
-            onboarding.issuing = self.issue(copies.run, handle)
-            return onboarding
         try:
             copies.run()
         except BaseException:

@@ -18,7 +18,7 @@ def test_every_variant_is_timed_against_one_bound_and_scores_exactly():
     assert row["lower_bound_ms"] >= row["t_transfer_ms"] and row["lower_bound_ms"] >= row["t_compute_ms"]
     assert list(row["variants"]) == list(VARIANTS)
     for name, v in row["variants"].items():
-        assert tuple(v["modes"].values()) == VARIANTS[name]
+        assert (v["release"], v["fetch"]) == ("after" if name == "after" else "early", VARIANTS[name][1])
         assert len(v["layerwise_ms"]["samples"]) == len(v["gpu_hit_ms"]["samples"]) == 4   # 2 blocks x 2 requests
         assert v["max_abs_diff_vs_gpu_hit"] == 0.0, name
         assert v["pipeline_efficiency"] == pytest.approx(row["lower_bound_ms"] / v["layerwise_ms"]["median"])
@@ -30,9 +30,9 @@ def test_every_variant_is_timed_against_one_bound_and_scores_exactly():
 def test_the_command_writes_its_rows(tmp_path):
     out = tmp_path / "paths.json"
     main(["--preset", "tiny", "--seq-lens", "64", "--append-len", "4", "--num-candidates", "8", "--device", "cpu",
-          "--kv-cache-dtypes", "auto", "--variants", "base,thread", "--blocks", "1", "--iters", "1", "--out", str(out)])
+          "--kv-cache-dtypes", "auto", "--variants", "after,early", "--blocks", "1", "--iters", "1", "--out", str(out)])
     written = json.loads(out.read_text())
-    assert [list(r["variants"]) for r in written["rows"]] == [["base", "thread"]]
+    assert [list(r["variants"]) for r in written["rows"]] == [["after", "early"]]
 
 
 def test_an_unknown_variant_is_refused():

@@ -103,12 +103,8 @@ def test_graph_replays_across_lengths_like_eager(bf16_weights):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-# The engine's new host paths (runtime/host_paths.py) all at once; `event` signals refuse the issue thread.
-NEW_PATHS = dict(issue="thread", fetch="spin", finish="early")
-
-
 @pytest.mark.parametrize("signal,paths", [pytest.param(signal, {}, id=signal.value) for signal in SignalMode]
-                         + [pytest.param(signal, NEW_PATHS, id=f"{signal.value}-new-paths")
+                         + [pytest.param(signal, {"fetch": "spin"}, id=f"{signal.value}-spin")
                             for signal in (SignalMode.WAITVALUE, SignalMode.EVENTFD)])
 def test_failing_transfer_fails_within_a_second_and_next_batch_succeeds(bf16_weights, signal, paths):
     from tests.faults import FaultyCudaCopyEngine

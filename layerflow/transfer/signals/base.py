@@ -58,12 +58,6 @@ class SignalHandle:
         for layer in range(self.num_layers):
             self.wait_layer(layer, max(0.0, deadline - time.monotonic()))
 
-    def wait_issued(self, layer: int, timeout: float) -> bool:
-        """Block until the producer posted layer `layer` (CUDA modes: its copies are issued; CPU: done) or failed;
-        False when `timeout` s passed first. For a caller that hands the issue to another thread."""
-        self._check_layer(layer)
-        return self.ring._wait_posted(self, layer, time.monotonic() + timeout)
-
     def gpu_wait_layer(self, layer: int, stream: int) -> None:
         """Make `stream` (a CUDA stream handle) wait for layer `layer` on the device, without blocking the host."""
         self._check_layer(layer)
