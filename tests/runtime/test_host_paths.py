@@ -8,36 +8,12 @@ import pytest
 import torch
 
 from layerflow.bench.paths import ReleaseAfterBlock
-from layerflow.config import Config
-from layerflow.model import HSTUConfig, HSTUWeights, full_forward
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
 from layerflow.transfer.errors import TransferError
 from tests.faults import FaultyThreadCopyEngine
-
-CONFIG = HSTUConfig(num_layers=3, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
-                    dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
-TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return HSTUWeights.init(CONFIG, seed=5)
-
-
-def make_engine(weights, copy_engine=None, fetch=None, **overrides):
-    values = dict(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16, transfer_timeout_s=5.0)
-    values.update(overrides)
-    return Engine(weights, Config(**values), copy_engine=copy_engine, fetch=fetch)
-
-
-def reference(weights, history, candidates):
-    return full_forward(weights, [history], [candidates]).scores
-
-
-def items(rng, n):
-    return [rng.randrange(CONFIG.item_vocab_size) for _ in range(n)]
+from tests.runtime.test_engine import TOL, items, make_engine, reference, weights  # noqa: F401 - weights: a fixture
 
 
 class Releases:
@@ -61,7 +37,7 @@ def test_the_early_release_scores_bitwise_like_the_release_after_the_block(weigh
     for early in (True, False):
         with make_engine(weights, enable_layerwise=layerwise) as engine:
             if not early:
-                engine.paths = ReleaseAfterBlock(engine.kv, engine.device, 5.0)
+                engine.paths = ReleaseAfterBlock(engine.kv, engine.device, engine.config.transfer_timeout_s)
             releases = Releases(engine)
             engine.score([Request(4, history, [])])
             engine.kv.evict_from_gpu(4)
@@ -95,9 +71,10 @@ def test_a_failed_onboarding_released_early_fails_its_request_alone_then_the_eng
         assert torch.equal(scores, hit)
 
 
-def test_an_unknown_fetch_mode_is_refused_by_name(weights):
+def test_an_unknown_fetch_mode_is_refused_by_name(weights, monkeypatch):
+    monkeypatch.setenv("LAYERFLOW_FETCH", "poll")
     with pytest.raises(ValueError, match="fetch='poll' \\(LAYERFLOW_FETCH\\)"):
-        make_engine(weights, fetch="poll")
+        make_engine(weights)
 
 
 def test_the_env_var_picks_the_fetch_mode(weights, monkeypatch):
