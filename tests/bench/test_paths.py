@@ -1,0 +1,40 @@
+"""The layerwise paths A/B (`python -m layerflow.bench.paths`) on the CPU path: every variant timed on one engine in
+alternated blocks, each scoring exactly like the GPU hit, against one bound built from the same run."""
+
+import json
+
+import pytest
+
+from layerflow.bench.paths import VARIANTS, main, run_dtype, table
+from layerflow.bench.settings import Settings
+from tests.bench.cases import CPU
+
+
+def test_every_variant_is_timed_against_one_bound_and_scores_exactly():
+    settings = Settings(preset="tiny", seq_lens=(128,), append_len=8, num_candidates=16, batch_size=1, timed_iters=2,
+                        warmup_iters=1, scenarios=("gpu_hit", "cpu_hit_layerwise"), profile=True)
+    (row,) = run_dtype(settings, VARIANTS, blocks=2, device=CPU)
+    assert row["seq_len"] == 128 and row["lower_bound_ms"] > 0
+    assert row["lower_bound_ms"] >= row["t_transfer_ms"] and row["lower_bound_ms"] >= row["t_compute_ms"]
+    assert list(row["variants"]) == list(VARIANTS)
+    for name, v in row["variants"].items():
+        assert (v["release"], v["fetch"]) == ("after" if name == "after" else "early", VARIANTS[name][1])
+        assert len(v["layerwise_ms"]["samples"]) == len(v["gpu_hit_ms"]["samples"]) == 4   # 2 blocks x 2 requests
+        assert v["max_abs_diff_vs_gpu_hit"] == 0.0, name
+        assert v["pipeline_efficiency"] == pytest.approx(row["lower_bound_ms"] / v["layerwise_ms"]["median"])
+        phases = v["layerwise_phases_ms"]
+        assert 0 < phases["collect.fetch"] < phases["wall"] and 0 < phases["prepare.onboard"] < phases["prepare"]
+    assert table([row]).count("| auto | 128 |") == 2 * len(VARIANTS)   # the latency table and the phase table
+
+
+def test_the_command_writes_its_rows(tmp_path):
+    out = tmp_path / "paths.json"
+    main(["--preset", "tiny", "--seq-lens", "64", "--append-len", "4", "--num-candidates", "8", "--device", "cpu",
+          "--kv-cache-dtypes", "auto", "--variants", "after,early", "--blocks", "1", "--iters", "1", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert [list(r["variants"]) for r in written["rows"]] == [["after", "early"]]
+
+
+def test_an_unknown_variant_is_refused():
+    with pytest.raises(SystemExit, match="--variants 'fast'"):
+        main(["--variants", "fast", "--device", "cpu"])
