@@ -165,7 +165,7 @@ GPU_PLACEMENTS = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES"])
+@pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES", "RUN_BATCH"])
 @pytest.mark.parametrize("placement", GPU_PLACEMENTS)
 def test_cuda_onboard_offload_byte_exact(placement, path):
     from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
