@@ -1,6 +1,7 @@
 """CopyEngine on the GPU's copy engines: per layer, one cudaMemcpy2DAsync for a placement that is one run on both
-sides, else one cudaMemcpyBatchAsync (an entry per page), on dedicated streams; or (CopyPath.RUN_BATCH) one
-cudaMemcpy3DBatchAsync per layer with a 2D op per run, so the driver sees runs, not pages.
+sides, else one cudaMemcpyBatchAsync (an entry per page), on dedicated streams; or (CopyPath.RUN_BATCH)
+cudaMemcpy3DBatchAsync with a 2D op per run and layer, so the driver sees runs, not pages: one call per layer for an
+onboarding (its layers are signalled one by one), one call for a whole offload.
 
 The per-copy calls go through ctypes on libcudart (`cudart`): cuda.bindings converts every batch entry to a Python
 object, which delayed the first copy. Why one call per layer whenever the placement is fragmented at all: each
@@ -114,6 +115,17 @@ def _op_batches(copier: cudart.OpsCopier, ops: np.ndarray, stream: int) -> _Laye
     return _LayerCalls(issue, ops.shape[1], (ops,))
 
 
+def _one_op_batch(copier: cudart.OpsCopier, ops: np.ndarray, stream: int) -> Callable[[int], None]:
+    """One cudaMemcpy3DBatchAsync of the whole table, issued with layer 0 (for an offload: nothing waits for its
+    layers one at a time, so one call instead of one per layer)."""
+
+    def issue(layer: int) -> None:
+        if layer == 0:
+            copier.copy(ops.ctypes.data, ops.size, stream)
+
+    return issue
+
+
 def _layer_addresses(gpu_bases: list[int], gpu_offsets: np.ndarray, host_layers: list[int],
                      host_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`[layers, n]` uint64 GPU and host addresses: each layer's base plus the byte offsets of one transfer."""
@@ -128,8 +140,9 @@ COPY_PATH_ENV = "LAYERFLOW_COPY_PATH"
 
 class CopyPath(enum.Enum):
     """How a transfer's copies are issued per layer: AUTO takes RUNS for a placement that is one run on both sides and
-    PAGES otherwise (see the module docstring); RUNS: a cudaMemcpy2DAsync per run; PAGES: one cudaMemcpyBatchAsync,
-    an entry per page; RUN_BATCH: one cudaMemcpy3DBatchAsync, a 2D op per run."""
+    PAGES otherwise (see the module docstring); RUNS: a cudaMemcpy2DAsync per run and layer; PAGES: one
+    cudaMemcpyBatchAsync per layer, an entry per page; RUN_BATCH: cudaMemcpy3DBatchAsync, a 2D op per run and layer,
+    one call per layer onboarding and one call per offload."""
 
     AUTO = enum.auto()
     RUNS = enum.auto()
@@ -239,7 +252,7 @@ class CudaCopyEngine(CopyEngine):
             rows = np.broadcast_to(plan.run_len.astype(np.uint64), gpu.shape)
             ops = cudart.pitched_ops(gpu, page, host, pitch, page, rows) if to_gpu \
                 else cudart.pitched_ops(host, pitch, gpu, page, page, rows)
-            return _op_batches(copier, ops, stream)
+            return _op_batches(copier, ops, stream) if to_gpu else _one_op_batch(copier, ops, stream)
 
         runs = list(zip((plan.run_gpu * page).tolist(), (plan.run_host * pitch).tolist(), plan.run_len.tolist()))
 
