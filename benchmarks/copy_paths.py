@@ -30,7 +30,7 @@ from layerflow.config import SignalMode
 from layerflow.transfer import cuda_api
 from layerflow.transfer.cuda_copy import CopyPath
 from layerflow.transfer.signals import make_signals
-from transfer import BulkCopy, runs_of
+from transfer import BulkCopy, add_model_arguments, runs_of
 
 PATHS = ("auto", "run_batch", "runs")
 
@@ -124,10 +124,7 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="write the results JSON here")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--page", type=int, default=32)
+    add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=4096, help="one user's tokens")
     parser.add_argument("--iters", type=int, default=8, help="transfers per path per block")
     parser.add_argument("--blocks", type=int, default=3, help="alternated blocks of every placement x path")

@@ -345,13 +345,18 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="write the results JSON here (and a .md table next to it)")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV shape flags (the hstu-bench model's by default): layers, heads, head dim, page size."""
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--page", type=int, default=32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the results JSON here (and a .md table next to it)")
+    add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--pool-pages", type=int, default=2048, help="GPU pages per layer = host blocks")
     parser.add_argument("--iters", type=int, default=20)

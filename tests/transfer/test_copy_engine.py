@@ -10,8 +10,8 @@ from layerflow.transfer.copy_plan import plan_runs, ramp_bounds
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
-from tests.transfer.pages import (BLOCKS, LAYERS, PAGES, PLACEMENTS, POISON, check_offloaded, check_onboarded,
-                                  make_tensors)
+from tests.transfer.pages import (BLOCKS, LAYERS, PAGES, PLACEMENTS, POISON, check_offload_of_new_contents,
+                                  check_offloaded, check_onboarded, make_tensors)
 
 
 @pytest.fixture
@@ -177,14 +177,7 @@ def test_cuda_onboard_offload_byte_exact(placement, path):
                                  dtype=torch.bfloat16)
         engine.onboard(gpu, host, pages, blocks).wait(10)
         check_onboarded(gpu, host, pages, blocks)
-
-        for layer in gpu:
-            layer.copy_(torch.randn(layer.shape, device="cuda"))
-        before = host.clone()
-        transfer = engine.offload(gpu, host, pages, blocks)
-        transfer.wait(10)
-        assert transfer.done() and transfer.error is None
-        check_offloaded(gpu, host, before, pages, blocks)
+        check_offload_of_new_contents(engine, gpu, host, pages, blocks)
     finally:
         engine.close()
 

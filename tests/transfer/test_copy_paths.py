@@ -13,7 +13,7 @@ from layerflow.transfer import cudart
 from layerflow.transfer.copy_plan import plan_runs
 from layerflow.transfer.cuda_copy import COPY_PATH_ENV, CopyPath, configured_path, resolved_path
 from layerflow.transfer.signals import make_signals
-from tests.transfer.pages import check_offloaded, check_onboarded, make_tensors
+from tests.transfer.pages import check_offload_of_new_contents, check_onboarded, make_tensors
 
 
 def test_an_op_record_has_the_runtime_struct_layout():
@@ -114,14 +114,7 @@ def test_a_fragmented_placement_moves_byte_exact_with_each_layer_signalled_after
         transfer.wait(10)
         handle.release()
         check_onboarded(gpu, host, pages, blocks)
-
-        for layer in gpu:
-            layer.copy_(torch.randn(layer.shape, device="cuda"))
-        before = host.clone()
-        offload = engine.offload(gpu, host, pages, blocks)
-        offload.wait(10)
-        assert offload.error is None
-        check_offloaded(gpu, host, before, pages, blocks)
+        check_offload_of_new_contents(engine, gpu, host, pages, blocks)
     finally:
         ring.close()
         engine.close()
