@@ -8,7 +8,10 @@ object, which delayed the first copy. Why one call per layer whenever the placem
 copy-engine call costs the copy engine a few microseconds when it ends, entries within a call nothing measurable, so
 per-run 2D copies lose to one batch per layer from two runs up and win only for a single run (docs/performance.md,
 Transfers, has the figures). The per-page batch costs the driver about half a microsecond per entry on the host,
-which is what RUN_BATCH's op per run is for; AUTO stays the measured default until the H200 has compared them.
+which RUN_BATCH's op per run saves; but the copy engine takes each 3D batch op like a call of its own (~3 us), so
+AUTO stays the default: on the H200 a 4K user in runs of 1 / 4 / 16 pages copies in 2.74 / 2.73 / 2.68 ms per page
+entry against 5.58 / 3.42 / 2.86 ms by RUN_BATCH, whose host issue is 3.02 / 1.08 / 0.53 ms against 1.24 / 1.23 /
+1.21. RUN_BATCH is for schedules bound by the host's issue rather than the copy engine.
 
 One H2D and one D2H non-blocking stream per engine, so every onboarding is issued in order on one stream (the signal
 modes rely on that). Onboarding issues each layer's copies, then posts that layer's signal on the stream, all before

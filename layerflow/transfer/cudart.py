@@ -97,7 +97,7 @@ class BatchCopier:
 
     def copy(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
         """`count` copies whose destinations, sources and sizes are uint64 arrays at these addresses (the caller
-        keeps the arrays alive and computes the addresses once: see cuda_copy._BatchedLayers)."""
+        keeps the arrays alive and computes the addresses once: see cuda_copy._page_batches)."""
         _check(lib().cudaMemcpyBatchAsync(dsts, srcs, sizes, count, *self._tail, stream), "cudaMemcpyBatchAsync")
 
 
