@@ -1,7 +1,9 @@
 """Where the host time of issuing copies goes, for the serving and copy-path benchmarks: a CudaCopyEngine that times
 each transfer on the host clock: the whole `onboard` / `offload` call, of it the engine's issue (less: the plan of runs
 and the index checks), of that the address set-up and the copy calls (the driver; the rest: per-layer signal posts,
-the completion event, an offload's wait for the current stream); and histograms of runs per placement.
+the completion event, an offload's wait for the current stream); the time from the call's start until layer 0's
+copies were issued (what a layerwise onboarding's first layer waits for on the host); and histograms of runs per
+placement.
 
 Only host time is read (perf_counter around the engine's own steps); the copies are the production engine's.
 """
@@ -25,7 +27,7 @@ RUN_BINS = (1, 2, 4, 8, 16, 32, 64, 128)   # histogram bins: runs up to each bou
 @dataclass(frozen=True)
 class IssueRecord:
     """One transfer: direction, pages, runs, the path it took, and host seconds in the whole call, in the engine's
-    issue, in the address set-up, in the copy calls."""
+    issue, in the address set-up, in the copy calls, and from the call's start until layer 0's copies were issued."""
 
     to_gpu: bool
     pages: int
@@ -35,6 +37,7 @@ class IssueRecord:
     issue_s: float
     setup_s: float
     calls_s: float
+    layer0_s: float
 
 
 class IssueTimedCopyEngine(CudaCopyEngine):
@@ -53,14 +56,14 @@ class IssueTimedCopyEngine(CudaCopyEngine):
 
     def _recorded(self, call: Callable, to_gpu: bool, args: tuple, kwargs: dict):
         current = self._current
-        current.job, current.issue, current.setup, current.calls = None, 0.0, 0.0, 0.0
-        start = time.perf_counter()
+        current.job, current.issue, current.setup, current.calls, current.layer0 = None, 0.0, 0.0, 0.0, 0.0
+        current.start = start = time.perf_counter()
         transfer = call(*args, **kwargs)
         spent = time.perf_counter() - start
         plan = current.job.plan
         path = resolved_path(self.path, plan.num_runs).name.lower()
         self.records.append(IssueRecord(to_gpu, plan.num_pages, plan.num_runs, path, spent, current.issue,
-                                        current.setup, current.calls))
+                                        current.setup, current.calls, current.layer0))
         return transfer
 
     def _issue(self, job: CopyJob, stream: int, to_gpu: bool) -> CudaTransfer:
@@ -81,7 +84,10 @@ class IssueTimedCopyEngine(CudaCopyEngine):
             try:
                 copy_layer(layer)
             finally:
-                current.calls += time.perf_counter() - began
+                ended = time.perf_counter()
+                current.calls += ended - began
+                if layer == 0:
+                    current.layer0 = ended - current.start
 
         return timed
 
@@ -113,7 +119,7 @@ def summarize_issue(records: list[IssueRecord]) -> dict:
         out[name] = {"transfers": len(rows), "paths": dict(Counter(r.path for r in rows)),
                      "pages": statistics.fmean(r.pages for r in rows), "runs": statistics.fmean(r.runs for r in rows),
                      "runs_histogram": histogram(r.runs for r in rows)}
-        for field in ("total", "issue", "setup", "calls"):
+        for field in ("total", "issue", "setup", "calls", "layer0"):
             seconds = [getattr(r, f"{field}_s") for r in rows]
             out[name][f"{field}_ms"] = {"median": statistics.median(seconds) * 1e3,
                                         "mean": statistics.fmean(seconds) * 1e3, "sum": sum(seconds) * 1e3}

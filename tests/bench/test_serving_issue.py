@@ -53,6 +53,7 @@ def test_the_issue_timed_engine_records_each_transfer_and_its_parts():
         assert (onboard.to_gpu, onboard.pages, onboard.runs, onboard.path) == (True, 5, 3, "run_batch")
         assert (offload.to_gpu, offload.pages, offload.runs) == (False, 1, 1)
         assert all(0 < r.calls_s < r.issue_s < r.total_s and 0 < r.setup_s < r.issue_s for r in engine.records)
+        assert all(r.setup_s < r.layer0_s < r.total_s for r in engine.records)
         summary = summarize_issue(engine.records)
         assert summary["onboard"]["transfers"] == 1 and summary["onboard"]["runs_histogram"]["<=4"] == 1
         assert torch.equal(host[30, 0], gpu[0][4].cpu())
