@@ -190,7 +190,7 @@ def bandwidth(args, engine, timed, gpu, host, bulk) -> list[dict]:
                 issue = statistics.median(_issue_time(engine, *place) for _ in range(5))
                 rows.append({
                     "tokens": tokens, "placement": name, "path": PATH_NAMES[path],
-                    "auto": path is resolved_path(CopyPath.AUTO, runs), "runs": runs, "bytes": nbytes,
+                    "auto": path is resolved_path(CopyPath.AUTO, runs, len(gpu_pages)), "runs": runs, "bytes": nbytes,
                     "signal": args.signal,
                     "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
                     "onboard_efficiency": on_bulk / on, "onboard_gpu_efficiency": h2d_gpu / on_gpu,
@@ -345,13 +345,18 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="write the results JSON here (and a .md table next to it)")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV shape flags (the hstu-bench model's by default): layers, heads, head dim, page size."""
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--page", type=int, default=32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the results JSON here (and a .md table next to it)")
+    add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--pool-pages", type=int, default=2048, help="GPU pages per layer = host blocks")
     parser.add_argument("--iters", type=int, default=20)

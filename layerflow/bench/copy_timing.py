@@ -80,7 +80,7 @@ class TimedTransfer(Transfer):
 class TimedCudaCopyEngine(CudaCopyEngine):
     """A CudaCopyEngine whose onboardings and offloads come back as `TimedTransfer`s with the `marks` events."""
 
-    def __init__(self, marks: Marks, path: CopyPath = CopyPath.AUTO, device: int | None = None) -> None:
+    def __init__(self, marks: Marks, path: CopyPath | None = None, device: int | None = None) -> None:
         if not isinstance(marks, Marks):
             raise ValueError(f"marks={marks!r}: expected a Marks")
         super().__init__(path=path, device=device)

@@ -6,6 +6,9 @@ client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: pr
 guarded, free), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
+With `copy_paths` every run is repeated per copy path (layerflow.transfer.cuda_copy.CopyPath) on the same engine, in
+`blocks` alternated blocks, its copy engine timing each transfer's issue on the host (layerflow.bench.serving_issue).
+
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
 onboarded byte at the bulk pinned memcpy rate, each batch at the measured GPU-hit time of its size (no hardware
@@ -15,6 +18,7 @@ rate over the mean onboarded bytes per request, the GPU at full batches of GPU h
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import sys
@@ -26,6 +30,7 @@ import torch
 
 from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
+from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
 from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.stats import percentile
@@ -38,6 +43,7 @@ from layerflow.runtime.engine import Engine
 from layerflow.serving.async_engine import POLICIES
 from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
+from layerflow.transfer.cuda_copy import CopyPath
 
 CALIBRATION_ITERS = 5
 
@@ -45,8 +51,9 @@ CALIBRATION_ITERS = 5
 @dataclass(frozen=True)
 class ServingSettings:
     """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
-    rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared and whether
-    each run also sums the engine's host time per phase (layerflow.bench.phases)."""
+    rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, whether
+    each run also sums the engine's host time per phase (layerflow.bench.phases), the copy paths compared (CopyPath
+    names, CUDA only; empty: the engine's own path, untimed) and how many alternated blocks repeat every run."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
@@ -54,6 +61,8 @@ class ServingSettings:
     max_wait_ms: float = 2.0
     policies: tuple[str, ...] = ("off", "mixed")
     profile: bool = False
+    copy_paths: tuple[str, ...] = ()
+    blocks: int = 1
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -62,6 +71,11 @@ class ServingSettings:
             raise ValueError(f"transports={self.transports!r}: expected some of {TRANSPORTS}")
         if not self.policies or any(p not in POLICIES for p in self.policies):
             raise ValueError(f"policies={self.policies!r}: expected some of {POLICIES}")
+        paths = [name.lower() for name in CopyPath.__members__]
+        if any(p not in paths for p in self.copy_paths):
+            raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
+            raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms={self.max_wait_ms!r}: must be >= 0")
         if self.workload.gpu_users < self.workload.batch_size:
@@ -72,7 +86,8 @@ class ServingSettings:
         workload = asdict(self.workload) | {"signal": None if self.workload.signal is None
                                             else self.workload.signal.value}
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
-                "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile}
+                "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
+                "copy_paths": list(self.copy_paths), "blocks": self.blocks}
 
 
 GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
@@ -174,20 +189,23 @@ def serving_config(settings: ServingSettings) -> Config:
 
 def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
-    print(f"policy {run['policy']}, {run['transport']}, {run['offered_rate']:g}/s: "
+    path = f", copy path {run['copy_path']}" if "copy_path" in run else ""
+    print(f"policy {run['policy']}{path}, {run['transport']}, {run['offered_rate']:g}/s: "
           f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
           f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
 
 
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (policy, transport, rate) run on one engine, its users loaded first; the calibration (measured on it
-    before the runs) and the bound. Histories are truncated back after each run (the engine is idle then)."""
+    """Every (policy, block, copy path, transport, rate) run on one engine, its users loaded first; the calibration
+    (measured on it before the runs) and the bound. Histories are truncated back after each run (the engine is idle
+    then)."""
     workload = settings.workload
     weights = HSTUWeights.init(PRESETS[workload.preset], seed=workload.seed)
     rng = random.Random(workload.seed + 1)
     visits = returning_visits(workload, weights.config.item_vocab_size, rng)
+    copies = IssueTimedCopyEngine(device=device.index or 0) if settings.copy_paths else None
     runs = []
-    with stream_engine(workload, weights, serving_config(settings), device) as engine:
+    with stream_engine(workload, weights, serving_config(settings), device, copy_engine=copies) as engine:
         load_users(engine, workload, visits, rng)
         calibration = calibrate(engine, workload, visits, device)
         timer = PhaseTimer() if settings.profile else None
@@ -197,20 +215,26 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
-                for transport in settings.transports:
-                    for rate in settings.rates:
-                        arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
-                        serving.reset()
-                        if timer is not None:
-                            timer.start()
-                        records = over_http(server.url, arrivals) if transport == "http" \
-                            else in_process(serving, arrivals)
-                        engine_ms = {} if timer is None else {"engine_phases_ms": timer.stop()}
-                        runs.append(summarize(records, rate, transport, policy, engine.layout, calibration)
-                                    | {"scheduler": serving.timeline()} | engine_ms)
-                        _progress(runs[-1])
-                        for u in visits:
-                            engine.kv.truncate(u, workload.history_len)
+                for block, path, transport, rate in itertools.product(range(settings.blocks),
+                                                                      settings.copy_paths or (None,),
+                                                                      settings.transports, settings.rates):
+                    arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
+                    serving.reset()
+                    if copies is not None:
+                        copies.path = CopyPath[path.upper()]
+                        copies.records.clear()
+                    if timer is not None:
+                        timer.start()
+                    records = over_http(server.url, arrivals) if transport == "http" \
+                        else in_process(serving, arrivals)
+                    extra = {} if timer is None else {"engine_phases_ms": timer.stop()}
+                    if copies is not None:
+                        extra |= {"copy_path": path, "block": block, "issue": summarize_issue(copies.records)}
+                    runs.append(summarize(records, rate, transport, policy, engine.layout, calibration)
+                                | {"scheduler": serving.timeline()} | extra)
+                    _progress(runs[-1])
+                    for u in visits:
+                        engine.kv.truncate(u, workload.history_len)
             finally:
                 if server is not None:
                     server.close()

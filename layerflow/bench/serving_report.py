@@ -24,6 +24,11 @@ def _errors(run: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(run["errors"].items())) or "-"
 
 
+def _policy(run: dict) -> str:
+    """The run's policy, and its copy path where runs compare them."""
+    return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "")
+
+
 PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")
 
 
@@ -37,7 +42,7 @@ def scheduler_table(runs: list[dict]) -> list[str]:
         if t is None or t["wall_s"] <= 0:
             continue
         shares = [t["phases"].get(p, {"s": 0.0})["s"] / t["wall_s"] for p in PHASES]
-        rows.append(f"| {r['transport']} | {r['policy']} | {r['offered_rate']:g} | "
+        rows.append(f"| {r['transport']} | {_policy(r)} | {r['offered_rate']:g} | "
                     + " | ".join(f"{x:.2f}" for x in shares) + f" | {max(0.0, 1 - sum(shares)):.2f} | "
                     f"{t['collect_waits']} | {t['mean_prepared']:.2f} / {t['mean_prepared_ahead']:.2f} |")
     return rows
@@ -55,8 +60,28 @@ def engine_phase_table(runs: list[dict]) -> list[str]:
         phases, launched = r.get("engine_phases_ms"), r["scheduler"]["phases"].get("launch", {"calls": 0})["calls"]
         if phases is None or not launched:
             continue
-        rows.append(f"| {r['transport']} | {r['policy']} | {r['offered_rate']:g} | {launched} | "
+        rows.append(f"| {r['transport']} | {_policy(r)} | {r['offered_rate']:g} | {launched} | "
                     + " | ".join(f"{phases.get(p, 0.0) / launched:.3f}" for p in ENGINE_PHASES) + " |")
+    return rows
+
+
+def issue_table(runs: list[dict]) -> list[str]:
+    """Per run that compared copy paths: its onboardings' and offloads' host issue (layerflow.bench.serving_issue):
+    transfers, mean runs per transfer, ms per transfer (median) in the whole call / the copy calls, and the
+    histogram of runs per onboarded user's placement."""
+    rows = ["| policy / path | block | onboards | runs | onboard ms (all / calls) | offloads | runs | "
+            "offload ms (all / calls) | runs per user placement |", "|---" * 9 + "|"]
+    for r in runs:
+        if "issue" not in r:
+            continue
+        cells = []
+        for name in ("onboard", "offload"):
+            i = r["issue"].get(name)
+            cells += ["0", "-", "-"] if i is None else [
+                str(i["transfers"]), f"{i['runs']:.1f}",
+                f"{i['total_ms']['median']:.3f} / {i['calls_ms']['median']:.3f}"]
+        placed = ", ".join(f"{k}: {v}" for k, v in r["scheduler"]["user_runs"].items() if v)
+        rows.append(f"| {_policy(r)} | {r['block']} | " + " | ".join(cells) + f" | {placed or '-'} |")
     return rows
 
 
@@ -68,7 +93,7 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
     rows = ["| transport | policy | offered/s | req/s | p50 ms | p99 ms | gpu/host/ssd/none | errors | mean batch | "
             "copy busy | GPU busy |", "|---" * 11 + "|"]
     for r in results["runs"]:
-        rows.append(f"| {r['transport']} | {r['policy']} | {r['offered_rate']:g} | "
+        rows.append(f"| {r['transport']} | {_policy(r)} | {r['offered_rate']:g} | "
                     f"{r['throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | {_errors(r)} | "
                     f"{r['mean_batch']:.2f} | {r['copy_busy']:.2f} | {r['sm_busy']:.2f} |")
     gpu_ms = ", ".join(f"{size}: {ms:.2f}" for size, ms in sorted(cal.gpu_hit_ms.items()))
@@ -84,6 +109,9 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
     if settings.profile:
         lines += ["", "Engine host time per launched batch (ms, host clock; layerflow/bench/phases.py):", "",
                   *engine_phase_table(results["runs"])]
+    if settings.copy_paths:
+        lines += ["", "Copy issue per transfer (host clock; layerflow/bench/serving_issue.py):", "",
+                  *issue_table(results["runs"])]
     return "\n".join(lines)
 
 

@@ -13,6 +13,8 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `collect`: `Engine.collect` (waits for the device when the batch has not computed yet: counted in `collect_waits`);
 - `answer`: answering the batch's requests (their futures' callbacks run here);
 - `retry`: requests retried alone after a failed batch.
+With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept too, outside the
+timed steps: `timeline()["user_runs"]` is the histogram of their runs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from layerflow.bench.serving_issue import histogram, placement_runs
 from layerflow.serving.async_engine import AsyncEngine, Scored
+from layerflow.runtime.kv_manager import BELOW_GPU
 from layerflow.serving.flights import Prepared
 from layerflow.serving.queue import Pending
 
@@ -34,6 +38,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._children: list[float] = []
         self._sizes: dict[str, list[int]] = {"prepare": [], "prepare ahead": []}
         self._collect_waits = 0
+        self._placements: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self._since = time.perf_counter()
         super().__init__(*args, **kwargs)
 
@@ -41,6 +46,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._phases = {}
         self._sizes = {"prepare": [], "prepare ahead": []}
         self._collect_waits = 0
+        self._placements = []
         self._since = time.perf_counter()
 
     def timeline(self) -> dict:
@@ -49,7 +55,8 @@ class TimedAsyncEngine(AsyncEngine):
         sizes = {name: sum(s) / len(s) if s else 0.0 for name, s in self._sizes.items()}
         return {"wall_s": time.perf_counter() - self._since, "collect_waits": self._collect_waits,
                 "phases": {name: {"s": s, "calls": int(n)} for name, (s, n) in sorted(self._phases.items())},
-                "mean_prepared": sizes["prepare"], "mean_prepared_ahead": sizes["prepare ahead"]}
+                "mean_prepared": sizes["prepare"], "mean_prepared_ahead": sizes["prepare ahead"],
+                "user_runs": histogram(placement_runs(self._placements))}
 
     def _timed(self, phase: str, step: Callable, *args):
         self._children.append(0.0)
@@ -72,7 +79,20 @@ class TimedAsyncEngine(AsyncEngine):
         phase = "prepare ahead" if prefetch else "prepare"
         if not self._children:   # the outer call of a split, not its halves
             self._sizes[phase].append(len(batch))
-        return self._timed(phase, super()._prepare, batch, prefetch)
+        prepared = self._timed(phase, super()._prepare, batch, prefetch)
+        if prepared is not None:
+            self._keep_placements(prepared)
+        return prepared
+
+    def _keep_placements(self, prepared: Prepared) -> None:
+        """Each onboarded user's GPU pages and host blocks as they are now (the in-process tier's host pool)."""
+        host = getattr(getattr(self.engine.kv.below, "cache", None), "host", None)
+        if host is None:
+            return
+        plan = prepared.plan
+        for r, tier, pages in zip(plan.requests, plan.tiers, plan.page_rows):
+            if tier in BELOW_GPU and r.user_id in host:
+                self._placements.append((pages, host.pages(r.user_id)))
 
     def _launch(self, prepared: Prepared) -> None:
         return self._timed("launch", super()._launch, prepared)

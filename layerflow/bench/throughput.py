@@ -29,6 +29,7 @@ from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
 from layerflow.config import SignalMode, Config, load_config
 from layerflow.tier.layout import KVLayout
+from layerflow.transfer.copy_engine import CopyEngine
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,13 @@ def returning_visits(settings: ThroughputSettings, vocab: int, rng: random.Rando
             for u in range(settings.num_users)}
 
 
-def stream_engine(settings: ThroughputSettings, weights: HSTUWeights, config: Config, device: torch.device) -> Engine:
-    """An engine whose graph buckets are the stream's batch sizes and their query tokens."""
+def stream_engine(settings: ThroughputSettings, weights: HSTUWeights, config: Config, device: torch.device,
+                  copy_engine: CopyEngine | None = None) -> Engine:
+    """An engine whose graph buckets are the stream's batch sizes and their query tokens (`copy_engine`: see
+    Engine)."""
     tokens = tuple(sorted({settings.query_tokens(b) for b in settings.batch_buckets}))
     return Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
-                  batch_buckets=settings.batch_buckets, token_buckets=tokens)
+                  batch_buckets=settings.batch_buckets, token_buckets=tokens, copy_engine=copy_engine)
 
 
 def load_users(engine: Engine, settings: ThroughputSettings, visits: dict[int, Request], rng: random.Random) -> None:

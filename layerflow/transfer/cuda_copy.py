@@ -1,11 +1,17 @@
 """CopyEngine on the GPU's copy engines: per layer, one cudaMemcpy2DAsync for a placement that is one run on both
-sides, else one cudaMemcpyBatchAsync (an entry per page), on dedicated streams.
+sides, else one cudaMemcpyBatchAsync (an entry per page), on dedicated streams; or (CopyPath.RUN_BATCH)
+cudaMemcpy3DBatchAsync with a 2D op per run and layer, so the driver sees runs, not pages: one call per layer for an
+onboarding (its layers are signalled one by one), one call for a whole offload.
 
 The per-copy calls go through ctypes on libcudart (`cudart`): cuda.bindings converts every batch entry to a Python
 object, which delayed the first copy. Why one call per layer whenever the placement is fragmented at all: each
 copy-engine call costs the copy engine a few microseconds when it ends, entries within a call nothing measurable, so
 per-run 2D copies lose to one batch per layer from two runs up and win only for a single run (docs/performance.md,
-Transfers, has the figures).
+Transfers, has the figures). The per-page batch costs the driver about half a microsecond per entry on the host,
+which RUN_BATCH's op per run saves; but the copy engine takes each 3D batch op like a call of its own (~3 us), so
+AUTO stays the default: on the H200 a 4K user in runs of 1 / 4 / 16 pages copies in 2.74 / 2.73 / 2.68 ms per page
+entry against 5.58 / 3.42 / 2.86 ms by RUN_BATCH, whose host issue is 3.02 / 1.08 / 0.53 ms against 1.24 / 1.23 /
+1.21. RUN_BATCH is for schedules bound by the host's issue rather than the copy engine.
 
 One H2D and one D2H non-blocking stream per engine, so every onboarding is issued in order on one stream (the signal
 modes rely on that). Onboarding issues each layer's copies, then posts that layer's signal on the stream, all before
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import time
 from itertools import pairwise
 from typing import Callable
@@ -69,57 +76,121 @@ class CudaTransfer(Transfer):
             raise TransferError(f"transfer failed: {self.error}") from self.error
 
 
-class _BatchedLayers:
-    """Issues one layer's per-page copies as cudaMemcpyBatchAsync calls over descriptor arrays it keeps alive.
+class _LayerCalls:
+    """Issues layer l's entries `[l * n, (l + 1) * n)` of a descriptor table as `issue(first entry, count)` calls:
+    one call per layer, the first layer in doubling chunks (`ramp_bounds`) so its copies start before the whole
+    layer is queued. The caller's `issue` computes its addresses from precomputed bases (numpy's `.ctypes` costs
+    ~1 us per array, and the first layer's chunks are issued while the copy engine waits for them)."""
 
-    Every call's addresses are computed here once (numpy's `.ctypes` costs ~1 us per array and the first layer's
-    chunks are issued while the copy engine waits for them); the first layer goes in doubling chunks (`ramp_bounds`).
-    """
-
-    def __init__(self, copier: cudart.BatchCopier, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
-                 stream: int) -> None:
-        self._arrays = (dsts, srcs, sizes)
-        self._copier, self._stream, self._pages = copier, stream, sizes.size
-        entry = dsts.itemsize
-        self._row_bytes = self._pages * entry
-        self._dst, self._src, self._size = dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data
-        self._first_layer = [(self._dst + a * entry, self._src + a * entry, self._size + a * entry, b - a)
-                             for a, b in pairwise(ramp_bounds(self._pages))]
+    def __init__(self, issue: Callable[[int, int], None], per_layer: int, tables: tuple[np.ndarray, ...]) -> None:
+        self._issue, self._per_layer = issue, per_layer
+        self._tables = tables   # the arrays `issue` reads, alive as long as the calls
+        self._first_layer = [(a, b - a) for a, b in pairwise(ramp_bounds(per_layer))]
 
     def __call__(self, layer: int) -> None:
         if layer == 0:
-            for call in self._first_layer:
-                self._copier.copy(*call, self._stream)
+            for first, count in self._first_layer:
+                self._issue(first, count)
         else:
-            row = layer * self._row_bytes
-            self._copier.copy(self._dst + row, self._src + row, self._size, self._pages, self._stream)
+            self._issue(layer * self._per_layer, self._per_layer)
+
+
+def _page_batches(copier: cudart.BatchCopier, dsts: np.ndarray, srcs: np.ndarray, page: int,
+                  stream: int) -> _LayerCalls:
+    """cudaMemcpyBatchAsync calls over `[layers, pages]` destination and source addresses of `page` bytes each."""
+    sizes = np.full(dsts.shape, page, dtype=np.uint64)
+    dst, src, size, entry = dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, dsts.itemsize
+
+    def issue(first: int, count: int) -> None:
+        offset = first * entry
+        copier.copy(dst + offset, src + offset, size + offset, count, stream)
+
+    return _LayerCalls(issue, dsts.shape[1], (dsts, srcs, sizes))
+
+
+def _op_batches(copier: cudart.OpsCopier, ops: np.ndarray, stream: int) -> _LayerCalls:
+    """cudaMemcpy3DBatchAsync calls over a `[layers, runs]` table of BATCH_OP_3D ops."""
+    base, entry = ops.ctypes.data, ops.itemsize
+
+    def issue(first: int, count: int) -> None:
+        copier.copy(base + first * entry, count, stream)
+
+    return _LayerCalls(issue, ops.shape[1], (ops,))
+
+
+def _one_op_batch(copier: cudart.OpsCopier, ops: np.ndarray, stream: int) -> Callable[[int], None]:
+    """One cudaMemcpy3DBatchAsync of the whole table, issued with layer 0 (for an offload: nothing waits for its
+    layers one at a time, so one call instead of one per layer)."""
+
+    def issue(layer: int) -> None:
+        if layer == 0:
+            copier.copy(ops.ctypes.data, ops.size, stream)
+
+    return issue
+
+
+def _layer_addresses(gpu_bases: list[int], gpu_offsets: np.ndarray, host_layers: list[int],
+                     host_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`[layers, n]` uint64 GPU and host addresses: each layer's base plus the byte offsets of one transfer."""
+    u64 = np.uint64
+    gpu = np.array(gpu_bases, dtype=u64)[:, None] + gpu_offsets.astype(u64)[None, :]
+    host = np.array(host_layers, dtype=u64)[:, None] + host_offsets.astype(u64)[None, :]
+    return gpu, host
+
+
+COPY_PATH_ENV = "LAYERFLOW_COPY_PATH"
 
 
 class CopyPath(enum.Enum):
     """How a transfer's copies are issued per layer: AUTO takes RUNS for a placement that is one run on both sides and
-    PAGES otherwise (see the module docstring); the others force one path (tests, benchmarks)."""
+    PAGES otherwise (see the module docstring); RUNS: a cudaMemcpy2DAsync per run and layer; PAGES: one
+    cudaMemcpyBatchAsync per layer, an entry per page; RUN_BATCH: cudaMemcpy3DBatchAsync, a 2D op per run and layer,
+    one call per layer onboarding and one call per offload; BY_LENGTH: AUTO, except RUN_BATCH where the runs average
+    LONG_RUN_PAGES pages or more (a run that long costs the copy engine no more as one op than as its pages' entries,
+    and the host a fraction: on the H200 three runs of 128 pages copy in 7.71 ms by RUN_BATCH against 7.67 by page
+    entries, issued in 0.53 ms against 2.86)."""
 
     AUTO = enum.auto()
     RUNS = enum.auto()
     PAGES = enum.auto()
+    RUN_BATCH = enum.auto()
+    BY_LENGTH = enum.auto()
 
 
-def resolved_path(path: CopyPath, num_runs: int) -> CopyPath:
-    """The path a transfer of `num_runs` runs (contiguous on both sides) takes under `path`."""
-    if path is not CopyPath.AUTO:
+LONG_RUN_PAGES = 32   # BY_LENGTH's mean run length for RUN_BATCH
+
+
+def configured_path() -> CopyPath:
+    """$LAYERFLOW_COPY_PATH (a CopyPath name, any case), else AUTO; ValueError naming any other value."""
+    value = os.environ.get(COPY_PATH_ENV, "auto").strip().upper()
+    if value not in CopyPath.__members__:
+        raise ValueError(f"{COPY_PATH_ENV}={value.lower()!r}: expected one of "
+                         f"{[name.lower() for name in CopyPath.__members__]}")
+    return CopyPath[value]
+
+
+def resolved_path(path: CopyPath, num_runs: int, num_pages: int) -> CopyPath:
+    """The path a transfer of `num_pages` pages in `num_runs` runs (contiguous on both sides) takes under `path`."""
+    if path not in (CopyPath.AUTO, CopyPath.BY_LENGTH):
         return path
-    return CopyPath.RUNS if num_runs <= 1 else CopyPath.PAGES
+    if num_runs <= 1:
+        return CopyPath.RUNS
+    if path is CopyPath.BY_LENGTH and num_pages >= LONG_RUN_PAGES * num_runs:
+        return CopyPath.RUN_BATCH
+    return CopyPath.PAGES
 
 
 class CudaCopyEngine(CopyEngine):
-    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device)."""
+    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device), by `path`
+    (default: `configured_path()`; an attribute, so one engine can be switched between transfers)."""
 
-    def __init__(self, path: CopyPath = CopyPath.AUTO, device: int | None = None) -> None:
+    def __init__(self, path: CopyPath | None = None, device: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
         super().__init__()
         self.device = torch.cuda.current_device() if device is None else device
         cuda_api.set_device(self.device)
-        self.path = path
+        self.path = configured_path() if path is None else path
+        self._ops: cudart.OpsCopier | None = None
         self.h2d_stream = cuda_api.create_stream()
         self.d2h_stream = cuda_api.create_stream()
         self._pool = cuda_api.EventPool()
@@ -183,12 +254,19 @@ class CudaCopyEngine(CopyEngine):
         host_base = job.host.data_ptr()
         gpu_bases = [t.data_ptr() for t in job.gpu_layers]
         host_layers = [host_base + layer * page for layer in range(job.num_layers)]
-        if resolved_path(self.path, plan.num_runs) is CopyPath.PAGES:
-            u64 = np.uint64
-            gpu = np.array(gpu_bases, dtype=u64)[:, None] + (plan.gpu_pages.astype(u64) * u64(page))[None, :]
-            host = np.array(host_layers, dtype=u64)[:, None] + (plan.host_blocks.astype(u64) * u64(pitch))[None, :]
+        path = resolved_path(self.path, plan.num_runs, plan.num_pages)
+        if path is CopyPath.PAGES:
+            gpu, host = _layer_addresses(gpu_bases, plan.gpu_pages * page, host_layers, plan.host_blocks * pitch)
             dsts, srcs = (gpu, host) if to_gpu else (host, gpu)
-            return _BatchedLayers(self._batch, dsts, srcs, np.full(plan.num_pages, page, dtype=u64), stream)
+            return _page_batches(self._batch, dsts, srcs, page, stream)
+        if path is CopyPath.RUN_BATCH:
+            # A 2D op per run: `run_len` rows of one page, packed on the GPU, `pitch` apart on the block-first host.
+            copier = self._run_ops()
+            gpu, host = _layer_addresses(gpu_bases, plan.run_gpu * page, host_layers, plan.run_host * pitch)
+            rows = np.broadcast_to(plan.run_len.astype(np.uint64), gpu.shape)
+            ops = cudart.pitched_ops(gpu, page, host, pitch, page, rows) if to_gpu \
+                else cudart.pitched_ops(host, pitch, gpu, page, page, rows)
+            return _op_batches(copier, ops, stream) if to_gpu else _one_op_batch(copier, ops, stream)
 
         runs = list(zip((plan.run_gpu * page).tolist(), (plan.run_host * pitch).tolist(), plan.run_len.tolist()))
 
@@ -203,3 +281,9 @@ class CudaCopyEngine(CopyEngine):
                                            cudart.MEMCPY_DEVICE_TO_HOST, stream)
 
         return copy_runs
+
+    def _run_ops(self) -> cudart.OpsCopier:
+        """The 3D batch copier, made on first use (TransferError where libcudart lacks it)."""
+        if self._ops is None:
+            self._ops = cudart.OpsCopier()
+        return self._ops

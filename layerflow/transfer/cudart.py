@@ -1,6 +1,6 @@
-"""The CUDA runtime calls layerflow makes through ctypes on the process's libcudart (the one torch loaded): the two
-hot-path copies, the event record and wait of the native signal posts, the host-function launch of the runtime's
-wait nodes, and the plain copy benchmarks compare against.
+"""The CUDA runtime calls layerflow makes through ctypes on the process's libcudart (the one torch loaded): the
+hot-path copies (2D, batched 1D, batched 3D), the event record and wait of the native signal posts, the host-function
+launch of the runtime's wait nodes, and the plain copy benchmarks compare against.
 
 cuda.bindings converts every list element of cudaMemcpyBatchAsync into a Python object and back (about 0.7 ms per
 layer of 512 pages on the H200, which delays the first layer's copy); through ctypes the descriptors are numpy arrays
@@ -55,6 +55,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         batch.append(_c.c_void_p)  # CUDA 12.8/12.9: size_t* failIdx before the stream
     lib.cudaMemcpyBatchAsync.restype = _c.c_int
     lib.cudaMemcpyBatchAsync.argtypes = [*batch, _c.c_void_p]
+    lib.has_3d_batch = hasattr(lib, "cudaMemcpy3DBatchAsync")   # CUDA 12.8+
+    if lib.has_3d_batch:
+        fail_index = [_c.c_void_p] if version.value < 13000 else []   # 12.8/12.9: size_t* failIdx before the flags
+        lib.cudaMemcpy3DBatchAsync.restype = _c.c_int
+        lib.cudaMemcpy3DBatchAsync.argtypes = [_c.c_size_t, _c.c_void_p, *fail_index, _c.c_ulonglong, _c.c_void_p]
     lib.cudaLaunchHostFunc.restype = _c.c_int
     lib.cudaLaunchHostFunc.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_void_p]
     lib.cudaEventRecord.restype = _c.c_int
@@ -92,8 +97,72 @@ class BatchCopier:
 
     def copy(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
         """`count` copies whose destinations, sources and sizes are uint64 arrays at these addresses (the caller
-        keeps the arrays alive and computes the addresses once: see cuda_copy._BatchedLayers)."""
+        keeps the arrays alive and computes the addresses once: see cuda_copy._page_batches)."""
         _check(lib().cudaMemcpyBatchAsync(dsts, srcs, sizes, count, *self._tail, stream), "cudaMemcpyBatchAsync")
+
+
+class MemLocation(_c.Structure):
+    """cudaMemLocation."""
+
+    _fields_ = [("type", _c.c_int32), ("id", _c.c_int32)]
+
+
+class PointerOperand(_c.Structure):
+    """cudaMemcpy3DOperand of type cudaMemcpyOperandTypePointer: its union holds the pointer member (32 bytes, the
+    size of the array member too); `rowLength` and `layerHeight` count elements, which are bytes between pointers."""
+
+    _fields_ = [("type", _c.c_uint32), ("ptr", _c.c_uint64), ("rowLength", _c.c_size_t),
+                ("layerHeight", _c.c_size_t), ("locHint", MemLocation)]
+
+
+class Extent(_c.Structure):
+    """cudaExtent."""
+
+    _fields_ = [("width", _c.c_size_t), ("height", _c.c_size_t), ("depth", _c.c_size_t)]
+
+
+class Memcpy3DBatchOp(_c.Structure):
+    """cudaMemcpy3DBatchOp (112 bytes on x86-64, the layout of CUDA 12.8-13's driver_types.h)."""
+
+    _fields_ = [("src", PointerOperand), ("dst", PointerOperand), ("extent", Extent),
+                ("srcAccessOrder", _c.c_uint32), ("flags", _c.c_uint32)]
+
+
+OPERAND_POINTER = 1        # cudaMemcpyOperandTypePointer
+SRC_ORDER_STREAM = 1       # cudaMemcpySrcAccessOrderStream
+BATCH_OP_3D = np.dtype(Memcpy3DBatchOp)   # the same layout as a numpy record, so a table of ops is filled at once
+
+
+def pitched_ops(dsts: np.ndarray, dst_pitch: int, srcs: np.ndarray, src_pitch: int, width: int,
+                rows: np.ndarray) -> np.ndarray:
+    """A table of 2D pointer-to-pointer ops, one per element of `dsts` (any shape; `srcs` and `rows` alike): `rows`
+    rows of `width` bytes, `dst_pitch` / `src_pitch` bytes apart, read in stream order."""
+    ops = np.zeros(dsts.shape, dtype=BATCH_OP_3D)
+    for operand, base, pitch in (("src", srcs, src_pitch), ("dst", dsts, dst_pitch)):
+        ops[operand]["type"] = OPERAND_POINTER
+        ops[operand]["ptr"] = base
+        ops[operand]["rowLength"] = pitch
+    ops["extent"]["width"] = width
+    ops["extent"]["height"] = rows
+    ops["extent"]["depth"] = 1
+    ops["srcAccessOrder"] = SRC_ORDER_STREAM
+    return ops
+
+
+class OpsCopier:
+    """cudaMemcpy3DBatchAsync over tables of BATCH_OP_3D records (each op carries its own source order)."""
+
+    def __init__(self) -> None:
+        cuda = lib()
+        if not cuda.has_3d_batch:
+            raise TransferError(f"cudaMemcpy3DBatchAsync needs CUDA 12.8+; this libcudart is {cuda.runtime_version}")
+        self._fail_index = np.zeros(1, dtype=np.uint64)
+        self._fail = (self._fail_index.ctypes.data,) if cuda.runtime_version < 13000 else ()
+
+    def copy(self, ops: int, count: int, stream: int) -> None:
+        """The `count` ops at address `ops`: the driver reads the table during the call (the caller keeps it alive
+        that long), the copies run in stream order after it."""
+        _check(lib().cudaMemcpy3DBatchAsync(count, ops, *self._fail, 0, stream), "cudaMemcpy3DBatchAsync")
 
 
 def event_record(event: int, stream: int) -> None:

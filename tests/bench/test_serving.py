@@ -120,3 +120,4 @@ def test_every_policy_serves_the_whole_stream_on_one_engine_and_its_engine_phase
         prepared = sum(steps.get(p, {"s": 0.0})["s"] for p in ("prepare", "prepare ahead")) * 1e3
         assert 0 < phases["prepare.onboard"] < phases["prepare"] <= prepared
         assert 0 < phases["launch"] <= steps["launch"]["s"] * 1e3
+        assert sum(r["scheduler"]["user_runs"].values()) == r["tiers"]["host"]   # a placement per host hit

@@ -39,3 +39,14 @@ def check_offloaded(gpu, host, before, pages, blocks):
             assert torch.equal(host[block, layer], src[page]), (layer, page, block)
     untouched = sorted(set(range(host.shape[0])) - set(blocks))
     assert torch.equal(host[untouched], before[untouched]), "a block outside the transfer was written"
+
+
+def check_offload_of_new_contents(engine, gpu, host, pages, blocks):
+    """Fresh random GPU layers offloaded by `engine` land in exactly the blocks named, byte-exact."""
+    for layer in gpu:
+        layer.copy_(torch.randn(layer.shape, device=layer.device))
+    before = host.clone()
+    transfer = engine.offload(gpu, host, pages, blocks)
+    transfer.wait(10)
+    assert transfer.done() and transfer.error is None
+    check_offloaded(gpu, host, before, pages, blocks)

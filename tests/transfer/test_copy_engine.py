@@ -10,8 +10,8 @@ from layerflow.transfer.copy_plan import plan_runs, ramp_bounds
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
-from tests.transfer.pages import (BLOCKS, LAYERS, PAGES, PLACEMENTS, POISON, check_offloaded, check_onboarded,
-                                  make_tensors)
+from tests.transfer.pages import (BLOCKS, LAYERS, PAGES, PLACEMENTS, POISON, check_offload_of_new_contents,
+                                  check_offloaded, check_onboarded, make_tensors)
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ GPU_PLACEMENTS = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES"])
+@pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES", "RUN_BATCH"])
 @pytest.mark.parametrize("placement", GPU_PLACEMENTS)
 def test_cuda_onboard_offload_byte_exact(placement, path):
     from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
@@ -177,14 +177,7 @@ def test_cuda_onboard_offload_byte_exact(placement, path):
                                  dtype=torch.bfloat16)
         engine.onboard(gpu, host, pages, blocks).wait(10)
         check_onboarded(gpu, host, pages, blocks)
-
-        for layer in gpu:
-            layer.copy_(torch.randn(layer.shape, device="cuda"))
-        before = host.clone()
-        transfer = engine.offload(gpu, host, pages, blocks)
-        transfer.wait(10)
-        assert transfer.done() and transfer.error is None
-        check_offloaded(gpu, host, before, pages, blocks)
+        check_offload_of_new_contents(engine, gpu, host, pages, blocks)
     finally:
         engine.close()
 
@@ -244,6 +237,7 @@ def test_ramp_bounds_cover_the_batch_in_doubling_chunks_without_a_short_tail(n):
 def test_auto_path_copies_runs_only_for_a_single_run():
     from layerflow.transfer.cuda_copy import CopyPath, resolved_path
 
-    assert [resolved_path(CopyPath.AUTO, n) for n in (0, 1, 2, 55)] == [CopyPath.RUNS, CopyPath.RUNS,
-                                                                        CopyPath.PAGES, CopyPath.PAGES]
-    assert resolved_path(CopyPath.RUNS, 55) is CopyPath.RUNS and resolved_path(CopyPath.PAGES, 1) is CopyPath.PAGES
+    assert [resolved_path(CopyPath.AUTO, n, 110) for n in (0, 1, 2, 55)] == [CopyPath.RUNS, CopyPath.RUNS,
+                                                                             CopyPath.PAGES, CopyPath.PAGES]
+    assert resolved_path(CopyPath.RUNS, 55, 110) is CopyPath.RUNS
+    assert resolved_path(CopyPath.PAGES, 1, 110) is CopyPath.PAGES
