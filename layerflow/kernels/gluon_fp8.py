@@ -68,13 +68,13 @@ LOADER_WARPS_AT_M64 = 4
 
 @dataclass(frozen=True)
 class Fp8Tiling:
-    """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read, code slots in flight
-    (`code_stages` >= 3: with "load" the scale bytes of a tile reach the scale ring an iteration after its copies
-    are issued; or 1 with "async": one code slot, refilled with the next tile's codes as soon as this tile is
-    decoded, so they travel while the loader waits for a free bf16 slot: what lets 64-key tiles fit beside a
-    128 x 256 query block), how the scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the
-    decode) and their registers each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), and whether the
-    block's warps skip the mask on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles)."""
+    """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read, code slots (`code_stages`:
+    >= 2 in a ring, >= 3 with "load", whose scale bytes reach the scale ring an iteration after their tile's copies;
+    or 1 with "async": one slot, refilled with the next tile's codes as soon as this tile is decoded, so they travel
+    while the loader waits for a free bf16 slot, which lets 64-key tiles fit beside a 128 x 256 query block), how the
+    scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
+    each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), and whether the block's warps skip the mask
+    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles)."""
 
     block_n: int = 32
     stages: int = 2
@@ -125,12 +125,13 @@ def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, item
 
 def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
     """What is wrong with `tiling` on any shape (None when nothing is)."""
-    if tiling.block_n not in (32, 64) or tiling.stages < 2 or (tiling.code_stages != 1 and tiling.code_stages < 3):
-        return f"{tiling}: block_n must be 32 or 64, stages >= 2 and code_stages 1 or >= 3"
+    if tiling.block_n not in (32, 64) or tiling.stages < 2 or tiling.code_stages < 1:
+        return f"{tiling}: block_n must be 32 or 64, stages >= 2 and code_stages >= 1"
     if tiling.scale_copy not in SCALE_COPIES:
         return f"{tiling}: scale_copy must be one of {SCALE_COPIES} (field or ${SCALE_COPY_ENV})"
-    if tiling.code_stages == 1 and tiling.scale_copy != "async":
-        return f"{tiling}: code_stages=1 needs scale_copy='async' (the scale words travel with the codes)"
+    if tiling.code_stages < 3 and tiling.scale_copy != "async":
+        return (f"{tiling}: code_stages < 3 needs scale_copy='async' (with 'load' a tile's scales are stored an "
+                "iteration after its copies are issued)")
     reason = registers_reason(tiling)
     if reason is not None:
         return reason

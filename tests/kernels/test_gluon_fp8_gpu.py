@@ -1,8 +1,8 @@
 """The fp8 Gluon kernel on an H200 against the torch fp8 reference and the `tl` kernel's fp8 path: small ragged
 batches with 0-history users for both formats, head dims and scale copies, BS=1 16K at 0 and 256 candidates, the
 scales applied in the dots (bit for bit the decode's result), the tanh SiLU, unmasked whole tiles (bit for bit the
-masked result), one code slot of 64-key tiles (the default's result to fp32 rounding), `auto` taking the kernel (with
-the "async" scale copy), and one CUDA graph replayed across lengths."""
+masked result), 64-key tiles in one or two code slots (the default's result to fp32 rounding), `auto` taking the
+kernel (with the "async" scale copy), and one CUDA graph replayed across lengths."""
 
 import pytest
 import torch
@@ -126,19 +126,20 @@ def test_unmasked_whole_tiles_give_the_masked_result_bit_for_bit(knobs):
     assert torch.equal(whole[:total], masked[:total])
 
 
-@pytest.mark.parametrize("candidates", [0, 256])
-def test_one_code_slot_of_64_key_tiles_matches_reference_tl_and_the_default(candidates):
-    """Only the tile width and where the codes wait change: the default's products, summed in another order."""
+@pytest.mark.parametrize("candidates, code_stages", [(0, 1), (256, 1), (0, 2)])
+def test_64_key_tiles_with_one_or_two_code_slots_match_reference_tl_and_the_default(candidates, code_stages):
+    """Only the tile width and where the codes wait change: the default's products, summed in another order (two
+    code slots of 64 keys fit beside a 64-row query block only: 0 candidates)."""
     batch = fp8_batch([16384 + 64, 700], [64, 64], [candidates, 3], 256, E4M3)
-    one_slot = Fp8Tiling(block_n=64, code_stages=1)
-    check(batch, 256, E4M3, one_slot)
+    wide = Fp8Tiling(block_n=64, code_stages=code_stages)
+    check(batch, 256, E4M3, wide)
     total = batch.total_tokens
     default = run(batch, "gluon", 256, E4M3, Fp8Tiling(block_n=32))
-    assert relative_error(run(batch, "gluon", 256, E4M3, one_slot), default, total) < 1e-3
+    assert relative_error(run(batch, "gluon", 256, E4M3, wide), default, total) < 1e-3
 
 
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_one_code_slot_with_the_tanh_silu_on_small_ragged_batches_matches_reference_and_tl(kv_dtype):
+def test_64_key_tiles_in_one_code_slot_with_the_tanh_silu_on_small_ragged_batches_match_reference_and_tl(kv_dtype):
     check(fp8_batch(*SMALL, 256, kv_dtype), 256, kv_dtype, Fp8Tiling(block_n=64, code_stages=1, silu="tanh"))
 
 
