@@ -25,7 +25,7 @@ per score, gluon_tiles._tanh_silu_of_seen, the bf16 kernel's default at D=256).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.experimental import gluon
@@ -64,6 +64,11 @@ LOADER_WARPS = (4, 8)
 MAX_WARPS = 12
 # One loader warpgroup is the proven path; 8 (two, sharing the decode) only fits beside 64-row query blocks.
 LOADER_WARPS_AT_M64 = 4
+# Code slots of the default 64-key tiles at D=256 per query block (what fits beside it). H200, attention alone, us,
+# against 32-key tiles in four slots: one slot by 128-row blocks 94.0 / 28.1 at 16K / 2K, 256 candidates (95.5 /
+# 28.6); two slots with the tanh SiLU by 64-row blocks 32.4 / 14.1 at 16K / 2K, 0 candidates (33.9 / 13.7).
+WIDE_CODE_STAGES = {128: 1, 64: 2}
+SILU_AT_M64 = "tanh"
 
 
 @dataclass(frozen=True)
@@ -100,17 +105,25 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 
 def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None = None) -> Fp8Tiling:
-    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy, scale site, SiLU
-    and whole-tile mask of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE, $LAYERFLOW_FP8_SILU and
-    $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES (0 or 1), else the defaults: the "async" scale copy where `page_size` is a
-    multiple of 4 (None: assumed to), else "load"; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
+    """64-key tiles: in four code slots at D <= 128, at D=256 in WIDE_CODE_STAGES[block_m] where those fit beside
+    the query block (the "async" scale copy, the "decode" scale site), else 32-key tiles in four; the scale copy,
+    scale site, SiLU and whole-tile mask of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE, $LAYERFLOW_FP8_SILU
+    and $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES (0 or 1), else the defaults: the "async" scale copy where `page_size` is
+    a multiple of 4 (None: assumed to), else "load"; SILU_AT_M64 with 64-key tiles beside 64-row blocks at D=256,
+    else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
     copy = DEFAULT_SCALE_COPY if page_size is None or page_size % 4 == 0 else "load"
     whole = _env_choice(WHOLE_TILES_ENV, ("0", "1"), str(int(DEFAULT_UNMASKED_WHOLE_TILES)))
-    return Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
-                     scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
-                     producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4,
-                     scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
-                     silu=_env_choice(SILU_ENV, SILUS, DEFAULT_SILU), unmasked_whole_tiles=whole == "1")
+    tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
+                       scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
+                       producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4,
+                       scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
+                       unmasked_whole_tiles=whole == "1")
+    wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
+    if head_dim > 128 and fp8_tiling_reason(wide) is None and \
+            fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
+        tiling = wide
+    silu = SILU_AT_M64 if head_dim > 128 and block_m == 64 and tiling.block_n == 64 else DEFAULT_SILU
+    return replace(tiling, silu=_env_choice(SILU_ENV, SILUS, silu))
 
 
 def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, itemsize: int = 2) -> int:

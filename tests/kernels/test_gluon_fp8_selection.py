@@ -71,6 +71,22 @@ def test_default_tiling_fits_every_head_dim_at_both_query_blocks(monkeypatch, lo
             assert "sm_90" in reason, reason
 
 
+def test_d256_defaults_to_64_key_tiles_in_the_code_slots_that_fit_beside_the_query_block(monkeypatch):
+    for name in (SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, silu="exact")
+    assert default_fp8_tiling(256, 64) == Fp8Tiling(block_n=64, code_stages=2, silu="tanh")
+    assert default_fp8_tiling(128, 64) == Fp8Tiling(block_n=64, code_stages=4, silu="exact")
+    # "load" needs three code slots, and the "dots" scale site's fp32 scales do not fit beside either query block
+    assert default_fp8_tiling(256, 64, 2) == Fp8Tiling(block_n=32, scale_copy="load", silu="exact")
+    monkeypatch.setenv(SCALE_SITE_ENV, "dots")
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=32, scale_site="dots")
+    assert default_fp8_tiling(256, 64) == Fp8Tiling(block_n=32, scale_site="dots")
+    monkeypatch.delenv(SCALE_SITE_ENV)
+    monkeypatch.setenv(SILU_ENV, "exact")
+    assert default_fp8_tiling(256, 64) == Fp8Tiling(block_n=64, code_stages=2, silu="exact")
+
+
 def test_two_loader_warpgroups_fit_beside_a_64_row_query_block_only(monkeypatch):
     reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, 256, 64, 0, 0, Fp8Tiling(producer_warps=8))
     assert "sm_90" in reason, reason
