@@ -39,21 +39,23 @@ def fp8_qk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
                      inv_n: torch.Tensor | None = None, mask: MaskRule = MaskRule(),
                      kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """paged_attention_reference's contract, the cached history met by e4m3 queries when `kv_dtype` is fp8."""
-    offsets, hist, appended = q_offsets.tolist(), history_lens.tolist(), appended_lens.tolist()
-    scales = [1.0 / max_seq_len] if inv_n is None else inv_n.tolist()
-    for b in range(len(offsets) - 1):
-        start, end = offsets[b], offsets[b + 1]
-        if end == start:
+    bounds = q_offsets.tolist()
+    ns = [float(max_seq_len)] if inv_n is None else (1.0 / inv_n).tolist()
+    users = zip(bounds, bounds[1:], history_lens.tolist(), appended_lens.tolist())
+    for b, (start, end, history, new) in enumerate(users):
+        own = end - start - new                                  # the user's candidates
+        if start == end:
             continue
-        num_candidates = end - start - appended[b]
-        first = mask.cached_read_start(hist[b] - appended[b], appended[b], num_candidates)
-        k_hist, v_hist = gather_history(kv_cache, page_table[b], hist[b], first, kv_dtype, k.dtype)
-        seen = attention_mask(hist[b], appended[b], num_candidates, mask)[:, first:].to(q.device)
-        n, cached = 1.0 / scales[b if len(scales) > 1 else 0], k_hist.shape[0]
-        rows, own = q[start:end].float(), slice(start + appended[b], end)
-        history_q = e4m3_rows(rows) if kv_dtype is not None else rows
-        acc = hstu_attention(history_q, k_hist.float(), v_hist.float(), seen[:, :cached], alpha, n)
-        acc += hstu_attention(rows, k[own].float(), v[own].float(), seen[:, cached:], alpha, n)
+        first = mask.cached_read_start(history - new, new, own)
+        visible = attention_mask(history, new, own, mask)[:, first:].to(q.device)
+        cached_k, cached_v = gather_history(kv_cache, page_table[b], history, first, kv_dtype, k.dtype)
+        split, n = cached_k.shape[0], ns[b if len(ns) > 1 else 0]
+        rows = q[start:end].float()
+        history_q = rows if kv_dtype is None else e4m3_rows(rows)
+        parts = ((history_q, cached_k, cached_v, visible[:, :split]),
+                 (rows, k[start + new:end], v[start + new:end], visible[:, split:]))
+        acc = sum(hstu_attention(queries, keys.float(), values.float(), seen, alpha, n)
+                  for queries, keys, values, seen in parts)
         out[start:end] = acc.to(out.dtype)
     return out
 
