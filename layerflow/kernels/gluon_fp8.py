@@ -25,18 +25,18 @@ per score, gluon_tiles._tanh_silu_of_seen, the bf16 kernel's default at D=256).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
 from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile,
-                                              _start_codes, _tile_dots)
+                                              _issue_codes, _start_codes, _tile_dots)
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
                                              shape_reason)
-from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _user_block, _whole_tiles
+from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _tile_pages, _user_block, _whole_tiles
 from layerflow.tier.layout import FP8_DTYPES
 
 KERNEL_NAME = "the fp8 Gluon kernel"   # how its refusals name it
@@ -64,15 +64,22 @@ LOADER_WARPS = (4, 8)
 MAX_WARPS = 12
 # One loader warpgroup is the proven path; 8 (two, sharing the decode) only fits beside 64-row query blocks.
 LOADER_WARPS_AT_M64 = 4
+# Code slots of the default 64-key tiles at D=256 per query block (what fits beside it). H200, attention alone, us,
+# against 32-key tiles in four slots: one slot by 128-row blocks 94.0 / 28.1 at 16K / 2K, 256 candidates (95.5 /
+# 28.6); two slots with the tanh SiLU by 64-row blocks 32.4 / 14.1 at 16K / 2K, 0 candidates (33.9 / 13.7).
+WIDE_CODE_STAGES = {128: 1, 64: 2}
+SILU_AT_M64 = "tanh"
 
 
 @dataclass(frozen=True)
 class Fp8Tiling:
-    """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read, code slots in flight
-    (`code_stages` >= 3: with "load" the scale bytes of a tile reach the scale ring an iteration after its copies
-    are issued), how the scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the
-    decode) and their registers each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), and whether the
-    block's warps skip the mask on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles)."""
+    """Launch knobs of the fp8 Gluon kernel: keys per tile, bf16 slots the dots read, code slots (`code_stages`:
+    >= 2 in a ring, >= 3 with "load", whose scale bytes reach the scale ring an iteration after their tile's copies;
+    or 1 with "async": one slot, refilled with the next tile's codes as soon as this tile is decoded, so they travel
+    while the loader waits for a free bf16 slot, which lets 64-key tiles fit beside a 128 x 256 query block), how the
+    scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
+    each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), and whether the block's warps skip the mask
+    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles)."""
 
     block_n: int = 32
     stages: int = 2
@@ -98,34 +105,46 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 
 def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None = None) -> Fp8Tiling:
-    """64-key tiles where they fit beside a 128-row query block, else 32-key tiles; the scale copy, scale site, SiLU
-    and whole-tile mask of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE, $LAYERFLOW_FP8_SILU and
-    $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES (0 or 1), else the defaults: the "async" scale copy where `page_size` is a
-    multiple of 4 (None: assumed to), else "load"; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
+    """64-key tiles: in four code slots at D <= 128, at D=256 in WIDE_CODE_STAGES[block_m] where those fit beside
+    the query block (the "async" scale copy, the "decode" scale site), else 32-key tiles in four; the scale copy,
+    scale site, SiLU and whole-tile mask of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE, $LAYERFLOW_FP8_SILU
+    and $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES (0 or 1), else the defaults: the "async" scale copy where `page_size` is
+    a multiple of 4 (None: assumed to), else "load"; SILU_AT_M64 with 64-key tiles beside 64-row blocks at D=256,
+    else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
     copy = DEFAULT_SCALE_COPY if page_size is None or page_size % 4 == 0 else "load"
     whole = _env_choice(WHOLE_TILES_ENV, ("0", "1"), str(int(DEFAULT_UNMASKED_WHOLE_TILES)))
-    return Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
-                     scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
-                     producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4,
-                     scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
-                     silu=_env_choice(SILU_ENV, SILUS, DEFAULT_SILU), unmasked_whole_tiles=whole == "1")
+    tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
+                       scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
+                       producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4,
+                       scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
+                       unmasked_whole_tiles=whole == "1")
+    wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
+    if head_dim > 128 and fp8_tiling_reason(wide) is None and \
+            fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
+        tiling = wide
+    silu = SILU_AT_M64 if head_dim > 128 and block_m == 64 and tiling.block_n == 64 else DEFAULT_SILU
+    return replace(tiling, silu=_env_choice(SILU_ENV, SILUS, silu))
 
 
 def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, itemsize: int = 2) -> int:
     """Query block, bf16 K/V slots (with the "dots" scale site their keys' fp32 scales), K/V code slots and their
-    4-byte scales, plus 16 KiB of layout-conversion slack."""
+    4-byte scales, plus 2 KiB for the mbarriers and what the compiler adds (the sm_90 build of the default tiling at
+    D=256 asked for 0.3 KiB beyond the buffers)."""
     tile_elements = 2 * tiling.block_n * head_dim
     dot_scales = 2 * tiling.block_n * 4 if tiling.scale_site == "dots" else 0
     return (block_m * head_dim * itemsize + tiling.stages * (tile_elements * itemsize + dot_scales)
-            + tiling.code_stages * (tile_elements + 2 * tiling.block_n * 4) + 16 * 1024)
+            + tiling.code_stages * (tile_elements + 2 * tiling.block_n * 4) + 2 * 1024)
 
 
 def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
     """What is wrong with `tiling` on any shape (None when nothing is)."""
-    if tiling.block_n not in (32, 64) or tiling.stages < 2 or tiling.code_stages < 3:
-        return f"{tiling}: block_n must be 32 or 64, stages >= 2 and code_stages >= 3"
+    if tiling.block_n not in (32, 64) or tiling.stages < 2 or tiling.code_stages < 1:
+        return f"{tiling}: block_n must be 32 or 64, stages >= 2 and code_stages >= 1"
     if tiling.scale_copy not in SCALE_COPIES:
         return f"{tiling}: scale_copy must be one of {SCALE_COPIES} (field or ${SCALE_COPY_ENV})"
+    if tiling.code_stages < 3 and tiling.scale_copy != "async":
+        return (f"{tiling}: code_stages < 3 needs scale_copy='async' (with 'load' a tile's scales are stored an "
+                "iteration after its copies are issued)")
     reason = registers_reason(tiling)
     if reason is not None:
         return reason
@@ -214,6 +233,36 @@ def _fp8_producer(k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, 
 
 
 @gluon.jit
+def _fp8_one_slot_producer(k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_words, v_words, ready,
+                           empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
+                           v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+                           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           FILL_ROWS: gl.constexpr, FP8: gl.constexpr, DOT_SCALES: gl.constexpr):
+    """Loader partition with one code slot (code_stages 1, "async" scale words): tile t + 1's codes are issued as
+    soon as every loader thread has decoded tile t out of the slot (and signalled its bf16 slot), so they are in
+    flight while the loader waits for the next free bf16 slot."""
+    layout: gl.constexpr = _code_layout(D, gl.num_warps())
+    k_slot, v_slot, k_word_slot, v_word_slot = k_codes.index(0), v_codes.index(0), k_words.index(0), v_words.index(0)
+    _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, 0, _tile_pages(page_row, 0, lo, hi, PAGE, BLOCK_N, layout),
+                 num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, True, layout)
+    pages = _tile_pages(page_row, 1, lo, hi, PAGE, BLOCK_N, layout)
+    for tile in range(num_tiles):
+        slot = tile % STAGES
+        async_copy.wait_group(0)
+        mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
+        gl.thread_barrier()
+        _fill_tile(k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot), v_dot_scales.index(slot), k_slot,
+                   v_slot, k_word_slot, v_word_slot, tile, num_hist, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len,
+                   head, row0, D, BLOCK_N, FILL_ROWS, FP8, True, DOT_SCALES, layout)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(slot), count=1)
+        _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, tile + 1, pages, num_hist, lo, hi, cache_h, scales_h,
+                     H, D, PAGE, ROWS, BLOCK_N, True, layout)
+        pages = _tile_pages(page_row, tile + 2, lo, hi, PAGE, BLOCK_N, layout)
+
+
+@gluon.jit
 def _gluon_fp8_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
@@ -282,16 +331,28 @@ def _gluon_fp8_kernel(
         mbarrier.init(empty.index(t), count=1)
     fence_async_shared()
     gl.thread_barrier()
-    gl.warp_specialize([
-        (_fp8_consumer, (q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist, lo,
-                         alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0,
-                         q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE, s_layout,
-                         o_layout, p_layout)),
-        (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
-                         empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
-                         v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
-                         FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    if CODE_STAGES == 1:
+        gl.warp_specialize([
+            (_fp8_consumer, (q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist,
+                             lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start,
+                             row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE, s_layout,
+                             o_layout, p_layout)),
+            (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
+                                      v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
+                                      scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
+                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (_fp8_consumer, (q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist,
+                             lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start,
+                             row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE, s_layout,
+                             o_layout, p_layout)),
+            (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
+                             empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
+                             v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
+                             FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
 def fill_rows(block_n: int, head_dim: int, warps: int) -> int:

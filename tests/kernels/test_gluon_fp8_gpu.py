@@ -1,7 +1,9 @@
 """The fp8 Gluon kernel on an H200 against the torch fp8 reference and the `tl` kernel's fp8 path: small ragged
 batches with 0-history users for both formats, head dims and scale copies, BS=1 16K at 0 and 256 candidates, the
 scales applied in the dots (bit for bit the decode's result), the tanh SiLU, unmasked whole tiles (bit for bit the
-masked result), `auto` taking the kernel (with the "async" scale copy), and one CUDA graph replayed across lengths."""
+masked result), 64-key tiles in one or two code slots (the defaults at D=256: 32-key tiles' result to fp32
+rounding), `auto` taking the kernel (with the "async" scale copy and those defaults), and one CUDA graph replayed
+across lengths."""
 
 import pytest
 import torch
@@ -125,10 +127,32 @@ def test_unmasked_whole_tiles_give_the_masked_result_bit_for_bit(knobs):
     assert torch.equal(whole[:total], masked[:total])
 
 
-def test_auto_takes_the_fp8_kernel_on_the_h200(monkeypatch):
+@pytest.mark.parametrize("candidates, code_stages", [(0, 1), (256, 1), (0, 2)])
+def test_64_key_tiles_with_one_or_two_code_slots_match_reference_tl_and_32_key_tiles(candidates, code_stages):
+    """Only the tile width and where the codes wait change: 32-key tiles' products, summed in another order (two
+    code slots of 64 keys fit beside a 64-row query block only: 0 candidates)."""
+    batch = fp8_batch([16384 + 64, 700], [64, 64], [candidates, 3], 256, E4M3)
+    wide = Fp8Tiling(block_n=64, code_stages=code_stages)
+    check(batch, 256, E4M3, wide)
+    total = batch.total_tokens
+    narrow = run(batch, "gluon", 256, E4M3, Fp8Tiling(block_n=32))
+    assert relative_error(run(batch, "gluon", 256, E4M3, wide), narrow, total) < 1e-3
+
+
+@pytest.mark.parametrize("kv_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_64_key_tiles_in_one_code_slot_with_the_tanh_silu_on_small_ragged_batches_match_reference_and_tl(kv_dtype):
+    check(fp8_batch(*SMALL, 256, kv_dtype), 256, kv_dtype, Fp8Tiling(block_n=64, code_stages=1, silu="tanh"))
+
+
+@pytest.mark.parametrize("candidates", [0, 256])
+def test_auto_takes_the_fp8_kernel_with_64_key_tiles_at_d256_and_it_matches_reference_and_tl(monkeypatch, candidates):
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    attn = PagedAttention(1, 64, 4, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5, MAX_SEQ_LEN, kv_dtype=E4M3)
-    assert isinstance(attn.gluon, GluonFp8Attention) and attn.gluon.tiling.scale_copy == "async"
+    tokens = 64 + candidates
+    attn = PagedAttention(1, tokens, 4, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5, MAX_SEQ_LEN,
+                          tiling=default_tiling(256, torch.bfloat16, tokens), kv_dtype=E4M3)
+    assert isinstance(attn.gluon, GluonFp8Attention)
+    assert (attn.gluon.tiling.scale_copy, attn.gluon.tiling.block_n) == ("async", 64)
+    check(fp8_batch([16384 + 64, 700], [64, 64], [candidates, 3], 256, E4M3), 256, E4M3)
 
 
 def test_one_graph_replays_any_lengths_like_eager():

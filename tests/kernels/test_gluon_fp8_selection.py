@@ -23,7 +23,8 @@ E4M3 = torch.float8_e4m3fn
     (torch.float16, torch.float8_e5m2, 128, 64, 0, 3, Fp8Tiling(), "default mask"),
     (torch.bfloat16, E4M3, 256, 32, 0, 0, Fp8Tiling(), "block_m=32"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=16), "block_n"),
-    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(code_stages=2), "code_stages >= 3"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(code_stages=0), "code_stages >= 1"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(code_stages=2, scale_copy="load"), "code_stages < 3 needs"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(scale_copy="bytes"), "scale_copy"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_registers=100), "producer_registers"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(producer_warps=6), "producer_warps"),
@@ -42,13 +43,22 @@ def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_di
 
 def test_shared_memory_counts_the_query_block_both_rings_and_the_scales():
     # 128 x 256 bf16 queries, 2 bf16 K/V slots of 32 x 256, 4 code slots of 32 x 256 bytes with 2 x 32 fp32 scales
-    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling()) == 65536 + 65536 + 4 * (16384 + 256) + 16384
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling()) == 65536 + 65536 + 4 * (16384 + 256) + 2048
     # 3 bf16 slots, 6 code slots; the scale words of "async" take the fp32 scales' room
-    expected = 65536 + 3 * 32768 + 6 * (16384 + 256) + 16384
+    expected = 65536 + 3 * 32768 + 6 * (16384 + 256) + 2048
     assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(stages=3, code_stages=6, scale_copy="async")) == expected
     # "dots": each bf16 slot keeps its 32 keys' K and V scales (fp32) for the block's warps
-    expected = 65536 + 2 * (32768 + 256) + 4 * (16384 + 256) + 16384
+    expected = 65536 + 2 * (32768 + 256) + 4 * (16384 + 256) + 2048
     assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(scale_site="dots")) == expected
+    # one code slot of 64 keys beside two bf16 slots of 64 keys
+    expected = 65536 + 2 * 65536 + (32768 + 512) + 2048
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(block_n=64, code_stages=1)) == expected
+
+
+def test_one_code_slot_lets_64_key_tiles_fit_beside_a_128_row_block_at_d256():
+    four_slots = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64))
+    one_slot = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64, code_stages=1))
+    assert "shared memory" in four_slots and "sm_90" in one_slot, (four_slots, one_slot)
 
 
 @pytest.mark.parametrize("loader_warps_at_m64", [4, 8])
@@ -59,6 +69,22 @@ def test_default_tiling_fits_every_head_dim_at_both_query_blocks(monkeypatch, lo
             reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, head_dim, block_m, 0, 0,
                                             default_fp8_tiling(head_dim, block_m))
             assert "sm_90" in reason, reason
+
+
+def test_d256_defaults_to_64_key_tiles_in_the_code_slots_that_fit_beside_the_query_block(monkeypatch):
+    for name in (SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, silu="exact")
+    assert default_fp8_tiling(256, 64) == Fp8Tiling(block_n=64, code_stages=2, silu="tanh")
+    assert default_fp8_tiling(128, 64) == Fp8Tiling(block_n=64, code_stages=4, silu="exact")
+    # "load" needs three code slots, and the "dots" scale site's fp32 scales do not fit beside either query block
+    assert default_fp8_tiling(256, 64, 2) == Fp8Tiling(block_n=32, scale_copy="load", silu="exact")
+    monkeypatch.setenv(SCALE_SITE_ENV, "dots")
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=32, scale_site="dots")
+    assert default_fp8_tiling(256, 64) == Fp8Tiling(block_n=32, scale_site="dots")
+    monkeypatch.delenv(SCALE_SITE_ENV)
+    monkeypatch.setenv(SILU_ENV, "exact")
+    assert default_fp8_tiling(256, 64) == Fp8Tiling(block_n=64, code_stages=2, silu="exact")
 
 
 def test_two_loader_warpgroups_fit_beside_a_64_row_query_block_only(monkeypatch):
