@@ -14,6 +14,7 @@ in-process tier meanwhile and switches back when the server answers again (runti
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ from layerflow.model.weights import HSTUWeights
 from layerflow.runtime.buffers import BatchBuffers, Bucket, token_ladder
 from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.graphs import GraphRunner
-from layerflow.runtime.host_paths import HostPaths, choose_mode
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
 from layerflow.runtime.request import EmbeddingRequest, Request
@@ -65,6 +65,14 @@ def _sizes(name: str, sizes: tuple[int, ...]) -> tuple[int, ...]:
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in sizes):
         raise ValueError(f"{name}={sizes!r}: expected positive integers")
     return tuple(sorted(set(sizes)))
+
+
+def _mode(name: str, value: str | None, env: str, modes: tuple[str, ...]) -> str:
+    """`value`, else $`env`, else the first of `modes`; ValueError naming a value that is not one of them."""
+    chosen = value or os.environ.get(env, modes[0])
+    if chosen not in modes:
+        raise ValueError(f"{name}={chosen!r} ({env}): expected one of {list(modes)}")
+    return chosen
 
 
 def _next_power_of_2(n: int, floor: int) -> int:
@@ -107,7 +115,6 @@ class Flight:
     plan: BatchPlan
     bufs: BatchBuffers
     wait: LayerWait
-    spin: bool = False   # an event was recorded after the launch: collect spins on it before the fetch
 
 
 class Engine:
@@ -119,20 +126,18 @@ class Engine:
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "slab") is one of
-    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES, `fetch` (default:
-    $LAYERFLOW_FETCH, else "sync") how collect waits for the device (`self.paths`, runtime/host_paths.py, which also
-    releases an onboarding before the fetch). The captured shapes are every size of `batch_buckets` with every size of
-    `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
+    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES. The captured shapes are every
+    size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%);
+    a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
                  device: torch.device | str | None = None, use_cuda_graph: bool = True,
                  batch_buckets: tuple[int, ...] = BATCH_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS,
-                 copy_engine: CopyEngine | None = None, staging: str | None = None, reap: str | None = None,
-                 fetch: str | None = None):
+                 copy_engine: CopyEngine | None = None, staging: str | None = None, reap: str | None = None):
         self.config = config or Config()
-        self.staging = choose_mode("staging", staging, STAGING_ENV, STAGING_MODES)
-        self.reap = choose_mode("reap", reap, REAP_ENV, REAP_MODES)
+        self.staging = _mode("staging", staging, STAGING_ENV, STAGING_MODES)
+        self.reap = _mode("reap", reap, REAP_ENV, REAP_MODES)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
         check_config(self.config, self.device)
@@ -168,7 +173,6 @@ class Engine:
         self.graphs = GraphRunner(self.pipeline, self.device) if cuda and use_cuda_graph else None
         self.no_wait = NoWait()
         self.layer_wait = make_layer_wait(below.signals, self.device, self.config.transfer_timeout_s)
-        self.paths = HostPaths(self.kv, self.device, self.config.transfer_timeout_s, fetch)
 
     @property
     def signals(self) -> LayerSignals:
@@ -255,7 +259,6 @@ class Engine:
             if self._flight is not flight:
                 raise ValueError("collect: this batch is not the one in flight")
             try:
-                self.paths.before_fetch(flight.plan, flight.spin)
                 results = flight.bufs.fetch()
                 flight.wait.check()
             except BaseException:
@@ -281,7 +284,6 @@ class Engine:
                 return
             self._closed = True
             self.kv.wait_offloads()
-            self.paths.close()
             if self.graphs is not None:
                 torch.cuda.synchronize(self.device)
                 self.graphs.release()
@@ -348,6 +350,5 @@ class Engine:
             self.graphs.replay(bufs, wait)
         else:
             self.pipeline.forward(bufs, wait)
-        spin = self.paths.launched(bufs.stream)
         self.kv.offload_early(plan)
-        return Flight(plan, bufs, wait, spin)
+        return Flight(plan, bufs, wait)

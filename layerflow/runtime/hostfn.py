@@ -75,12 +75,11 @@ def find_compiler() -> str:
     )
 
 
-def build_shim(path: Path = SOURCE) -> Path:
-    """Compile the C file `path` (default: the eventfd wait) into the cache dir, keyed by its source and the flags,
-    unless already there."""
-    source = path.read_bytes()
+def build_shim() -> Path:
+    """Compile the shim into the cache dir, keyed by the source and flags, unless already there."""
+    source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{path.stem}-{key}.so"
+    target = cache_dir() / f"eventfd_wait-{key}.so"
     if target.exists():
         return target
     compiler = find_compiler()
@@ -91,9 +90,9 @@ def build_shim(path: Path = SOURCE) -> Path:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *CFLAGS, str(path), "-o", tmp], capture_output=True, text=True)
+            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
             if done.returncode != 0:
-                raise RuntimeError(f"building {path.name} with {compiler} failed:\n{done.stderr}")
+                raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{done.stderr}")
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
