@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Record of the final call: benchmarks/fp8_decode_probe.py was removed after it; the probe rows did not compile.)
 # fp8k11 (final): the fp8 Gluon kernel's new defaults at D=256 (64-key tiles: one code slot beside 128-row query
 # blocks, two with the tanh SiLU beside 64-row blocks) against main's (32-key tiles in four code slots, exact SiLU) and
 # bf16 Gluon's default, attention alone; plus two probes of the new default (benchmarks/fp8_decode_probe.py: the

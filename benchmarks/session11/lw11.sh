@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Record of the final call: the early release and layerflow/bench/paths.py were reverted after it: see docs/performance.md.)
 # lw11 final: the GPU tests of the engine's host paths (the early release of an onboarding is now the only path; the
 # spin fetch selectable), then ONE process A/B'ing, in alternated blocks, "after" (main's path: the onboarding
 # released in commit, after the block), "early" (the new default) and "spin" (early + collect spinning on an event):

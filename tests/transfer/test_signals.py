@@ -272,6 +272,9 @@ def test_captured_graph_replays_for_two_onboardings(mode):
             _, host = tensors(seed, **BIG)
             for layer in gpu:
                 layer.fill_(float("nan"))
+            # An onboarding does not wait for the current stream (its pages belong to no queued kernel), so the
+            # NaN fill must be done before the copies start, or it may overwrite pages that already landed.
+            torch.cuda.synchronize()
             handle = ring.acquire()
             engine.onboard(gpu, host, range(512), range(512), handle)
             stream = torch.cuda.current_stream()
