@@ -287,6 +287,42 @@ def test_captured_graph_replays_for_two_onboardings(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True])
+def test_a_replay_waiting_on_layers_posted_from_the_host_completes(native, monkeypatch):
+    """An onboarding whose users were all read back from SSD posts its layers from the host (no copy stream): the
+    captured waits (which spin on the capture words, not the counter words) must see those posts too."""
+    monkeypatch.setenv("LAYERFLOW_WAITVALUE_POST", "native" if native else "bindings")
+    ring = make_signals(SignalMode.WAITVALUE, LAYERS, num_counters=2)
+    try:
+        marks = torch.zeros(LAYERS, dtype=torch.int32, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            capture_stream = torch.cuda.current_stream().cuda_stream
+            for layer in range(LAYERS):
+                ring.capture_gpu_wait(layer, capture_stream)
+                marks[layer].add_(1)
+        for replay in range(1, 3):
+            handle = ring.acquire()
+            for layer in range(LAYERS):
+                handle.complete_layer(layer)
+            stream = torch.cuda.current_stream()
+            ring.prepare_replay(handle, stream.cuda_stream)
+            graph.replay()
+            done = torch.cuda.Event()
+            done.record(stream)
+            deadline = time.monotonic() + 10
+            while not done.query():
+                assert time.monotonic() < deadline, f"replay {replay} still waits on host-posted layers"
+                time.sleep(0.001)
+            assert marks.tolist() == [replay] * LAYERS
+            handle.wait()
+            handle.release()
+    finally:
+        ring.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(SIGNALS))
 def test_gpu_injected_failure_poisons_every_mode(mode):
     with gpu_ring(mode, fail_at_layer=2) as (ring, engine):

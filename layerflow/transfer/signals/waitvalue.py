@@ -152,7 +152,15 @@ class WaitValueSignals(LayerSignals):
         epoch, target = self._epochs[counter], self._targets[counter]
         for layer in layers:
             if stream is None:
+                # Done on the host: the counter word at once (host waiters poll it), and the capture word that
+                # captured graphs spin on through the posting stream, behind this counter's earlier posts (without
+                # it a replay waiting on a layer posted from the host, e.g. an onboarding read back from SSD
+                # alone, spins forever).
                 self._host[self._index(counter, layer)] = epoch - 2**32 if epoch >= 2**31 else epoch
+                if self._native is not None:
+                    self._native.write(self._post_stream, self._device_word(layer).data_ptr(), target)
+                else:
+                    _write(self._post_stream, self._post_ops[counter][layer][1:], [target])
             elif self._native is not None:
                 event, word, capture = self._post_targets[counter][layer]
                 self._native.post(event, stream, ((word, epoch), (capture, target)))
