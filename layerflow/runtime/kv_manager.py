@@ -1,13 +1,10 @@
 """Who holds each user's KV (GPU pages, the tier below, nowhere) and the moves a batch needs.
 
-The manager owns what is the GPU's: user histories, the GPU page pool, pins, LRU and the batch plan. Everything below
-the GPU (host pool, SSD, a shared remote store, copies, signals) is a `KVTier`, in this process or a transfer
-server's. For a batch: pin the users, allocate GPU pages for their history after the append, launch one onboarding
-for every host, SSD or remote hit (all users, all layer groups, one signal counter; under a sliding window only the
-pages the step reads), and after the block launch the asynchronous offload of the pages the batch wrote. The GPU
-evicts by LRU only users whose offload finished. A user whose KV is gone from every tier is a miss: its stored
-history (item ids or token embeddings) is recomputed once, exactly. A user this host never saw but a shared tier
-holds is adopted with the history its manifest carries.
+The manager owns the GPU's side (histories, page pool, pins, LRU, the batch plan); everything below it is a `KVTier`.
+A batch pins its users, allocates GPU pages for their history after the append, starts ONE onboarding for all its
+host, SSD and remote hits (one signal counter; under a window only the pages read) and, after the launch, offloads
+the pages it wrote. LRU eviction takes only users whose offload finished. A user gone from every tier is a miss,
+recomputed once from its stored history; one only a shared tier holds is adopted with its manifest's history.
 """
 
 from __future__ import annotations
@@ -224,8 +221,7 @@ class KVManager:
             self._record(plan, b)
 
     def commit(self, plan: BatchPlan) -> None:
-        """The block succeeded (its users were recorded by `offload_early`): release the onboarding and the pins. Every
-        layer was signalled, so the producer has nothing left to write."""
+        """The block succeeded (`offload_early` recorded its users): release its onboarding (signalled) and pins."""
         if plan.onboarding is not None:
             plan.onboarding.finish(wait=True)
             plan.onboarding = None
@@ -286,8 +282,8 @@ class KVManager:
         self._reap_offloads()
 
     def truncate(self, user: int, num_tokens: int) -> None:
-        """Forget the tail of a user's history past `num_tokens` (e.g. retracted interactions; benchmarks use it to
-        replay one request on a constant history). Cached K/V of the kept prefix stay valid: positions are absolute."""
+        """Forget a user's history past `num_tokens` (retracted interactions; benchmarks replay one request so);
+        the kept prefix's cached K/V stay valid (positions are absolute)."""
         entry = self.users.get(user)
         if entry is None or not 0 <= num_tokens <= len(entry.history):
             have = None if entry is None else len(entry.history)
@@ -331,8 +327,7 @@ class KVManager:
             self.gpu.free(user)
 
     def _onboard(self, plan: BatchPlan, cached_lens: list[int]) -> None:
-        """One onboarding for every host/SSD hit of the batch: all users, all layer groups, one signal counter. Under
-        a sliding window only the pages the step reads are copied."""
+        """One onboarding for every host/SSD hit: all users and layer groups, one counter (windowed: pages read)."""
         ps = self.gpu.page_size
         loads = []
         for b, (r, tier, cached, pages) in enumerate(zip(plan.requests, plan.tiers, cached_lens, plan.page_rows)):
@@ -398,8 +393,7 @@ class KVManager:
         self._offloading.add(user)
 
     def _reap_offloads(self) -> None:
-        """Forget finished offloads (the tier settles its own bookkeeping of them): only those in flight are looked
-        at, so a batch costs nothing per idle user."""
+        """Forget finished offloads, looking only at those in flight (no cost per idle user); the tier reaps its own."""
         for user in [u for u in self._offloading if self.users[u].offload.done()]:
             self.users[user].offload = None
             self._offloading.discard(user)
