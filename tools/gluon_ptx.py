@@ -73,16 +73,19 @@ def main() -> None:
         code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
         print(f"bf16 {name}: {code}")
     fp8_types = dict(zip(POINTERS, ["*bf16"] * 3 + ["*u8"] + ["*i32"] * 4 + ["*fp32"] * 2))
-    fp8_variants = {"load": dict(ASYNC_SCALES=False), "async": {}, "async:wt": dict(WHOLE=True),
-                    "async:dots:tanh:wt": dict(DOT_SCALES=True, TANH=True, WHOLE=True)}
+    fp8_variants = {"32x2:c4:load:w4 m128": dict(ASYNC_SCALES=False), "32x2:c4:async:w4 m128": {},
+                    "32x2:c4:async:wt:w4 m128": dict(WHOLE=True),
+                    "32x2:c4:async:dots:tanh:wt:w4 m128": dict(DOT_SCALES=True, TANH=True, WHOLE=True),
+                    "64x2:c1:async:wt:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True),
+                    "64x2:c2:async:tanh:wt:w4 m64": dict(BLOCK_N=64, CODE_STAGES=2, BLOCK_M=64, TANH=True, WHOLE=True)}
     for label, knobs in fp8_variants.items():
-        constexprs = dict(shape, NUM_SPLITS=11, BLOCK_M=128, BLOCK_N=32, STAGES=2, CODE_STAGES=4,
-                          ROWS=32 + fp8_scale_rows(32, 256), FP8=1, FILL_ROWS=gluon_fp8.fill_rows(32, 256, 4),
-                          PRODUCER_WARPS=4, PRODUCER_REGISTERS=96,
-                          **{"ASYNC_SCALES": True, "DOT_SCALES": False, "TANH": False, "WHOLE": False, **knobs})
-        code = instructions_hash(gluon_fp8._gluon_fp8_kernel, fp8_types, constexprs, 8)
-        print(f"fp8 32x2:c4:{label}:w4 m128: {code}")
-
+        knobs = {"BLOCK_M": 128, "BLOCK_N": 32, "CODE_STAGES": 4, "ASYNC_SCALES": True, "DOT_SCALES": False,
+                 "TANH": False, "WHOLE": False, **knobs}
+        constexprs = dict(shape, NUM_SPLITS=11, STAGES=2, ROWS=32 + fp8_scale_rows(32, 256), FP8=1,
+                          FILL_ROWS=gluon_fp8.fill_rows(knobs["BLOCK_N"], 256, 4), PRODUCER_WARPS=4,
+                          PRODUCER_REGISTERS=96, **knobs)
+        code = instructions_hash(gluon_fp8._gluon_fp8_kernel, fp8_types, constexprs, knobs["BLOCK_M"] // 16)
+        print(f"fp8 {label}: {code}")
 
 if __name__ == "__main__":
     main()
