@@ -11,7 +11,7 @@ output-gate device time per layer (under pdl a kernel's time includes its wait f
 span of a request's graph kernels (first start to last end, copies left out). Each variant's scores are compared with the float64 recompute of the same request
 on the GPU (full_forward over history + appended + candidates): max |diff| / max |reference| and the top-10 overlap.
 `--ladders` then builds engines over the token ladders of those steps (every batch bucket) and times their warm-up.
-`--sweep-splits` times the attention and its gate alone per fixed split count (8 layers' pages in one graph).
+`--sweep-splits` then times the attention and its gate alone per fixed split count (8 layers' pages in one graph).
 
     python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant main=512:bucket:first --variant new=320 \
         --variant both=320:pdl:t4 --ladders 4,1 --sweep-splits 2,4,8,11 --out ab.json
@@ -195,6 +195,13 @@ def launches(engine: Engine) -> str:
     return "; ".join(lines) or "no Triton attention"
 
 
+def active_splits(engine: Engine) -> str:
+    """The split count each "rows" attention of the engine launched last (its device count), "-" for none."""
+    counts = [str(int(attn.active_splits)) for attn in getattr(engine.pipeline.kernels, "_attention", {}).values()
+              if attn.active_splits is not None]
+    return ",".join(counts) or "-"
+
+
 def ladder_warmup(weights: HSTUWeights, config, device: torch.device, steps: int) -> dict:
     """An engine over every batch bucket and the token ladder of `steps` per octave between TOKEN_BUCKETS' ends:
     its buckets and graphs, build and warm-up seconds, the split workspace and the device memory it holds."""
@@ -255,16 +262,19 @@ def split_sweep(settings: Settings, seq_len: int, counts: list[int], blocks: int
     q, k, v = randn(tokens, m.num_heads, m.dqk), randn(tokens, m.num_heads, m.dqk), randn(tokens, m.num_heads, m.dqk)
     u, w, b = randn(tokens, m.num_heads * m.dv), randn(m.num_heads * m.dv), randn(m.num_heads * m.dv)
     gated = torch.empty_like(u)
-    graphs = {}
+    # The attentions outlive their graphs' replays: a graph holds no reference to the buffers it was captured on,
+    # and the next capture's empty_cache would hand a dropped attention's partials and split table back.
+    attns, graphs = {}, {}
     for count in counts:
         tiling = replace(default_tiling(m.dqk, m.dtype, tokens), num_splits=count)
-        attn = PagedAttention(1, tokens, pages, m.num_heads, m.dqk, page, m.dtype, device, m.alpha, m.max_seq_len,
-                              tiling=tiling)
+        attn = attns[count] = PagedAttention(1, tokens, pages, m.num_heads, m.dqk, page, m.dtype, device, m.alpha,
+                                             m.max_seq_len, tiling=tiling)
 
-        def step(attn=attn) -> None:
+        def step(attn=attn, count=count) -> None:
             for cache in caches:
                 out = attn.run(q, k, v, cache, table, offsets, history, appended, torch.empty_like(q), reduce=False)
-                gated_split_norm(u, out.partials.view(count, tokens, -1), w, b, m.layer_norm_eps, out=gated)
+                gated_split_norm(u, out.partials.view(count, tokens, -1), w, b, m.layer_norm_eps, out=gated,
+                                 active_splits=out.active)
 
         step()
         if attn.active_splits is not None and int(attn.active_splits) != count:
@@ -295,7 +305,7 @@ def main() -> None:
     parser.add_argument("--ladders", type=lambda t: [int(s) for s in t.split(",") if s.strip()], default=[],
                         help="token ladder steps whose engines' warm-up to time afterwards, e.g. 1,4,4")
     parser.add_argument("--sweep-splits", type=lambda t: [int(s) for s in t.split(",") if s.strip()], default=[],
-                        help="split counts (>= 2) to time the attention and its gate alone at, first")
+                        help="split counts (>= 2) to time the attention and its gate alone at, after the GPU hits")
     parser.add_argument("--sweep-lens", type=parse_lengths, default=(16384, 8192, 4096, 2048))
     parser.add_argument("--variant", type=Variant.parse, action="append", default=[])
     parser.add_argument("--out")
@@ -307,15 +317,6 @@ def main() -> None:
     config = replace(transfer_config(settings, None), cpu_cache_gb=1.0, gpu_cache_gb=1.5)
     layers = settings.model.num_layers
     out = {"command": " ".join(["python3"] + sys.argv), "environment": environment(device), "lengths": {}}
-    if args.sweep_splits:
-        print(f"### attention + gate alone, us per layer, by split count\n| history | "
-              + " | ".join(f"{c} splits" for c in args.sweep_splits) + " |\n|---|"
-              + "---|" * len(args.sweep_splits), flush=True)
-    for seq_len in args.sweep_splits and args.sweep_lens:
-        sweep = split_sweep(settings, seq_len, args.sweep_splits, args.blocks, 20, device)
-        out.setdefault("split_sweep_us_per_layer", {})[seq_len] = sweep
-        print(f"| {seq_len} | " + " | ".join(f"{us:.1f}" for us in sweep.values()) + " |", flush=True)
-        write(args.out, out)
     with contextlib.ExitStack() as stack:
         engines = build_engines(args.variant, weights, config, device, stack, out)
         names = list(engines)
@@ -334,15 +335,16 @@ def main() -> None:
             rows = {name: {"wall_ms_median": statistics.median(walls[name]),
                            "wall_ms_p10": statistics.quantiles(walls[name], n=10)[0],
                            "wall_ms_p90": statistics.quantiles(walls[name], n=10)[-1],
-                           **kernel_us(engines[name], workloads[name], args.profiled, layers)} for name in names}
+                           **kernel_us(engines[name], workloads[name], args.profiled, layers),
+                           "splits": active_splits(engines[name])} for name in names}
             out["lengths"][seq_len] = rows
             print(f"### GPU hit at {seq_len} (BS=1, {settings.append_len} + {settings.num_candidates}), {args.blocks} "
                   f"alternated blocks x {args.requests}\n| variant | wall ms median (p10 / p90) | attention us/layer | "
-                  f"LayerNorm + gate us/layer | kernels us | span us |\n|---|---|---|---|---|---|")
+                  f"LayerNorm + gate us/layer | kernels us | span us | splits |\n|---|---|---|---|---|---|---|")
             for name, r in rows.items():
                 print(f"| {name} | {r['wall_ms_median']:.3f} ({r['wall_ms_p10']:.3f} / {r['wall_ms_p90']:.3f}) | "
                       f"{r['attention_us_per_layer']:.1f} | {r['norm_us_per_layer']:.1f} | {r['kernels_us']:.1f} | "
-                      f"{r['span_us_median']:.1f} |", flush=True)
+                      f"{r['span_us_median']:.1f} | {r['splits']} |", flush=True)
             write(args.out, out)
             reference = reference_scores(weights64, workloads[names[0]])
             first = gpu_hit(engines[names[0]], workloads[names[0]])[1]
@@ -360,6 +362,15 @@ def main() -> None:
             for name, engine in engines.items():
                 workloads[name].drop(engine)
     write(args.out, out)
+    if args.sweep_splits:
+        print(f"### attention + gate alone, us per layer, by split count\n| history | "
+              + " | ".join(f"{c} splits" for c in args.sweep_splits) + " |\n|---|"
+              + "---|" * len(args.sweep_splits), flush=True)
+    for seq_len in args.sweep_splits and args.sweep_lens:
+        sweep = split_sweep(settings, seq_len, args.sweep_splits, args.blocks, 20, device)
+        out.setdefault("split_sweep_us_per_layer", {})[seq_len] = sweep
+        print(f"| {seq_len} | " + " | ".join(f"{us:.1f}" for us in sweep.values()) + " |", flush=True)
+        write(args.out, out)
     for steps in args.ladders:
         cost = ladder_warmup(weights, config, device, steps)
         out.setdefault("ladders", []).append(cost)

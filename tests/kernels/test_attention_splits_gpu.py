@@ -56,7 +56,7 @@ def capped(batch: PagedBatch, min_tiles: int, pdl: bool) -> PagedAttention:
 
 
 @pytest.mark.parametrize("history", [2048, 16384], ids=["2k", "16k"])
-@pytest.mark.parametrize("min_tiles", [4])
+@pytest.mark.parametrize("min_tiles", [4, 8])
 def test_history_cap_matches_the_reference(history, min_tiles):
     """hstu-bench's request in a 512-token capacity: the table's count for 3 query blocks, capped at
     (history tiles of 64 keys) // min_tiles."""
@@ -69,7 +69,7 @@ def test_history_cap_matches_the_reference(history, min_tiles):
 
 
 @pytest.mark.parametrize("history", [2048, 16384], ids=["2k", "16k"])
-@pytest.mark.parametrize("min_tiles", [0, 4], ids=["table", "capped"])
+@pytest.mark.parametrize("min_tiles", [0, 8], ids=["table", "capped"])
 def test_early_launch_in_a_graph_changes_no_bit(history, min_tiles):
     """A graph of what a layer runs around the attention: a kernel writing the queries, the attention and the gate
     summing its partials, each launched early under pdl; replayed on three query sets, every bit as without pdl."""
