@@ -1,20 +1,19 @@
 """A/B of the engine's launch choices on GPU hits, in one process: an engine per variant, timed in alternated blocks.
 
 A variant is a token bucket and the attention's split rule and self-tile split (PagedAttention's `splits`,
-GluonTiling's `self_last`: the new defaults "rows" and "last", main's before them "bucket" and "first"), the early
-launch of the layer's Triton kernels ("pdl": LAYERFLOW_PDL=on) and the history cap on the split count ("tN":
-LAYERFLOW_SPLIT_MIN_TILES=N). Every engine
+GluonTiling's `self_last`: the new defaults "rows" and "last", main's before them "bucket" and "first"). Every engine
 serves the same users (hstu-bench, BS=1, 64 appended + 256 candidates, as `layerflow bench` stages a GPU hit); each
 block runs `--requests` GPU hits back to back on every engine in turn (the order rotating), the host clock around
 `Engine.score` as `bench` times it. Then torch.profiler records `--profiled` requests per engine: attention and
-output-gate device time per layer (under pdl a kernel's time includes its wait for the one ahead) and the device
-span of a request's graph kernels (first start to last end, copies left out). Each variant's scores are compared with the float64 recompute of the same request
-on the GPU (full_forward over history + appended + candidates): max |diff| / max |reference| and the top-10 overlap.
+output-gate device time per layer, the device span of a request's graph kernels (first start to last end, copies left
+out) and the split count each attention launched. Each variant's scores are compared with the float64 recompute of
+the same request on the GPU (full_forward over history + appended + candidates): max |diff| / max |reference| and the
+top-10 overlap.
 `--ladders` then builds engines over the token ladders of those steps (every batch bucket) and times their warm-up.
 `--sweep-splits` then times the attention and its gate alone per fixed split count (8 layers' pages in one graph).
 
     python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant main=512:bucket:first --variant new=320 \
-        --variant both=320:pdl:t4 --ladders 4,1 --sweep-splits 2,4,8,11 --out ab.json
+        --ladders 4,1 --sweep-splits 2,4,8,11 --out ab.json
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -48,7 +46,6 @@ from layerflow.model import HSTUConfig, HSTUWeights, full_forward  # noqa: E402
 from layerflow.model.layer import LayerWeights  # noqa: E402
 from layerflow.runtime.buffers import token_ladder  # noqa: E402
 from layerflow.runtime.engine import TOKEN_BUCKETS, Engine  # noqa: E402
-from layerflow.runtime.pipeline import MIN_TILES_ENV, PDL_ENV  # noqa: E402
 
 SELF_TILES = ("last", "first")
 
@@ -59,38 +56,28 @@ class Variant:
     tokens: int
     splits: str = SPLIT_RULES[0]
     self_tiles: str = SELF_TILES[0]
-    pdl: bool = False
-    min_tiles: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """'NAME=TOKENS[:OPTION...]', an option a split rule, first|last, pdl or tN (the history cap)."""
-        form = f"variant {text!r}: expected NAME=TOKENS[:OPTION...], options {SPLIT_RULES}, {SELF_TILES}, pdl, tN"
+        """'NAME=TOKENS[:SPLIT_RULE[:first|last]]'."""
         try:
             name, rest = text.split("=", 1)
             tokens, *options = rest.split(":")
-            variant = cls(name, int(tokens))
-            for option in options:
-                if option in SPLIT_RULES:
-                    variant = replace(variant, splits=option)
-                elif option in SELF_TILES:
-                    variant = replace(variant, self_tiles=option)
-                elif option == "pdl":
-                    variant = replace(variant, pdl=True)
-                else:
-                    variant = replace(variant, min_tiles=int(option.removeprefix("t")))
-        except ValueError:
-            raise argparse.ArgumentTypeError(form) from None
+            variant = cls(name, int(tokens), *options)
+        except (ValueError, TypeError):
+            raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=TOKENS[:SPLIT_RULE[:first|last]]") \
+                from None
+        if variant.splits not in SPLIT_RULES or variant.self_tiles not in SELF_TILES:
+            raise argparse.ArgumentTypeError(f"variant {text!r}: split rule in {SPLIT_RULES}, self tiles in "
+                                             f"{SELF_TILES}")
         return variant
 
 
 @contextlib.contextmanager
 def launch_settings(variant: Variant):
     """Every PagedAttention built inside takes the variant's split rule and, over the model's dtype (the Gluon
-    kernel's pages), its self-tile split; every pipeline its early launch and history cap (their variables)."""
+    kernel's pages), its self-tile split."""
     real_init = PagedAttention.__init__
-    saved = {key: os.environ.get(key) for key in (PDL_ENV, MIN_TILES_ENV)}
-    os.environ.update({PDL_ENV: "on" if variant.pdl else "off", MIN_TILES_ENV: str(variant.min_tiles)})
 
     def init(self, *args, **kwargs):
         kwargs.setdefault("splits", variant.splits)
@@ -105,11 +92,6 @@ def launch_settings(variant: Variant):
         yield
     finally:
         PagedAttention.__init__ = real_init
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def float64_weights(weights: HSTUWeights, device: torch.device) -> HSTUWeights:
@@ -188,8 +170,7 @@ def launches(engine: Engine) -> str:
     lines = []
     for attn in getattr(engine.pipeline.kernels, "_attention", {}).values():
         table = None if attn.split_table is None else attn.split_table.tolist()
-        lines.append(f"split rule {attn.split_rule}, history cap {attn.min_split_tiles}, pdl {attn.pdl}, splits "
-                     f"{attn.num_splits}, grid ({attn.num_splits}, "
+        lines.append(f"split rule {attn.split_rule}, splits {attn.num_splits}, grid ({attn.num_splits}, "
                      f"{attn.query_slots}, {attn.num_heads}), block_m {attn.block_m}, table {table}, gluon "
                      f"{attn.gluon.tiling if attn.gluon else None}")
     return "; ".join(lines) or "no Triton attention"

@@ -17,13 +17,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
 from layerflow.kernels.gluon_attention import GluonTiling, select_kernel
-from layerflow.kernels.splits import SplitPartials, _query_blocks, _row_splits, min_tiles_value, rows_table, \
-    split_rule, sum_splits, wave_splits
-from layerflow.kernels.tiling import AttentionTiling, chunk_pages, default_tiling, sm_count
+from layerflow.kernels.splits import SplitPartials, _query_blocks, _row_splits, rows_table, split_rule, sum_splits, \
+    wave_splits
+from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.config import HSTUConfig
 from layerflow.model.mask import MaskRule
@@ -132,14 +131,13 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_PAGES: tl.constexpr, PRECISION: tl.constexpr,
     INV_N_PER_USER: tl.constexpr, SHIFT: tl.constexpr, WINDOW: tl.constexpr, CONTEXTUAL: tl.constexpr,
     ROWS: tl.constexpr, FP8: tl.constexpr, F16_QK: tl.constexpr, V_UNIT: tl.constexpr,
-    split_table_ptr, active_splits_ptr, MIN_TILES: tl.constexpr = 0, PDL: tl.constexpr = False,
+    split_table_ptr, active_splits_ptr,
 ):
     split = tl.program_id(0)
     head = tl.program_id(2)
     num_splits = NUM_SPLITS
     if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
-        num_splits = _row_splits(q_offsets_ptr, history_lens_ptr, max_batch, split_table_ptr, active_splits_ptr,
-                                 BATCH_P2, BLOCK_M, BLOCK_N, MIN_TILES)
+        num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M)
         if split >= num_splits:
             return
     user, block = _user_block(q_offsets_ptr, tl.program_id(1), max_batch, BATCH_P2, BLOCK_M)
@@ -185,9 +183,6 @@ def _paged_attention_kernel(
     d = tl.arange(0, D)
     token = (q_start + j).to(tl.int64)
     head_cols = head * D + d[None, :]
-    if PDL:     # launched early: what the kernels ahead wrote (q, k, v, the pages) is read only after this
-        gdc_wait()
-        gdc_launch_dependents()
     q = tl.load(q_ptr + token[:, None] * q_stride + head_cols, mask=row_ok[:, None], other=0.0)
     if F16_QK:
         q, alpha = fp16_queries(q, alpha)
@@ -254,10 +249,7 @@ class PagedAttention:
     `workspace`: where the split partials live when attentions that never run at once share them (None: its own).
     `splits` (splits.SPLIT_RULES): the split count of each launch's real query blocks (never more than the
     capacity's), or of the capacity; the fp8 Gluon kernel reads no table yet, so under it the rule is "bucket"
-    (`split_rule` says which one holds). `min_split_tiles` (> 0, "rows" only): each split takes at least that many
-    key tiles of the batch's longest history (splits._history_splits; 0: the table's count). `pdl`: the kernel is
-    launched early (programmatic dependent launch, CUDA only) and reads its inputs only once the kernels ahead of
-    it finished, so its launch and prologue overlap their tails.
+    (`split_rule` says which one holds).
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,
@@ -265,7 +257,7 @@ class PagedAttention:
                  *, tiling: AttentionTiling | None = None, mask: MaskRule = MaskRule(),
                  kv_dtype: torch.dtype | None = None, kernel: str | None = None, fp8_mma: str | None = None,
                  gluon_tiling: GluonTiling | None = None, workspace: SplitWorkspace | None = None,
-                 splits: str = "rows", min_split_tiles: int = 0, pdl: bool = False) -> None:
+                 splits: str = "rows") -> None:
         for name, value in dict(max_batch=max_batch, max_tokens=max_tokens, max_pages_per_user=max_pages_per_user,
                                 num_heads=num_heads, max_seq_len=max_seq_len).items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -300,15 +292,12 @@ class PagedAttention:
         # "rows": entry n is the split count of a launch with n real query blocks (n = 0: one).
         table = rows_table(self.query_slots, num_heads, slots, self.num_splits)
         rows = self.split_rule == "rows"
-        self.min_split_tiles = min_tiles_value(min_split_tiles) if rows else 0
-        self.pdl = bool(pdl) and self.device.type == "cuda"
         self.split_table = torch.tensor(table, dtype=torch.int32, device=self.device) if rows else None
         self.active_splits = torch.full((1,), self.num_splits, dtype=torch.int32, device=self.device) if rows \
             else None
         # Entry 0 (no real block: every program exits) bounds no chunk.
-        self.chunk_pages = chunk_pages(max_pages_per_user * page_size, page_size, tiling.block_n,
-                                       min(table[1:]) if rows else self.num_splits, self.min_split_tiles) \
-            if tiling.preload_pages else 0
+        self.chunk_pages = self._chunk_pages(min(table[1:]) if rows else self.num_splits) if tiling.preload_pages \
+            else 0
         shape = (self.num_splits, max_tokens, num_heads, head_dim)
         self.partials = None if self.num_splits == 1 else torch.empty(shape, dtype=torch.float32, device=self.device) \
             if workspace is None else workspace.view(shape)
@@ -316,14 +305,13 @@ class PagedAttention:
     @classmethod
     def for_model(cls, config: HSTUConfig, max_batch: int, max_tokens: int, max_pages_per_user: int, page_size: int,
                   device: torch.device | str, *, tiling: AttentionTiling | None = None,
-                  kv_dtype: torch.dtype | None = None, workspace: SplitWorkspace | None = None,
-                  min_split_tiles: int = 0, pdl: bool = False) -> "PagedAttention":
+                  kv_dtype: torch.dtype | None = None, workspace: SplitWorkspace | None = None) -> "PagedAttention":
         """The attention of `config`'s layers (heads, alpha, mask, constant N; dqk == dv) over `kv_dtype` pages."""
         if config.dqk != config.dv:
             raise ValueError(f"dqk={config.dqk} != dv={config.dv}: the paged cache holds K and V at one head dim")
         return cls(max_batch, max_tokens, max_pages_per_user, config.num_heads, config.dqk, page_size, config.dtype,
                    device, config.alpha, config.max_seq_len, tiling=tiling, mask=config.mask_rule, kv_dtype=kv_dtype,
-                   workspace=workspace, min_split_tiles=min_split_tiles, pdl=pdl)
+                   workspace=workspace)
 
     def _pick_splits(self, tiling: AttentionTiling, slots: int) -> int:
         """The splits whose grid, at full capacity split evenly over users, fills whole waves (wave_splits), at most
@@ -332,6 +320,13 @@ class PagedAttention:
         programs = self.max_batch * triton.cdiv(per_user, self.block_m) * self.num_heads
         tiles = triton.cdiv(self.max_pages_per_user * self.page_size, tiling.block_n)
         return wave_splits(programs, slots, min(tiles, MAX_SPLITS))
+
+    def _chunk_pages(self, fewest_splits: int) -> int:
+        """Page-table entries one program's chunk can touch at `fewest_splits` (power of two for the register
+        slice)."""
+        longest, block_n = self.max_pages_per_user * self.page_size, self.tiling.block_n
+        chunk = triton.cdiv(triton.cdiv(longest, fewest_splits), block_n) * block_n
+        return triton.next_power_of_2(triton.cdiv(chunk, self.page_size) + 1)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
@@ -392,8 +387,8 @@ class PagedAttention:
             PRECISION=precision, INV_N_PER_USER=inv_n.shape[0] > 1, SHIFT=self.mask.id_shift,
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
             ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores, V_UNIT=self.value_unit,
-            split_table_ptr=self.split_table, active_splits_ptr=self.active_splits, MIN_TILES=self.min_split_tiles,
-            PDL=self.pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=self.pdl,
+            split_table_ptr=self.split_table, active_splits_ptr=self.active_splits,
+            num_warps=t.num_warps, num_stages=t.num_stages,
         )
         if self.partials is not None and not reduce:
             return SplitPartials(self.partials, self.active_splits)

@@ -27,9 +27,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
                                              shape_reason)
-from layerflow.kernels.gluon_tiles import (_balanced_range, _issue_tile, _masked_silu, _query_blocks, _query_rows,
-                                           _row_bounds, _row_splits, _split_range, _store_partial, _tile_pages,
-                                           _user_block)
+from layerflow.kernels.gluon_tiles import (_balanced_range, _issue_tile, _masked_silu, _query_rows, _row_bounds,
+                                           _row_splits, _split_range, _store_partial, _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
@@ -97,31 +96,6 @@ def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTi
 SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
 
-@gluon.jit
-def _capped_row_splits(q_offsets_ptr, history_lens_ptr, max_batch, split_table_ptr, active_splits_ptr,
-                       BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MIN_TILES: gl.constexpr,
-                       num_warps: gl.constexpr):
-    """gluon_tiles._row_splits' count capped by the history as splits._history_splits caps it: each split of the
-    batch's longest history gets >= MIN_TILES tiles of BLOCK_N keys (at least one split); program (0, 0, 0) stores
-    the capped count where the split sum reads it."""
-    users, valid, blocks = _query_blocks(q_offsets_ptr, max_batch, BATCH_P2, BLOCK_M, num_warps)
-    longest = gl.max(gl.load(history_lens_ptr + users, mask=valid, other=0), axis=0)
-    splits = gl.load(split_table_ptr + gl.sum(blocks, axis=0))
-    splits = gl.maximum(gl.minimum(splits, (longest + BLOCK_N - 1) // BLOCK_N // MIN_TILES), 1)
-    if (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0):
-        gl.store(active_splits_ptr, splits)
-    return splits
-
-
-@gluon.jit
-def _await_inputs():
-    """griddepcontrol.wait, then .launch_dependents: under programmatic dependent launch this program started
-    before the kernels ahead of it finished; past here their writes are visible, and the kernel behind may start."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
 @gluon.jit(do_not_specialize=["num_splits"])
 def _gluon_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
@@ -131,17 +105,12 @@ def _gluon_attention_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
-    MIN_TILES: gl.constexpr = 0, PDL: gl.constexpr = False,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
     if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
-        if MIN_TILES > 0:
-            num_splits = _capped_row_splits(q_offsets_ptr, history_lens_ptr, max_batch, split_table_ptr,
-                                            active_splits_ptr, BATCH_P2, BLOCK_M, BLOCK_N, MIN_TILES, num_warps)
-        else:
-            num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M,
-                                     num_warps)
+        num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M,
+                                 num_warps)
         if split >= num_splits:
             return
     user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
@@ -166,8 +135,6 @@ def _gluon_attention_kernel(
         q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
             q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
 
-    if PDL:     # launched early: q, k, v and the pages (what the kernels ahead wrote) are read only after this
-        _await_inputs()
     # The query block, once, into shared memory (wgmma's A operand).
     q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
                                         _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
@@ -283,7 +250,7 @@ class GluonAttention(GluonLauncher):
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
                 split_table_ptr: torch.Tensor | None = None, active_splits_ptr: torch.Tensor | None = None,
-                MIN_TILES: int = 0, PDL: bool = False, **tl_tiling) -> None:
+                **tl_tiling) -> None:
         if WINDOW or CONTEXTUAL or FP8:
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the Gluon kernel serves the "
                              "default mask over a bf16/fp16 cache only")
@@ -302,8 +269,7 @@ class GluonAttention(GluonLauncher):
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
                                       TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      SELF_LAST=t.self_last, MIN_TILES=MIN_TILES, PDL=PDL,
-                                      num_warps=BLOCK_M // 16, launch_pdl=PDL)
+                                      SELF_LAST=t.self_last, num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

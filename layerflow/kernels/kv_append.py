@@ -9,8 +9,6 @@ tokens a page already holds are never touched by a later append into it.
 `activated_kv_append` also applies the layer's SiLU in place to the batch's rows of the fused projection it is given,
 so the activation costs no kernel of its own: each row is read once, its K and V written to the pages already
 activated, and the rows past the batch (a bucket's padding, which nothing reads) are left as they are.
-With `pdl` (CUDA only) it is launched early (programmatic dependent launch): it finds each row's user and page,
-then waits for the kernels ahead of it before it reads a row, so its launch overlaps their tails.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
+from triton.language.extra.cuda import libdevice
 
 from layerflow.kernels.fp8 import encode, kernel_code, power_of_two, scale_exponent
 from layerflow.tier.layout import fp8_page_size
@@ -95,36 +93,24 @@ def _kv_append_kernel(k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, hi
 
 
 @triton.jit
-def _activated_rows(u_ptr, k_ptr, v_ptr, q_ptr, row, u_stride, k_stride, v_stride, q_stride, ok, e, ALL: tl.constexpr):
-    """Row `row`'s u, k, v and (ALL) q slices, 0 where `ok` is not; q is u without ALL (unused)."""
-    u = tl.load(u_ptr + row * u_stride + e, mask=ok, other=0.0)
-    k = tl.load(k_ptr + row * k_stride + e, mask=ok, other=0.0)
-    v = tl.load(v_ptr + row * v_stride + e, mask=ok, other=0.0)
-    q = u
-    if ALL:
-        q = tl.load(q_ptr + row * q_stride + e, mask=ok, other=0.0)
-    return u, k, v, q
-
-
-@triton.jit
 def _activated_kv_append_kernel(k_ptr, v_ptr, u_ptr, q_ptr, cache_ptr, page_table_ptr, q_offsets_ptr,
                                 history_lens_ptr, appended_lens_ptr, k_stride, v_stride, u_stride, q_stride,
                                 page_table_stride, max_batch, PAGE: tl.constexpr, BATCH_P2: tl.constexpr,
                                 ROWS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, H_P2: tl.constexpr,
-                                D_P2: tl.constexpr, FP8: tl.constexpr, ALL: tl.constexpr, LIBDEVICE: tl.constexpr,
-                                PDL: tl.constexpr):
+                                D_P2: tl.constexpr, FP8: tl.constexpr, ALL: tl.constexpr, LIBDEVICE: tl.constexpr):
     # Every load comes before the first store (a load after a store through a pointer that may alias cannot be
     # issued ahead of it): the row's four slices and the batch's offsets are in flight together, then the user's
-    # lengths and its page, and the SiLU runs while the page entry is read. Launched early (PDL), the row is read
-    # after the page, once the kernels ahead of this one finished.
+    # lengths and its page, and the SiLU runs while the page entry is read.
     token = tl.program_id(0)
     row = token.to(tl.int64)
     h = tl.arange(0, H_P2)
     ok = (h[:, None] < H) & (tl.arange(0, D_P2)[None, :] < D)
     e = h[:, None] * D + tl.arange(0, D_P2)[None, :]
-    if not PDL:
-        u, k, v, q = _activated_rows(u_ptr, k_ptr, v_ptr, q_ptr, row, u_stride, k_stride, v_stride, q_stride, ok, e,
-                                     ALL)
+    u = tl.load(u_ptr + row * u_stride + e, mask=ok, other=0.0)
+    k = tl.load(k_ptr + row * k_stride + e, mask=ok, other=0.0)
+    v = tl.load(v_ptr + row * v_stride + e, mask=ok, other=0.0)
+    if ALL:
+        q = tl.load(q_ptr + row * q_stride + e, mask=ok, other=0.0)
     user = _user_of(q_offsets_ptr, token, max_batch, BATCH_P2)
     if user >= max_batch:
         return
@@ -133,11 +119,6 @@ def _activated_kv_append_kernel(k_ptr, v_ptr, u_ptr, q_ptr, cache_ptr, page_tabl
     position = tl.load(history_lens_ptr + user) - appended + j
     cached = j < appended
     page = tl.load(page_table_ptr + user * page_table_stride + position // PAGE, mask=cached, other=0).to(tl.int64)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-        u, k, v, q = _activated_rows(u_ptr, k_ptr, v_ptr, q_ptr, row, u_stride, k_stride, v_stride, q_stride, ok, e,
-                                     ALL)
     u = _silu(u, LIBDEVICE)
     tl.store(u_ptr + row * u_stride + e, u, mask=ok)
     if ALL:
@@ -166,7 +147,7 @@ def kv_append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_tab
 def activated_kv_append(u: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor,
                         page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
                         appended_lens: torch.Tensor, kv_dtype: torch.dtype | None = None, *,
-                        activate_qkv: bool = True, pdl: bool = False) -> None:
+                        activate_qkv: bool = True) -> None:
     """SiLU in place on the batch's rows of u [T, H*D] (and of v, q, k [T, H, D] with `activate_qkv`), then
     `kv_append` of k and v as they are after it: the layer's activation and its KV append as one kernel that reads
     each row once. Rows from q_offsets[-1] on are the bucket's padding: left as they are.
@@ -180,13 +161,13 @@ def activated_kv_append(u: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k: to
         raise ValueError(f"q {q.dtype} shape {tuple(q.shape)} strides {q.stride()}: expected k's {k.dtype} "
                          f"{tuple(k.shape)} with dense heads in each row")
     _launch(k, v, u, q if activate_qkv else None, kv_cache, page_table, q_offsets, history_lens, appended_lens,
-            kv_dtype, pdl)
+            kv_dtype)
 
 
 def _launch(k: torch.Tensor, v: torch.Tensor, u: torch.Tensor | None, q: torch.Tensor | None,
             kv_cache: torch.Tensor, page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
-            appended_lens: torch.Tensor, kv_dtype: torch.dtype | None, pdl: bool = False) -> None:
-    """The append alone (u None), or with the SiLU of u (q None) or of u, v, q and k (early with `pdl`)."""
+            appended_lens: torch.Tensor, kv_dtype: torch.dtype | None) -> None:
+    """The append alone (u None), or with the SiLU of u (q None) or of u, v, q and k."""
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)}: expected equal [T, H, D]")
     for name, t in (("k", k), ("v", v)):
@@ -224,4 +205,4 @@ def _launch(k: torch.Tensor, v: torch.Tensor, u: torch.Tensor | None, q: torch.T
     _activated_kv_append_kernel[(k.shape[0],)](
         k, v, u, q if q is not None else u, *lengths, k.stride(0), v.stride(0), u.stride(0),
         0 if q is None else q.stride(0), page_table.stride(0), max_batch, **shape, ALL=q is not None,
-        LIBDEVICE=k.is_cuda, PDL=pdl and k.is_cuda, launch_pdl=pdl and k.is_cuda)
+        LIBDEVICE=k.is_cuda)

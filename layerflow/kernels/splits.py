@@ -5,11 +5,6 @@ A split count fills whole waves of the GPU's SMs. It is chosen at each launch fr
 a 320-token batch's programs in one wave of 132 SMs instead of 1.4 (the grid stays the capacity's and the programs
 past the count exit at once; the launch stores its count where the split sum reads it). "bucket" fixes the count
 once from the capacity: the rule of a kernel that reads no table (the fp8 Gluon kernel).
-
-A short history needs fewer splits than its rows' wave count: every split writes a full fp32 partial of its rows,
-which the split sum reads back, so at 2K that traffic, not the keys, bounds the kernel. With `min_tiles` > 0 the
-"rows" rule also caps the count so each split takes at least that many key tiles of the batch's longest history
-(`_history_splits`); 0 leaves the table's count alone.
 """
 
 from __future__ import annotations
@@ -68,33 +63,13 @@ def _query_blocks(q_offsets_ptr, max_batch, BATCH_P2: tl.constexpr, BLOCK_M: tl.
     return users, valid, tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
 
 
-def min_tiles_value(min_tiles: int) -> int:
-    """`min_tiles` checked: ValueError naming a value that is not a non-negative integer."""
-    if isinstance(min_tiles, bool) or not isinstance(min_tiles, int) or min_tiles < 0:
-        raise ValueError(f"min_tiles={min_tiles!r}: expected a non-negative integer (0: no history cap)")
-    return min_tiles
-
-
 @triton.jit
-def _history_splits(splits, history_lens_ptr, max_batch, BATCH_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MIN_TILES: tl.constexpr):
-    """`splits` capped so each split of the batch's longest history gets >= MIN_TILES tiles of BLOCK_N keys (at
-    least one split); MIN_TILES 0: `splits` as it is."""
-    if MIN_TILES > 0:
-        users = tl.arange(0, BATCH_P2)
-        longest = tl.max(tl.load(history_lens_ptr + users, mask=users < max_batch, other=0), axis=0)
-        splits = tl.maximum(tl.minimum(splits, (longest + BLOCK_N - 1) // BLOCK_N // MIN_TILES), 1)
-    return splits
-
-
-@triton.jit
-def _row_splits(q_offsets_ptr, history_lens_ptr, max_batch, split_table_ptr, active_splits_ptr,
-                BATCH_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
-    """The launch's split count under the "rows" rule: the table's entry for the batch's real query blocks, capped
-    by the history (_history_splits); program (0, 0, 0) also stores it where the split sum reads it."""
+def _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """The launch's split count under the "rows" rule: the table's entry for the batch's real query blocks; program
+    (0, 0, 0) also stores it where the split sum reads it."""
     _, _, blocks = _query_blocks(q_offsets_ptr, max_batch, BATCH_P2, BLOCK_M)
-    splits = _history_splits(tl.load(split_table_ptr + tl.sum(blocks, axis=0)), history_lens_ptr, max_batch,
-                            BATCH_P2, BLOCK_N, MIN_TILES)
+    splits = tl.load(split_table_ptr + tl.sum(blocks, axis=0))
     first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
     tl.store(active_splits_ptr, splits, mask=first)
     return splits

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 
 @dataclass(frozen=True)
@@ -48,13 +47,3 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
-
-
-def chunk_pages(longest: int, page_size: int, block_n: int, fewest_splits: int, min_tiles: int = 0) -> int:
-    """Page-table entries one program's chunk of a `longest`-key history can touch at `fewest_splits` (a power of
-    two: the size of the kernel's register slice). A history cap of `min_tiles` (splits._history_splits) takes
-    fewer splits only where the chunk stays within 2 * min_tiles + 1 tiles: cdiv(t, max(1, t // m)) <= 2m + 1."""
-    chunk = triton.cdiv(triton.cdiv(longest, fewest_splits), block_n) * block_n
-    if min_tiles:
-        chunk = min(max(chunk, (2 * min_tiles + 1) * block_n), triton.cdiv(longest, block_n) * block_n)
-    return triton.next_power_of_2(triton.cdiv(chunk, page_size) + 1)

@@ -7,9 +7,7 @@ family's (`weights.family`). On the GPU a layer outside attention is four kernel
 with its bias in the epilogue, the KV append applying the activation in place as it reads the rows, the output gate
 writing the projection's whole input (it sums the attention's split partials as it reads them: no reduction kernel),
 and the output GEMM adding the residual in its epilogue (the running rows are updated in place, so no copy or add
-runs); five with `silu="separate"`, where the activation is a kernel of its own after the GEMM. With programmatic
-dependent launch (`pdl`) the Triton and Gluon kernels of a layer start while the kernel ahead of them finishes and
-wait for it on the device before they read what it wrote, so a captured graph's idle time between them shrinks.
+runs); five with `silu="separate"`, where the activation is a kernel of its own after the GEMM.
 """
 
 from __future__ import annotations
@@ -37,9 +35,6 @@ SILU_ENV = "LAYERFLOW_SILU"                       # where the GPU path applies t
 SILU_CHOICES = ("append", "separate")             # inside the KV append (the default) | its own kernel
 WORKSPACE_ENV = "LAYERFLOW_SPLIT_WORKSPACE"       # where the attention's split partials live
 WORKSPACE_CHOICES = ("shared", "bucket")          # one for all buckets (the default) | one workspace per bucket
-PDL_ENV = "LAYERFLOW_PDL"                         # programmatic dependent launch of the layer's Triton kernels
-PDL_CHOICES = ("off", "on")
-MIN_TILES_ENV = "LAYERFLOW_SPLIT_MIN_TILES"       # the attention's history cap on its split count (0: none)
 
 
 def _choice(name: str, value: str | None, env: str, choices: tuple[str, ...]) -> str:
@@ -48,16 +43,6 @@ def _choice(name: str, value: str | None, env: str, choices: tuple[str, ...]) ->
     if chosen not in choices:
         raise ValueError(f"{name}={chosen!r} (argument or {env}): expected one of {choices}")
     return chosen
-
-
-def _min_tiles(value: int | None) -> int:
-    """`value`, else the environment's MIN_TILES_ENV, else 0; ValueError naming one that is not an integer >= 0."""
-    if value is not None:
-        return value
-    text = os.environ.get(MIN_TILES_ENV, "0")
-    if not text.isdigit():
-        raise ValueError(f"{MIN_TILES_ENV}={text!r}: expected a non-negative integer")
-    return int(text)
 
 
 class LayerKernels(Protocol):
@@ -94,14 +79,10 @@ class TritonKernels:
     of the pages, None when they hold the model's dtype. `silu` (SILU_CHOICES, None: $LAYERFLOW_SILU or "append"):
     the SiLU inside the KV append, or as its own kernel after the projection GEMM. `split_workspace`
     (WORKSPACE_CHOICES, None: $LAYERFLOW_SPLIT_WORKSPACE or "shared"): every bucket's attention over one split-K
-    workspace (the engine runs one bucket's graph at a time), or each with its own. `pdl` (PDL_CHOICES, None:
-    $LAYERFLOW_PDL or "off"): the LayerNorms, the append, the attention and the gate launched early (programmatic
-    dependent launch, module docstring). `split_min_tiles` (None: $LAYERFLOW_SPLIT_MIN_TILES or 0): the attention's
-    history cap on its split count (PagedAttention's min_split_tiles)."""
+    workspace (the engine runs one bucket's graph at a time), or each with its own."""
 
     def __init__(self, weights: HSTUWeights, page_size: int, max_pages: int, kv_dtype: torch.dtype | None = None, *,
-                 silu: str | None = None, split_workspace: str | None = None, pdl: str | None = None,
-                 split_min_tiles: int | None = None):
+                 silu: str | None = None, split_workspace: str | None = None):
         self.config, self.page_size, self.max_pages, self.kv_dtype = weights.config, page_size, max_pages, kv_dtype
         self.family = weights.family
         self._gate_groups = 1 if self.config.output_norm == "layer" else self.config.num_heads
@@ -111,8 +92,6 @@ class TritonKernels:
         workspace = _choice("split_workspace", split_workspace, WORKSPACE_ENV, WORKSPACE_CHOICES)
         self.shared_workspace = workspace == "shared"
         self.workspace: SplitWorkspace | None = None
-        self.pdl = _choice("pdl", pdl, PDL_ENV, PDL_CHOICES) == "on"
-        self.split_min_tiles = _min_tiles(split_min_tiles)
 
     def reserve(self, buckets: Iterable[Bucket], device: torch.device) -> None:
         """Build every bucket's attention before the first batch. With the shared workspace they end up over one
@@ -131,8 +110,7 @@ class TritonKernels:
 
     def _build(self, key: tuple[int, int], device: torch.device) -> PagedAttention:
         return PagedAttention.for_model(self.config, *key, self.max_pages, self.page_size, device,
-                                        kv_dtype=self.kv_dtype, workspace=self.workspace,
-                                        min_split_tiles=self.split_min_tiles, pdl=self.pdl)
+                                        kv_dtype=self.kv_dtype, workspace=self.workspace)
 
     def _for(self, bufs: BatchBuffers) -> PagedAttention:
         key = (bufs.bucket.max_batch, bufs.bucket.max_tokens)
@@ -149,7 +127,7 @@ class TritonKernels:
         candidate_dot(x, weights.item_embedding, rows, ids, out)
 
     def layer_norm(self, x, weight, bias):
-        return layer_norm(x, weight, bias, self.config.layer_norm_eps, pdl=self.pdl)
+        return layer_norm(x, weight, bias, self.config.layer_norm_eps)
 
     def project(self, layer, normed):
         return self.family.project(layer, normed, activate=not self.silu_in_append)
@@ -157,8 +135,7 @@ class TritonKernels:
     def append(self, u, v, q, k, kv_cache, bufs):
         lengths = (bufs.page_table, bufs.q_offsets, bufs.history_lens, bufs.appended_lens)
         if self.silu_in_append:
-            activated_kv_append(u, v, q, k, kv_cache, *lengths, self.kv_dtype, activate_qkv=self.family.activates_qkv,
-                                pdl=self.pdl)
+            activated_kv_append(u, v, q, k, kv_cache, *lengths, self.kv_dtype, activate_qkv=self.family.activates_qkv)
         else:
             kv_append(k, v, kv_cache, *lengths, self.kv_dtype)
 
@@ -172,10 +149,8 @@ class TritonKernels:
         if isinstance(attn, SplitPartials):
             partials = attn.partials
             return gated_split_norm(u, partials.view(partials.shape[0], partials.shape[1], -1), *norm,
-                                    groups=self._gate_groups, concat=self._concat, active_splits=attn.active,
-                                    pdl=self.pdl)
-        return gated_layer_norm(u, attn.view(attn.shape[0], -1), *norm, groups=self._gate_groups, concat=self._concat,
-                                pdl=self.pdl)
+                                    groups=self._gate_groups, concat=self._concat, active_splits=attn.active)
+        return gated_layer_norm(u, attn.view(attn.shape[0], -1), *norm, groups=self._gate_groups, concat=self._concat)
 
 
 class ReferenceKernels:

@@ -93,32 +93,3 @@ def test_gated_split_norm_names_a_bad_count_tensor():
         gated_split_norm(u, torch.zeros(2, 4, 8, device=DEVICE), torch.ones(8, device=DEVICE),
                          torch.zeros(8, device=DEVICE), 1e-6, active_splits=torch.ones(1, dtype=torch.int64))
 
-
-
-@pytest.mark.parametrize("min_tiles,history,expected", [(8, [300, 40], 2), (4, [300, 40], 4), (8, [100, 0], 1),
-                                                       (0, [300, 40], 6)], ids=["2", "4", "1", "off"])
-def test_history_cap_takes_fewer_splits_and_the_same_result(monkeypatch, min_tiles, history, expected):
-    """On 132 SMs the table gives 2 query blocks x 2 heads 6 splits (the most: no count fills a wave); the cap leaves
-    each split of the longest history >= min_tiles tiles of 16 keys: 300 keys are 19 tiles, 19 // 8 = 2 and 19 // 4
-    = 4 splits; 100 keys (7 tiles) take one split. A chunk of 2 splits (160 keys) is past what the table's fewest
-    splits take of the 512-key capacity (6 splits: 96 keys), so the page-table slice must be sized for the cap."""
-    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
-    batch = make_paged_batch(history_lens=history, appended_lens=[4, 0], candidate_lens=[3, 2], num_heads=H,
-                             head_dim=D, page_size=PAGE, dtype=torch.float32, device=DEVICE, max_tokens=16,
-                             max_pages_per_user=32)
-    kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths)
-    attn = PagedAttention(2, 16, 32, H, D, PAGE, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN, min_split_tiles=min_tiles,
-                          tiling=AttentionTiling(16, 16, 4, 1, preload_pages=True, num_splits=6))
-    assert attn.split_table.tolist()[2] == 6
-    attn.partials.fill_(float("nan"))
-    out = attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(batch.q))
-    expected_out = paged_attention_reference(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths,
-                                             torch.zeros_like(batch.q), alpha=ALPHA, max_seq_len=MAX_SEQ_LEN)
-    assert attn.active_splits.tolist() == [expected]
-    assert torch.isnan(attn.partials[expected:, :batch.total_tokens]).all()
-    torch.testing.assert_close(out[:batch.total_tokens], expected_out[:batch.total_tokens], rtol=1e-5, atol=1e-7)
-
-
-def test_a_history_cap_that_is_not_a_count_is_named():
-    with pytest.raises(ValueError, match="min_tiles=-1"):
-        PagedAttention(1, 64, 4, H, D, PAGE, torch.float32, DEVICE, ALPHA, MAX_SEQ_LEN, min_split_tiles=-1)
