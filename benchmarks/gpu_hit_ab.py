@@ -138,6 +138,31 @@ def gpu_hit(engine: Engine, workload: Workload) -> tuple[float, list[torch.Tenso
     return (time.perf_counter() - start) * 1e3, scores
 
 
+def loaded_workloads(engines: dict[str, Engine], settings: Settings, index: int,
+                     seq_len: int) -> dict[str, Workload]:
+    """Each engine's copy of user `index`'s request at `seq_len` (the same history and items), its history loaded
+    and five GPU hits run (warm)."""
+    workloads = {}
+    for name, engine in engines.items():
+        workloads[name] = Workload.build([index], seq_len, settings.append_len, settings.num_candidates,
+                                         settings.model, 0)
+        workloads[name].load(engine)
+        for _ in range(5):
+            gpu_hit(engine, workloads[name])
+    return workloads
+
+
+def alternated_walls(engines: dict[str, Engine], workloads: dict[str, Workload], blocks: int,
+                     requests: int) -> dict[str, list[float]]:
+    """GPU-hit host ms per engine: `blocks` blocks of `requests` hits on every engine in turn, the order rotating."""
+    names = list(engines)
+    walls = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names[block % len(names):] + names[:block % len(names)]:
+            walls[name] += [gpu_hit(engines[name], workloads[name])[0] for _ in range(requests)]
+    return walls
+
+
 def kernel_us(engine: Engine, workload: Workload, requests: int, layers: int) -> dict[str, float]:
     """Device us per layer of the attention and of the LayerNorms + gate, of every kernel per request, and the median
     span of a request's kernels (copies left out: the offload's D2H runs beside them)."""
@@ -153,12 +178,12 @@ def kernel_us(engine: Engine, workload: Workload, requests: int, layers: int) ->
             continue
         name = event.name.lower()
         sums["all"] += event.device_time_total
-        if "memcpy" not in name and "memset" not in name:
-            intervals.append((event.time_range.start, event.time_range.end))
-        if "attention" in name:
+        if "attention" in name or "gluon_fp8_kernel" in name:     # the fp8 Gluon kernel's name lacks the word
             sums["attention"] += event.device_time_total
         elif "norm_kernel" in name:
             sums["gate"] += event.device_time_total
+        if "memcpy" not in name and "memset" not in name:
+            intervals.append((event.time_range.start, event.time_range.end))
     spans = spans_us(intervals)
     return {"attention_us_per_layer": sums["attention"] / requests / layers,
             "norm_us_per_layer": sums["gate"] / requests / layers, "kernels_us": sums["all"] / requests,
@@ -280,6 +305,7 @@ def split_sweep(settings: Settings, seq_len: int, counts: list[int], blocks: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=parse_lengths, default=(16384, 2048))
+    parser.add_argument("--variant", type=Variant.parse, action="append", required=True)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--requests", type=int, default=20, help="GPU hits per engine per block")
     parser.add_argument("--profiled", type=int, default=10, help="profiled GPU hits per engine per length")
@@ -288,7 +314,6 @@ def main() -> None:
     parser.add_argument("--sweep-splits", type=lambda t: [int(s) for s in t.split(",") if s.strip()], default=[],
                         help="split counts (>= 2) to time the attention and its gate alone at, after the GPU hits")
     parser.add_argument("--sweep-lens", type=parse_lengths, default=(16384, 8192, 4096, 2048))
-    parser.add_argument("--variant", type=Variant.parse, action="append", default=[])
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -301,18 +326,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         engines = build_engines(args.variant, weights, config, device, stack, out)
         names = list(engines)
-        for index, seq_len in enumerate(settings.seq_lens if names else ()):
-            workloads = {}
-            for name, engine in engines.items():
-                workloads[name] = Workload.build([index], seq_len, settings.append_len, settings.num_candidates,
-                                                 settings.model, 0)
-                workloads[name].load(engine)
-                for _ in range(5):
-                    gpu_hit(engine, workloads[name])
-            walls = {name: [] for name in names}
-            for block in range(args.blocks):
-                for name in names[block % len(names):] + names[:block % len(names)]:
-                    walls[name] += [gpu_hit(engines[name], workloads[name])[0] for _ in range(args.requests)]
+        for index, seq_len in enumerate(settings.seq_lens):
+            workloads = loaded_workloads(engines, settings, index, seq_len)
+            walls = alternated_walls(engines, workloads, args.blocks, args.requests)
             rows = {name: {"wall_ms_median": statistics.median(walls[name]),
                            "wall_ms_p10": statistics.quantiles(walls[name], n=10)[0],
                            "wall_ms_p90": statistics.quantiles(walls[name], n=10)[-1],
