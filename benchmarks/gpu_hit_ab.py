@@ -5,12 +5,15 @@ GluonTiling's `self_last`: the new defaults "rows" and "last", main's before the
 serves the same users (hstu-bench, BS=1, 64 appended + 256 candidates, as `layerflow bench` stages a GPU hit); each
 block runs `--requests` GPU hits back to back on every engine in turn (the order rotating), the host clock around
 `Engine.score` as `bench` times it. Then torch.profiler records `--profiled` requests per engine: attention and
-output-gate device time per layer. Each variant's scores are compared with the float64 recompute of the same request
-on the GPU (full_forward over history + appended + candidates): max |diff| / max |reference| and the top-10 overlap.
+output-gate device time per layer, the device span of a request's graph kernels (first start to last end, copies left
+out) and the split count each attention launched. Each variant's scores are compared with the float64 recompute of
+the same request on the GPU (full_forward over history + appended + candidates): max |diff| / max |reference| and the
+top-10 overlap.
 `--ladders` then builds engines over the token ladders of those steps (every batch bucket) and times their warm-up.
+`--sweep-splits` then times the attention and its gate alone per fixed split count (8 layers' pages in one graph).
 
     python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant main=512:bucket:first --variant new=320 \
-        --ladders 4,1 --out ab.json
+        --ladders 4,1 --sweep-splits 2,4,8,11 --out ab.json
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.workload import Workload  # noqa: E402
+from benchmarks.kernel_breakdown import spans_us  # noqa: E402
 from layerflow.kernels.attention import PagedAttention  # noqa: E402
 from layerflow.kernels.gluon_attention import default_gluon_tiling  # noqa: E402
+from layerflow.kernels.pointwise import gated_split_norm  # noqa: E402
 from layerflow.kernels.splits import SPLIT_RULES  # noqa: E402
+from layerflow.kernels.tiling import default_tiling  # noqa: E402
 from layerflow.model import HSTUConfig, HSTUWeights, full_forward  # noqa: E402
 from layerflow.model.layer import LayerWeights  # noqa: E402
 from layerflow.runtime.buffers import token_ladder  # noqa: E402
@@ -132,25 +138,56 @@ def gpu_hit(engine: Engine, workload: Workload) -> tuple[float, list[torch.Tenso
     return (time.perf_counter() - start) * 1e3, scores
 
 
+def loaded_workloads(engines: dict[str, Engine], settings: Settings, index: int,
+                     seq_len: int) -> dict[str, Workload]:
+    """Each engine's copy of user `index`'s request at `seq_len` (the same history and items), its history loaded
+    and five GPU hits run (warm)."""
+    workloads = {}
+    for name, engine in engines.items():
+        workloads[name] = Workload.build([index], seq_len, settings.append_len, settings.num_candidates,
+                                         settings.model, 0)
+        workloads[name].load(engine)
+        for _ in range(5):
+            gpu_hit(engine, workloads[name])
+    return workloads
+
+
+def alternated_walls(engines: dict[str, Engine], workloads: dict[str, Workload], blocks: int,
+                     requests: int) -> dict[str, list[float]]:
+    """GPU-hit host ms per engine: `blocks` blocks of `requests` hits on every engine in turn, the order rotating."""
+    names = list(engines)
+    walls = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names[block % len(names):] + names[:block % len(names)]:
+            walls[name] += [gpu_hit(engines[name], workloads[name])[0] for _ in range(requests)]
+    return walls
+
+
 def kernel_us(engine: Engine, workload: Workload, requests: int, layers: int) -> dict[str, float]:
-    """Device us per layer of the attention and of the output gate, and of every kernel per request."""
+    """Device us per layer of the attention and of the LayerNorms + gate, of every kernel per request, and the median
+    span of a request's kernels (copies left out: the offload's D2H runs beside them)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(requests):
             gpu_hit(engine, workload)
         torch.cuda.synchronize()
     sums = {"attention": 0.0, "gate": 0.0, "all": 0.0}
+    intervals = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.name.lower()
         sums["all"] += event.device_time_total
-        if "attention" in name:
+        if "attention" in name or "gluon_fp8_kernel" in name:     # the fp8 Gluon kernel's name lacks the word
             sums["attention"] += event.device_time_total
         elif "norm_kernel" in name:
             sums["gate"] += event.device_time_total
+        if "memcpy" not in name and "memset" not in name:
+            intervals.append((event.time_range.start, event.time_range.end))
+    spans = spans_us(intervals)
     return {"attention_us_per_layer": sums["attention"] / requests / layers,
-            "norm_us_per_layer": sums["gate"] / requests / layers, "kernels_us": sums["all"] / requests}
+            "norm_us_per_layer": sums["gate"] / requests / layers, "kernels_us": sums["all"] / requests,
+            "span_us_median": statistics.median(spans) if spans else 0.0}
 
 
 def launches(engine: Engine) -> str:
@@ -162,6 +199,13 @@ def launches(engine: Engine) -> str:
                      f"{attn.query_slots}, {attn.num_heads}), block_m {attn.block_m}, table {table}, gluon "
                      f"{attn.gluon.tiling if attn.gluon else None}")
     return "; ".join(lines) or "no Triton attention"
+
+
+def active_splits(engine: Engine) -> str:
+    """The split count each "rows" attention of the engine launched last (its device count), "-" for none."""
+    counts = [str(int(attn.active_splits)) for attn in getattr(engine.pipeline.kernels, "_attention", {}).values()
+              if attn.active_splits is not None]
+    return ",".join(counts) or "-"
 
 
 def ladder_warmup(weights: HSTUWeights, config, device: torch.device, steps: int) -> dict:
@@ -202,6 +246,62 @@ def build_engines(variants: list[Variant], weights: HSTUWeights, config, device:
     return engines
 
 
+def split_sweep(settings: Settings, seq_len: int, counts: list[int], blocks: int, replays: int,
+                device: torch.device) -> dict[int, float]:
+    """us per layer of the attention plus its gate at each split count (the "rows" rule's table under a capacity
+    count of that many: the engine's kernel; ValueError if a launch took another count), hstu-bench's request
+    (BS=1, 64 appended + 256 candidates, 320-token capacity) over 8 layers' own pages in one captured graph, the
+    counts (each >= 2: one split writes no partials) timed in alternated blocks of `replays` replays."""
+    m, page, tokens = settings.model, 32, settings.append_len + settings.num_candidates
+    keys = seq_len + settings.append_len
+    pages = -(-keys // page)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device).to(m.dtype)
+
+    caches = [randn(pages, 2, page, m.num_heads, m.dqk) for _ in range(m.num_layers)]
+    table = torch.randperm(pages, device=device, dtype=torch.int32).view(1, pages)
+    offsets = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    history = torch.tensor([keys], dtype=torch.int32, device=device)
+    appended = torch.tensor([settings.append_len], dtype=torch.int32, device=device)
+    q, k, v = randn(tokens, m.num_heads, m.dqk), randn(tokens, m.num_heads, m.dqk), randn(tokens, m.num_heads, m.dqk)
+    u, w, b = randn(tokens, m.num_heads * m.dv), randn(m.num_heads * m.dv), randn(m.num_heads * m.dv)
+    gated = torch.empty_like(u)
+    # The attentions outlive their graphs' replays: a graph holds no reference to the buffers it was captured on,
+    # and the next capture's empty_cache would hand a dropped attention's partials and split table back.
+    attns, graphs = {}, {}
+    for count in counts:
+        tiling = replace(default_tiling(m.dqk, m.dtype, tokens), num_splits=count)
+        attn = attns[count] = PagedAttention(1, tokens, pages, m.num_heads, m.dqk, page, m.dtype, device, m.alpha,
+                                             m.max_seq_len, tiling=tiling)
+
+        def step(attn=attn, count=count) -> None:
+            for cache in caches:
+                out = attn.run(q, k, v, cache, table, offsets, history, appended, torch.empty_like(q), reduce=False)
+                gated_split_norm(u, out.partials.view(count, tokens, -1), w, b, m.layer_norm_eps, out=gated,
+                                 active_splits=out.active)
+
+        step()
+        if attn.active_splits is not None and int(attn.active_splits) != count:
+            raise ValueError(f"{count} splits asked for, {int(attn.active_splits)} launched")
+        graphs[count] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[count]):
+            step()
+    times = {count: [] for count in counts}
+    for block in range(blocks):
+        for count in counts[block % len(counts):] + counts[:block % len(counts)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graphs[count].replay()
+            start.record()
+            for _ in range(replays):
+                graphs[count].replay()
+            end.record()
+            end.synchronize()
+            times[count].append(start.elapsed_time(end) * 1e3 / replays / m.num_layers)
+    return {count: statistics.median(t) for count, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=parse_lengths, default=(16384, 2048))
@@ -211,6 +311,9 @@ def main() -> None:
     parser.add_argument("--profiled", type=int, default=10, help="profiled GPU hits per engine per length")
     parser.add_argument("--ladders", type=lambda t: [int(s) for s in t.split(",") if s.strip()], default=[],
                         help="token ladder steps whose engines' warm-up to time afterwards, e.g. 1,4,4")
+    parser.add_argument("--sweep-splits", type=lambda t: [int(s) for s in t.split(",") if s.strip()], default=[],
+                        help="split counts (>= 2) to time the attention and its gate alone at, after the GPU hits")
+    parser.add_argument("--sweep-lens", type=parse_lengths, default=(16384, 8192, 4096, 2048))
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -224,44 +327,47 @@ def main() -> None:
         engines = build_engines(args.variant, weights, config, device, stack, out)
         names = list(engines)
         for index, seq_len in enumerate(settings.seq_lens):
-            workloads = {}
-            for name, engine in engines.items():
-                workloads[name] = Workload.build([index], seq_len, settings.append_len, settings.num_candidates,
-                                                 settings.model, 0)
-                workloads[name].load(engine)
-                for _ in range(5):
-                    gpu_hit(engine, workloads[name])
-            walls = {name: [] for name in names}
-            for block in range(args.blocks):
-                for name in names[block % len(names):] + names[:block % len(names)]:
-                    walls[name] += [gpu_hit(engines[name], workloads[name])[0] for _ in range(args.requests)]
-            reference = reference_scores(weights64, workloads[names[0]])
-            first = gpu_hit(engines[names[0]], workloads[names[0]])[1]
-            rows = {}
-            for name in names:
-                scores = gpu_hit(engines[name], workloads[name])[1]
-                rows[name] = {"wall_ms_median": statistics.median(walls[name]),
-                              "wall_ms_p10": statistics.quantiles(walls[name], n=10)[0],
-                              "wall_ms_p90": statistics.quantiles(walls[name], n=10)[-1],
-                              "relative_diff_vs_first": agreement(scores, first, reference),
-                              "relative_diff_vs_float64": agreement(scores, reference, reference),
-                              "top10_overlap_vs_float64": top10_overlap(scores, reference),
-                              **kernel_us(engines[name], workloads[name], args.profiled, layers)}
-            out["lengths"][seq_len] = {"reference_max_abs": max(float(r.abs().max()) for r in reference), **rows}
+            workloads = loaded_workloads(engines, settings, index, seq_len)
+            walls = alternated_walls(engines, workloads, args.blocks, args.requests)
+            rows = {name: {"wall_ms_median": statistics.median(walls[name]),
+                           "wall_ms_p10": statistics.quantiles(walls[name], n=10)[0],
+                           "wall_ms_p90": statistics.quantiles(walls[name], n=10)[-1],
+                           **kernel_us(engines[name], workloads[name], args.profiled, layers),
+                           "splits": active_splits(engines[name])} for name in names}
+            out["lengths"][seq_len] = rows
             print(f"### GPU hit at {seq_len} (BS=1, {settings.append_len} + {settings.num_candidates}), {args.blocks} "
-                  f"alternated blocks x {args.requests}; float64 scores' max |s| "
-                  f"{out['lengths'][seq_len]['reference_max_abs']:.1f}; diffs are max |d| / max |float64 s|")
-            print(f"| variant | wall ms median (p10 / p90) | attention us/layer | LayerNorm + gate us/layer | "
-                  f"kernels us | diff vs {names[0]} | diff vs float64 | top-10 vs float64 |\n"
-                  f"|---|---|---|---|---|---|---|---|")
+                  f"alternated blocks x {args.requests}\n| variant | wall ms median (p10 / p90) | attention us/layer | "
+                  f"LayerNorm + gate us/layer | kernels us | span us | splits |\n|---|---|---|---|---|---|---|")
             for name, r in rows.items():
                 print(f"| {name} | {r['wall_ms_median']:.3f} ({r['wall_ms_p10']:.3f} / {r['wall_ms_p90']:.3f}) | "
                       f"{r['attention_us_per_layer']:.1f} | {r['norm_us_per_layer']:.1f} | {r['kernels_us']:.1f} | "
-                      f"{r['relative_diff_vs_first']:.1e} | {r['relative_diff_vs_float64']:.1e} | "
-                      f"{r['top10_overlap_vs_float64']}/10 |", flush=True)
+                      f"{r['span_us_median']:.1f} | {r['splits']} |", flush=True)
+            write(args.out, out)
+            reference = reference_scores(weights64, workloads[names[0]])
+            first = gpu_hit(engines[names[0]], workloads[names[0]])[1]
+            out["lengths"][seq_len]["reference_max_abs"] = max(float(r.abs().max()) for r in reference)
+            print(f"scores at {seq_len} (max |d| / max |float64 s|, float64 max |s| "
+                  f"{out['lengths'][seq_len]['reference_max_abs']:.1f}): vs {names[0]} / vs float64 / top-10")
+            for name in names:
+                scores = gpu_hit(engines[name], workloads[name])[1]
+                rows[name].update(relative_diff_vs_first=agreement(scores, first, reference),
+                                  relative_diff_vs_float64=agreement(scores, reference, reference),
+                                  top10_overlap_vs_float64=top10_overlap(scores, reference))
+                print(f"  {name}: {rows[name]['relative_diff_vs_first']:.1e} / "
+                      f"{rows[name]['relative_diff_vs_float64']:.1e} / {rows[name]['top10_overlap_vs_float64']}/10",
+                      flush=True)
             for name, engine in engines.items():
                 workloads[name].drop(engine)
     write(args.out, out)
+    if args.sweep_splits:
+        print(f"### attention + gate alone, us per layer, by split count\n| history | "
+              + " | ".join(f"{c} splits" for c in args.sweep_splits) + " |\n|---|"
+              + "---|" * len(args.sweep_splits), flush=True)
+    for seq_len in args.sweep_splits and args.sweep_lens:
+        sweep = split_sweep(settings, seq_len, args.sweep_splits, args.blocks, 20, device)
+        out.setdefault("split_sweep_us_per_layer", {})[seq_len] = sweep
+        print(f"| {seq_len} | " + " | ".join(f"{us:.1f}" for us in sweep.values()) + " |", flush=True)
+        write(args.out, out)
     for steps in args.ladders:
         cost = ladder_warmup(weights, config, device, steps)
         out.setdefault("ladders", []).append(cost)
