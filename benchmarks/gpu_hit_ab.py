@@ -132,6 +132,31 @@ def gpu_hit(engine: Engine, workload: Workload) -> tuple[float, list[torch.Tenso
     return (time.perf_counter() - start) * 1e3, scores
 
 
+def loaded_workloads(engines: dict[str, Engine], settings: Settings, index: int,
+                     seq_len: int) -> dict[str, Workload]:
+    """Each engine's copy of user `index`'s request at `seq_len` (the same history and items), its history loaded
+    and five GPU hits run (warm)."""
+    workloads = {}
+    for name, engine in engines.items():
+        workloads[name] = Workload.build([index], seq_len, settings.append_len, settings.num_candidates,
+                                         settings.model, 0)
+        workloads[name].load(engine)
+        for _ in range(5):
+            gpu_hit(engine, workloads[name])
+    return workloads
+
+
+def alternated_walls(engines: dict[str, Engine], workloads: dict[str, Workload], blocks: int,
+                     requests: int) -> dict[str, list[float]]:
+    """GPU-hit host ms per engine: `blocks` blocks of `requests` hits on every engine in turn, the order rotating."""
+    names = list(engines)
+    walls = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names[block % len(names):] + names[:block % len(names)]:
+            walls[name] += [gpu_hit(engines[name], workloads[name])[0] for _ in range(requests)]
+    return walls
+
+
 def kernel_us(engine: Engine, workload: Workload, requests: int, layers: int) -> dict[str, float]:
     """Device us per layer of the attention and of the output gate, and of every kernel per request."""
     torch.cuda.synchronize()
@@ -224,17 +249,8 @@ def main() -> None:
         engines = build_engines(args.variant, weights, config, device, stack, out)
         names = list(engines)
         for index, seq_len in enumerate(settings.seq_lens):
-            workloads = {}
-            for name, engine in engines.items():
-                workloads[name] = Workload.build([index], seq_len, settings.append_len, settings.num_candidates,
-                                                 settings.model, 0)
-                workloads[name].load(engine)
-                for _ in range(5):
-                    gpu_hit(engine, workloads[name])
-            walls = {name: [] for name in names}
-            for block in range(args.blocks):
-                for name in names[block % len(names):] + names[:block % len(names)]:
-                    walls[name] += [gpu_hit(engines[name], workloads[name])[0] for _ in range(args.requests)]
+            workloads = loaded_workloads(engines, settings, index, seq_len)
+            walls = alternated_walls(engines, workloads, args.blocks, args.requests)
             reference = reference_scores(weights64, workloads[names[0]])
             first = gpu_hit(engines[names[0]], workloads[names[0]])[1]
             rows = {}
