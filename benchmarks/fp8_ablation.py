@@ -59,7 +59,11 @@ def rebound(fn: JITFunction, swaps: dict[str, JITFunction], memo: dict[int, JITF
         elif isinstance(scope.get(name), JITFunction):
             scope[name] = rebound(scope[name], swaps, memo, found)
     raw = fn.fn
-    memo[id(fn)] = gluon.jit(types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__, raw.__closure__))
+    copy = types.FunctionType(raw.__code__, scope, raw.__name__, raw.__defaults__, raw.__closure__)
+    copy.__annotations__ = dict(raw.__annotations__)    # the gl.constexpr marks (else launched as runtime ints)
+    copy.__kwdefaults__ = raw.__kwdefaults__
+    copy.__qualname__ = raw.__qualname__
+    memo[id(fn)] = gluon.jit(copy)
     return memo[id(fn)]
 
 
