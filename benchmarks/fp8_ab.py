@@ -1,10 +1,10 @@
 """A/B of the fp8 Gluon attention kernel's paths in one process, variants alternated in blocks.
 
 `attention`: attention alone (benchmarks/kernels.py's Case: BS=1, D=256, 64 appended, L2 rotated, the split sum
-included, each variant's CUDA graph timed in turn) for bf16 Gluon's default, the fp8 kernel's current defaults, its
-new paths and ablations of the current one (benchmarks/fp8_ablation.py: timing only, wrong numbers). `engine`: GPU
-hits (benchmarks/gpu_hit_ab.py's request: hstu-bench, 64 appended + 256 candidates, one exact token bucket) of a
-bf16 engine beside fp8 engines on the old and the new paths, with their scores against the bf16 engine's. A
+included, each variant's CUDA graph timed in turn) for bf16 Gluon's default, the fp8 kernel's defaults, its other
+paths and ablations of the defaults (benchmarks/fp8_ablation.py: timing only, wrong numbers). `engine`: GPU hits
+(benchmarks/gpu_hit_ab.py's request: hstu-bench, 64 appended + 256 candidates, one exact token bucket) of a bf16
+engine beside fp8 engines on the defaults and the paths before them, with their scores against the bf16 engine's. A
 variant's fp8 paths are LAYERFLOW_FP8_* settings in force while its attention or engine is built (that is when
 gluon_fp8.default_fp8_tiling reads them). `--warm NAME` builds one variant (compiling its kernels) and times nothing.
 
@@ -52,19 +52,17 @@ class Variant:
     ablation: str | None = None
 
 
-SPLIT = ((ROW_SPLITS_ENV, "1"), (SELF_LAST_ENV, "1"))
-BITS = SPLIT + ((DECODE_ENV, "bits"),)
+OLD = ((ROW_SPLITS_ENV, "0"), (SELF_LAST_ENV, "0"), (DECODE_ENV, "cvt"))   # the defaults before session 12
 VARIANTS = {
     "bf16": Variant(False),
     "fp8 main": Variant(True),
-    "fp8 split": Variant(True, SPLIT),
-    "fp8 bits": Variant(True, BITS),
-    "fp8 bits tanh": Variant(True, BITS + ((SILU_ENV, "tanh"),)),
+    "fp8 old": Variant(True, OLD),
+    "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = tuple(VARIANTS)
-ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 bits", "fp8 bits tanh")
-BASES = ("fp8 main", "fp8 split")      # what every fp8 row's output is compared with
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 cvt", *(f"fp8 {name}" for name in ABLATIONS))
+ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 old")
+BASES = ("fp8 main", "fp8 cvt")      # what every fp8 row's output is compared with
 
 
 @contextlib.contextmanager
@@ -260,10 +258,12 @@ def main() -> None:
         return
     out = {"command": " ".join(["python3"] + sys.argv), "environment": environment(torch.device("cuda"))}
     if args.part == "attention":
-        out["rows"] = time_attention(names, args.shapes, args.blocks, args.iters, deadline)
-        print(f"### attention alone, BS=1, D=256, H=4, 64 appended, us (median of {args.blocks} alternated blocks);"
-              " outputs against the fp8 bases (bitwise, or relative norm of the difference)\n"
-              + attention_table(out["rows"], names, args.shapes), flush=True)
+        out["rows"] = []
+        for shape in args.shapes:       # a table per shape, so a run cut short still shows the shapes done
+            out["rows"] += time_attention(names, [shape], args.blocks, args.iters, deadline)
+            print(f"### attention alone, BS=1, D=256, H=4, 64 appended, us (median of {args.blocks} alternated "
+                  "blocks); outputs against the fp8 bases (bitwise, or relative norm of the difference)\n"
+                  + attention_table(out["rows"], names, [shape]), flush=True)
     else:
         settings, weights = engine_settings(args.seq_lens)
         out["lengths"] = time_engines(names, settings, weights, args.blocks, args.requests, args.profiled, deadline)

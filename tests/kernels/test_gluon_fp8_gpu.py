@@ -155,13 +155,14 @@ def test_auto_takes_the_fp8_kernel_with_64_key_tiles_at_d256_and_it_matches_refe
     check(fp8_batch([16384 + 64, 700], [64, 64], [candidates, 3], 256, E4M3), 256, E4M3)
 
 
-@pytest.mark.parametrize("paths", ["main", "rows:last:bits"])
+@pytest.mark.parametrize("paths", ["rows:last:bits", "bucket:first:cvt"])
 def test_one_graph_replays_any_lengths_like_eager(monkeypatch, paths):
-    """Also with the "rows" split table read on the device, the self tiles last and the bit-move decode."""
-    if paths != "main":
-        monkeypatch.setenv(ROW_SPLITS_ENV, "1")
-        monkeypatch.setenv(SELF_LAST_ENV, "1")
-        monkeypatch.setenv(DECODE_ENV, "bits")
+    """The defaults (the "rows" split table read on the device, the self tiles last, the bit-move decode) and the
+    older paths (the bucket's split count, the self tiles on split 0, the conversion)."""
+    table, last, decode = paths.split(":")
+    monkeypatch.setenv(ROW_SPLITS_ENV, str(int(table == "rows")))
+    monkeypatch.setenv(SELF_LAST_ENV, str(int(last == "last")))
+    monkeypatch.setenv(DECODE_ENV, decode)
     max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
     cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),
              ([0, 300], [0, 17], [256, 3])]

@@ -221,13 +221,26 @@ def test_the_decode_split_table_and_self_tiles_come_from_the_environment_and_a_b
         monkeypatch.delenv(name)
 
 
+def test_a_bf16_model_decodes_by_bit_moves_and_an_fp16_one_by_the_conversion(monkeypatch):
+    """The "bits" decode writes bf16 tiles: it is the default for bf16 models only; $LAYERFLOW_FP8_DECODE wins."""
+    monkeypatch.delenv(DECODE_ENV, raising=False)
+    assert default_fp8_tiling(256, 128, dtype=torch.bfloat16).decode == "bits"
+    assert default_fp8_tiling(256, 128, dtype=torch.float16).decode == "cvt"
+    assert default_fp8_tiling(256, 128).decode == DEFAULT_DECODE == "cvt"
+    for dtype in (torch.bfloat16, torch.float16):     # each default serves its model: only the device is missing here
+        reason = fp8_unsupported_reason(CPU, dtype, E4M3, 256, 128, 0, 0, default_fp8_tiling(256, 128, dtype=dtype))
+        assert reason is not None and "sm_90" in reason
+    monkeypatch.setenv(DECODE_ENV, "cvt")
+    assert default_fp8_tiling(256, 128, dtype=torch.bfloat16).decode == "cvt"
+
+
 def test_the_kernel_reads_the_split_table_only_when_its_tiling_says_so():
     """PagedAttention gives the "rows" rule's table to a launcher whose `row_splits` holds; one that does not read
     it refuses a table rather than leave the split sum's count unwritten."""
     assert GluonFp8Attention(Fp8Tiling(row_splits=True)).row_splits
-    assert not GluonFp8Attention(Fp8Tiling()).row_splits
+    assert not GluonFp8Attention(Fp8Tiling(row_splits=False)).row_splits
     table = torch.ones(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="row_splits=False"):
-        GluonFp8Attention(Fp8Tiling())[(1, 1, 1)](
+        GluonFp8Attention(Fp8Tiling(row_splits=False))[(1, 1, 1)](
             H=4, D=256, PAGE=32, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=128, INV_N_PER_USER=False, ROWS=33, WINDOW=0,
             CONTEXTUAL=0, FP8=1, split_table_ptr=table, active_splits_ptr=table[:1])
