@@ -4,7 +4,7 @@
 included, each variant's CUDA graph timed in turn) for bf16 Gluon's default, the fp8 kernel's defaults, its other
 paths and ablations of the defaults (benchmarks/fp8_ablation.py: timing only, wrong numbers). `engine`: GPU hits
 (benchmarks/gpu_hit_ab.py's request: hstu-bench, 64 appended + 256 candidates, one exact token bucket) of a bf16
-engine beside fp8 engines on the defaults and the paths before them, with their scores against the bf16 engine's. A
+engine beside fp8 engines on the defaults and on the split refill, with their scores against the bf16 engine's. A
 variant's fp8 paths are LAYERFLOW_FP8_* settings in force while its attention or engine is built (that is when
 gluon_fp8.default_fp8_tiling reads them). `--warm NAME` builds one variant (compiling its kernels) and times nothing.
 
@@ -35,12 +35,12 @@ from benchmarks.kernels import Case, graph_of, median_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, ROW_SPLITS_ENV, SELF_LAST_ENV, SILU_ENV  # noqa: E402
+from layerflow.kernels.gluon_fp8 import DECODE_ENV, SILU_ENV, SPLIT_REFILL_ENV  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-SETTINGS = (DECODE_ENV, ROW_SPLITS_ENV, SELF_LAST_ENV, SILU_ENV)
+SETTINGS = (DECODE_ENV, SILU_ENV, SPLIT_REFILL_ENV)
 
 
 @dataclass(frozen=True)
@@ -52,16 +52,15 @@ class Variant:
     ablation: str | None = None
 
 
-OLD = ((ROW_SPLITS_ENV, "0"), (SELF_LAST_ENV, "0"), (DECODE_ENV, "cvt"))   # the defaults before session 12
 VARIANTS = {
     "bf16": Variant(False),
     "fp8 main": Variant(True),
-    "fp8 old": Variant(True, OLD),
+    "fp8 split": Variant(True, ((SPLIT_REFILL_ENV, "1"),)),
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 cvt", *(f"fp8 {name}" for name in ABLATIONS))
-ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 old")
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 split", "fp8 cvt", *(f"fp8 {name}" for name in ABLATIONS))
+ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 split")
 BASES = ("fp8 main", "fp8 cvt")      # what every fp8 row's output is compared with
 
 

@@ -26,11 +26,12 @@ and half a bf16x2 pack, on the conversion pipe, 16 results per clock per SM in N
 one FMUL), or "bits" (bf16 models): bit moves and two bf16 multiplies (gluon_fp8_tiles._bits_asm; per code half a
 PRMT, half a shift, half a LOP3 and one HMUL2: no conversion instruction), the same bits for every code the
 quantiser writes.
-The split count and the self tiles, as in the bf16 kernel (both on by default): with `row_splits` (else
-$LAYERFLOW_FP8_ROW_SPLITS) the kernel reads the "rows" rule's table (layerflow.kernels.splits: the count of the
-launch's real query blocks, so a bucket larger than the batch still fills whole waves), and with `self_last` (else
-$LAYERFLOW_FP8_SELF_LAST) the candidates' self tiles are dealt with the history and run by the last split
-(gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk.
+The split count and the self tiles as in the bf16 kernel: it reads the "rows" rule's table (layerflow.kernels.splits:
+the count of the launch's real query blocks, so a bucket larger than the batch still fills whole waves) and the
+candidates' self tiles are dealt with the history and run by the last split (gluon_tiles._balanced_range).
+How the one-slot loader refills its code slot (Fp8Tiling.split_refill, else $LAYERFLOW_FP8_SPLIT_REFILL, off by
+default until the H200 shows it): off, tile t + 1's K and V codes once tile t is decoded; on, K's once tile t's K is
+decoded (they land while V is decoded) and V's once V is, each half in its own copy group. The same bits either way.
 """
 
 from __future__ import annotations
@@ -74,10 +75,8 @@ DECODE_ENV = "LAYERFLOW_FP8_DECODE"
 # against 948.3 at 16K (393.3 against 415.1 at 2K).
 DEFAULT_DECODE = "cvt"
 BF16_DECODE = "bits"
-ROW_SPLITS_ENV = "LAYERFLOW_FP8_ROW_SPLITS"
-DEFAULT_ROW_SPLITS = True
-SELF_LAST_ENV = "LAYERFLOW_FP8_SELF_LAST"
-DEFAULT_SELF_LAST = True
+SPLIT_REFILL_ENV = "LAYERFLOW_FP8_SPLIT_REFILL"
+DEFAULT_SPLIT_REFILL = False
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 # The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
@@ -102,8 +101,7 @@ class Fp8Tiling:
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
     each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
     on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
-    (DECODES), whether the kernel reads the "rows" split rule's table (`row_splits`) and whether the last split runs
-    the self tiles (`self_last`)."""
+    (DECODES) and whether the one-slot loader refills K's and V's codes separately (`split_refill`)."""
 
     block_n: int = 32
     stages: int = 2
@@ -115,8 +113,7 @@ class Fp8Tiling:
     silu: str = DEFAULT_SILU
     unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
     decode: str = DEFAULT_DECODE
-    row_splits: bool = DEFAULT_ROW_SPLITS
-    self_last: bool = DEFAULT_SELF_LAST
+    split_refill: bool = DEFAULT_SPLIT_REFILL
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -140,9 +137,9 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
                        dtype: torch.dtype | None = None) -> Fp8Tiling:
     """64-key tiles: in four code slots at D <= 128, at D=256 in WIDE_CODE_STAGES[block_m] where those fit beside
     the query block (the "async" scale copy, the "decode" scale site), else 32-key tiles in four; the scale copy,
-    scale site, SiLU, whole-tile mask, decode, split table and self tiles of $LAYERFLOW_FP8_SCALE_COPY,
-    $LAYERFLOW_FP8_SCALE_SITE, $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE and the flags (0 or 1)
-    $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES, $LAYERFLOW_FP8_ROW_SPLITS, $LAYERFLOW_FP8_SELF_LAST, else the defaults: the
+    scale site, SiLU, whole-tile mask, decode and refill of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE,
+    $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE and the flags (0 or 1) $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES,
+    $LAYERFLOW_FP8_SPLIT_REFILL (one code slot only; elsewhere ignored), else the defaults: the
     "async" scale copy where `page_size` is a multiple of 4 (None: assumed to), else "load"; SILU_AT_M64 with 64-key
     tiles beside 64-row blocks at D=256, else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks;
     BF16_DECODE for a bf16 model (`dtype`), else DEFAULT_DECODE (the "bits" decode writes bf16 tiles only; None:
@@ -154,10 +151,10 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
                        scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
                        unmasked_whole_tiles=_env_flag(WHOLE_TILES_ENV, DEFAULT_UNMASKED_WHOLE_TILES),
                        decode=_env_choice(DECODE_ENV, DECODES,
-                                          BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE),
-                       row_splits=_env_flag(ROW_SPLITS_ENV, DEFAULT_ROW_SPLITS),
-                       self_last=_env_flag(SELF_LAST_ENV, DEFAULT_SELF_LAST))
-    wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
+                                          BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE))
+    code_stages = WIDE_CODE_STAGES.get(block_m, 4)
+    split_refill = _env_flag(SPLIT_REFILL_ENV, DEFAULT_SPLIT_REFILL)
+    wide = replace(tiling, block_n=64, code_stages=code_stages, split_refill=split_refill and code_stages == 1)
     if head_dim > 128 and fp8_tiling_reason(wide) is None and \
             fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
         tiling = wide
@@ -193,10 +190,11 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: scale_site must be one of {SCALE_SITES} (field or ${SCALE_SITE_ENV})"
     if tiling.silu not in SILUS:
         return f"{tiling}: silu must be one of {SILUS} (field or ${SILU_ENV})"
-    for name, env in (("unmasked_whole_tiles", WHOLE_TILES_ENV), ("row_splits", ROW_SPLITS_ENV),
-                      ("self_last", SELF_LAST_ENV)):
+    for name, env in (("unmasked_whole_tiles", WHOLE_TILES_ENV), ("split_refill", SPLIT_REFILL_ENV)):
         if not isinstance(getattr(tiling, name), bool):
             return f"{tiling}: {name} must be a bool (field, or ${env} 0 or 1)"
+    if tiling.split_refill and tiling.code_stages != 1:
+        return f"{tiling}: split_refill is the one-slot loader's (code_stages 1)"
     if tiling.decode not in DECODES:
         return f"{tiling}: decode must be one of {DECODES} (field or ${DECODE_ENV})"
     return None
@@ -234,8 +232,8 @@ def _gluon_fp8_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, SELF_LAST: gl.constexpr,
-    DECODE_BITS: gl.constexpr, num_warps: gl.constexpr,
+    DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, DECODE_BITS: gl.constexpr,
+    SPLIT_REFILL: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -261,7 +259,7 @@ def _gluon_fp8_kernel(
 
     q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _program_range(
         q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
-        SELF_LAST)
+        True)
 
     q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     q_token = (q_start + row0 + q_rows).to(gl.int64)
@@ -308,7 +306,8 @@ def _gluon_fp8_kernel(
             (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
                                       v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
                                       scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS)),
+                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
+                                      SPLIT_REFILL)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([
@@ -333,11 +332,7 @@ class GluonFp8Attention(GluonLauncher):
     the fp16 MMA choice of layerflow.kernels.fp8: this kernel always runs the dots in the model's dtype)."""
 
     tiling_reason = staticmethod(fp8_tiling_reason)
-
-    @property
-    def row_splits(self) -> bool:
-        """Whether the kernel reads the "rows" split rule's table: the tiling's `row_splits`."""
-        return self.tiling.row_splits
+    row_splits = True
 
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
@@ -350,8 +345,6 @@ class GluonFp8Attention(GluonLauncher):
         if t.scale_copy == "async" and PAGE % 4:
             raise ValueError(f"PAGE={PAGE}: scale_copy='async' copies 4-byte words of scales, so pages must hold a "
                              "multiple of 4 tokens")
-        if split_table_ptr is not None and not t.row_splits:
-            raise ValueError(f"{t}: a split table for a kernel that does not read one (row_splits=False)")
         num_warps = BLOCK_M // 16
         _gluon_fp8_kernel[grid](*args, split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H,
                                 D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M,
@@ -361,8 +354,8 @@ class GluonFp8Attention(GluonLauncher):
                                 FILL_ROWS=fill_rows(t.block_n, D, t.producer_warps),
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
                                 DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
-                                WHOLE=t.unmasked_whole_tiles, SELF_LAST=t.self_last,
-                                DECODE_BITS=t.decode == "bits", num_warps=num_warps)
+                                WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits",
+                                SPLIT_REFILL=t.split_refill, num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,

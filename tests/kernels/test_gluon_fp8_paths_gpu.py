@@ -1,6 +1,9 @@
-"""The fp8 Gluon kernel's selectable paths on an H200: the bit-move decode against the native conversion for every
-code at every scale (bit for bit) and in the attention (bit for bit), and the "rows" split table with the self tiles
-on the last split against the torch fp8 reference and the `tl` kernel's fp8 path, eager and in a replayed graph."""
+"""The fp8 Gluon kernel's paths on an H200: the bit-move decode against the native conversion for every code at
+every scale (bit for bit) and in the attention (bit for bit), the split refill against the whole refill (bit for
+bit), and the "rows" split table with the self tiles on the last split against the torch fp8 reference and the `tl`
+kernel's fp8 path."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from layerflow.kernels import PagedAttention, kv_append
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, ROW_SPLITS_ENV, SELF_LAST_ENV, Fp8Tiling
+from layerflow.kernels.gluon_fp8 import DECODE_ENV, Fp8Tiling
 from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout, _decode_rows
 from tests.kernels.test_gluon_fp8_gpu import E4M3, E5M2, H, MAX_SEQ_LEN, PAGE, SMALL, check, fp8_batch, run
 from tests.kernels.paged_batch import make_paged_batch, quantised_batch
@@ -57,6 +60,21 @@ def test_the_bit_move_decode_is_the_conversion_for_every_finite_code_at_every_sc
     assert not differ.any(), f"{int(differ.sum())} (scale byte, code) pairs differ, e.g. {where}"
 
 
+@pytest.mark.parametrize("decode", ["bits", "cvt"])
+def test_the_split_refill_gives_the_whole_refills_attention_bit_for_bit(decode):
+    """One code slot beside 128-row query blocks, 256 candidates (self tiles), a long and a short user."""
+    batch = fp8_batch([16384 + 64, 700], [64, 64], [256, 3], 256, E4M3)
+    tiling = Fp8Tiling(block_n=64, code_stages=1, decode=decode)
+    expected = run(batch, "gluon", 256, E4M3, tiling)
+    total = batch.total_tokens
+    assert torch.equal(run(batch, "gluon", 256, E4M3, replace(tiling, split_refill=True))[:total], expected[:total])
+
+
+def test_the_split_refill_matches_reference_and_tl_on_small_ragged_batches():
+    check(fp8_batch(*SMALL, 256, E5M2), 256, E5M2, Fp8Tiling(block_n=64, code_stages=1, decode="bits",
+                                                            split_refill=True))
+
+
 @pytest.mark.parametrize("candidates", [256, 0])
 def test_the_bit_move_decode_gives_the_conversions_attention_bit_for_bit(candidates):
     """e4m3 at the D=256 defaults: one code slot beside 128-row query blocks, two (tanh) beside 64-row ones (0
@@ -73,18 +91,12 @@ def test_the_bit_move_decode_matches_reference_and_tl_on_small_ragged_batches():
     check(fp8_batch(*SMALL, 256, E5M2), 256, E5M2, Fp8Tiling(block_n=64, code_stages=1, decode="bits"))
 
 
-def new_paths(monkeypatch, decode: str) -> None:
-    monkeypatch.setenv(ROW_SPLITS_ENV, "1")
-    monkeypatch.setenv(SELF_LAST_ENV, "1")
-    monkeypatch.setenv(DECODE_ENV, decode)
-
-
 @pytest.mark.parametrize("decode", ["cvt", "bits"])
 @pytest.mark.parametrize("candidates", [0, 256])
 def test_the_rows_split_table_and_self_tiles_last_match_reference_and_tl(monkeypatch, decode, candidates):
     """A 512-token capacity (16 splits of its 4 query blocks) over one user's 64 + `candidates` rows: the launch
     takes the table's count (11 for 3 blocks: one wave of 132 programs), the last split the self tiles."""
-    new_paths(monkeypatch, decode)
+    monkeypatch.setenv(DECODE_ENV, decode)
     exact = make_paged_batch([16384 + 64], [64], [candidates], num_heads=H, head_dim=256, page_size=PAGE,
                              dtype=torch.bfloat16, device="cuda", max_tokens=512)
     batch = quantised_batch(exact, E4M3, PAGE)

@@ -1,15 +1,15 @@
 """Which kernel serves an fp8 cache: the fp8 Gluon kernel's shape rules, `auto` taking it only where it can run,
 `gluon` insisting (with the reason it cannot run here), the tiling checks, and the scale-copy ("async" where pages
-allow), scale-site, SiLU and whole-tile switches."""
+allow), scale-site, SiLU, whole-tile, decode and split-refill switches."""
 
 import pytest
 import torch
 
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
-from layerflow.kernels.gluon_fp8 import (DECODE_ENV, DEFAULT_DECODE, DEFAULT_ROW_SPLITS, DEFAULT_SCALE_SITE,
-                                         DEFAULT_SELF_LAST, DEFAULT_SILU, DEFAULT_UNMASKED_WHOLE_TILES, ROW_SPLITS_ENV,
-                                         SCALE_COPY_ENV, SCALE_SITE_ENV, SELF_LAST_ENV, SILU_ENV, WHOLE_TILES_ENV,
+from layerflow.kernels.gluon_fp8 import (DECODE_ENV, DEFAULT_DECODE, DEFAULT_SCALE_SITE, DEFAULT_SILU,
+                                         DEFAULT_SPLIT_REFILL, DEFAULT_UNMASKED_WHOLE_TILES, SCALE_COPY_ENV,
+                                         SCALE_SITE_ENV, SILU_ENV, SPLIT_REFILL_ENV, WHOLE_TILES_ENV,
                                          Fp8Tiling, GluonFp8Attention,
                                          default_fp8_tiling, fill_rows, fp8_shared_memory_bytes, fp8_unsupported_reason,
                                          select_fp8_kernel)
@@ -35,8 +35,9 @@ E4M3 = torch.float8_e4m3fn
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(scale_site="loader"), "scale_site"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(silu="sigmoid"), "silu"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(unmasked_whole_tiles=1), "unmasked_whole_tiles"),
-    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(row_splits="yes"), "row_splits must be a bool"),
-    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(self_last=0), "self_last must be a bool"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64, code_stages=1, split_refill="yes"),
+     "split_refill must be a bool"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(split_refill=True), "split_refill is the one-slot loader's"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="lut"), "decode must be one of"),
     (torch.float16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="bits"), "decode='bits' writes bf16 tiles"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
@@ -201,20 +202,18 @@ def test_the_fp8_tiling_takes_the_query_block_of_the_tl_tiling():
     assert Fp8Tiling().query_block(128) == 128 and Fp8Tiling().query_block(64) == 64
 
 
-def test_the_decode_split_table_and_self_tiles_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
-    for name in (DECODE_ENV, ROW_SPLITS_ENV, SELF_LAST_ENV):
+def test_the_decode_and_the_split_refill_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    """The split refill serves the one-slot loader only (128-row blocks at D=256); elsewhere the flag is ignored."""
+    for name in (DECODE_ENV, SPLIT_REFILL_ENV):
         monkeypatch.delenv(name, raising=False)
     tiling = default_fp8_tiling(256)
-    assert (tiling.decode, tiling.row_splits, tiling.self_last) == (DEFAULT_DECODE, DEFAULT_ROW_SPLITS,
-                                                                    DEFAULT_SELF_LAST)
+    assert (tiling.decode, tiling.split_refill) == (DEFAULT_DECODE, DEFAULT_SPLIT_REFILL) == ("cvt", False)
     monkeypatch.setenv(DECODE_ENV, "bits")
-    monkeypatch.setenv(ROW_SPLITS_ENV, "1")
-    monkeypatch.setenv(SELF_LAST_ENV, "1")
-    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, decode="bits", row_splits=True,
-                                                     self_last=True)
-    monkeypatch.setenv(SELF_LAST_ENV, "0")
-    assert not default_fp8_tiling(256).self_last
-    for name, bad in ((SELF_LAST_ENV, "last"), (ROW_SPLITS_ENV, "rows"), (DECODE_ENV, "magic")):
+    monkeypatch.setenv(SPLIT_REFILL_ENV, "1")
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, decode="bits", split_refill=True)
+    assert not default_fp8_tiling(256, 64).split_refill
+    assert not default_fp8_tiling(128, 128).split_refill
+    for name, bad in ((SPLIT_REFILL_ENV, "yes"), (DECODE_ENV, "magic")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=f"{name}='{bad}'"):
             select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
@@ -232,15 +231,3 @@ def test_a_bf16_model_decodes_by_bit_moves_and_an_fp16_one_by_the_conversion(mon
         assert reason is not None and "sm_90" in reason
     monkeypatch.setenv(DECODE_ENV, "cvt")
     assert default_fp8_tiling(256, 128, dtype=torch.bfloat16).decode == "cvt"
-
-
-def test_the_kernel_reads_the_split_table_only_when_its_tiling_says_so():
-    """PagedAttention gives the "rows" rule's table to a launcher whose `row_splits` holds; one that does not read
-    it refuses a table rather than leave the split sum's count unwritten."""
-    assert GluonFp8Attention(Fp8Tiling(row_splits=True)).row_splits
-    assert not GluonFp8Attention(Fp8Tiling(row_splits=False)).row_splits
-    table = torch.ones(4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="row_splits=False"):
-        GluonFp8Attention(Fp8Tiling(row_splits=False))[(1, 1, 1)](
-            H=4, D=256, PAGE=32, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=128, INV_N_PER_USER=False, ROWS=33, WINDOW=0,
-            CONTEXTUAL=0, FP8=1, split_table_ptr=table, active_splits_ptr=table[:1])
