@@ -65,26 +65,42 @@ def main() -> None:
                                               TANH=True, PRODUCER_REGISTERS=96, WHOLE=True), 128),
         "64x2:ws:tma:tanh:wt m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
                                           TANH=True, WHOLE=True), 128),
+        "64x2:ws:tma:tanh:wt:sl:rows m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
+                                                  TANH=True, WHOLE=True, SELF_LAST=True, table=True), 128),
     }
     for name, (tiling, block_m) in variants.items():
+        tiling = dict(tiling)
+        table = tiling.pop("table", False)
         types = dict(bf16, cache_desc=mangle_type(desc)) if tiling["TMA"] else bf16
+        if table:
+            types = dict(types, split_table_ptr="*i32", active_splits_ptr="*i32")
         constexprs = dict(shape, ROWS=32, BLOCK_M=block_m, **{"PRODUCER_REGISTERS": 64, "WHOLE": False, **tiling},
                           **({} if tiling["TMA"] else {"cache_desc": None}))
         code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
         print(f"bf16 {name}: {code}")
     fp8_types = dict(zip(POINTERS, ["*bf16"] * 3 + ["*u8"] + ["*i32"] * 4 + ["*fp32"] * 2))
+    no_table = dict(split_table_ptr=None, active_splits_ptr=None)
     fp8_variants = {"32x2:c4:load:w4 m128": dict(ASYNC_SCALES=False), "32x2:c4:async:w4 m128": {},
                     "32x2:c4:async:wt:w4 m128": dict(WHOLE=True),
                     "32x2:c4:async:dots:tanh:wt:w4 m128": dict(DOT_SCALES=True, TANH=True, WHOLE=True),
-                    "64x2:c1:async:wt:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True),
-                    "64x2:c2:async:tanh:wt:w4 m64": dict(BLOCK_N=64, CODE_STAGES=2, BLOCK_M=64, TANH=True, WHOLE=True)}
+                    "64x2:c1:async:wt:rows:last:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True, table=True),
+                    "64x2:c1:async:wt:rows:last:bits:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True,
+                                                                    DECODE_BITS=True, table=True),
+                    "64x2:c1:async:wt:rows:last:bits:split w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True,
+                                                                          DECODE_BITS=True, SPLIT_REFILL=True,
+                                                                          table=True),
+                    "64x2:c2:async:tanh:wt:rows:last:bits:w4 m64": dict(BLOCK_N=64, CODE_STAGES=2, BLOCK_M=64,
+                                                                        TANH=True, WHOLE=True, DECODE_BITS=True,
+                                                                        table=True)}
     for label, knobs in fp8_variants.items():
         knobs = {"BLOCK_M": 128, "BLOCK_N": 32, "CODE_STAGES": 4, "ASYNC_SCALES": True, "DOT_SCALES": False,
-                 "TANH": False, "WHOLE": False, **knobs}
+                 "TANH": False, "WHOLE": False, "DECODE_BITS": False, "SPLIT_REFILL": False, **knobs}
+        table = knobs.pop("table", False)
+        types = dict(fp8_types, split_table_ptr="*i32", active_splits_ptr="*i32") if table else fp8_types
         constexprs = dict(shape, NUM_SPLITS=11, STAGES=2, ROWS=32 + fp8_scale_rows(32, 256), FP8=1,
                           FILL_ROWS=gluon_fp8.fill_rows(knobs["BLOCK_N"], 256, 4), PRODUCER_WARPS=4,
-                          PRODUCER_REGISTERS=96, **knobs)
-        code = instructions_hash(gluon_fp8._gluon_fp8_kernel, fp8_types, constexprs, knobs["BLOCK_M"] // 16)
+                          PRODUCER_REGISTERS=96, **knobs, **({} if table else no_table))
+        code = instructions_hash(gluon_fp8._gluon_fp8_kernel, types, constexprs, knobs["BLOCK_M"] // 16)
         print(f"fp8 {label}: {code}")
 
 if __name__ == "__main__":

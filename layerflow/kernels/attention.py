@@ -248,8 +248,8 @@ class PagedAttention:
     a Gluon kernel over the `tl` one, `gluon_tiling` its tiling (None: the default; its block_m sets the query block).
     `workspace`: where the split partials live when attentions that never run at once share them (None: its own).
     `splits` (splits.SPLIT_RULES): the split count of each launch's real query blocks (never more than the
-    capacity's), or of the capacity; the fp8 Gluon kernel reads no table yet, so under it the rule is "bucket"
-    (`split_rule` says which one holds).
+    capacity's), or of the capacity; under a Gluon launcher that reads no table (the fp8 one unless its tiling's
+    `row_splits`) the rule is "bucket" (`split_rule` says which one holds).
     """
 
     def __init__(self, max_batch: int, max_tokens: int, max_pages_per_user: int, num_heads: int, head_dim: int,

@@ -27,8 +27,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from layerflow.kernels.gluon_fp8 import select_fp8_kernel
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
                                              shape_reason)
-from layerflow.kernels.gluon_tiles import (_balanced_range, _issue_tile, _masked_silu, _query_rows, _row_bounds,
-                                           _row_splits, _split_range, _store_partial, _tile_pages, _user_block)
+from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _program_range, _query_rows, _row_bounds,
+                                           _row_splits, _store_partial, _tile_pages, _user_block)
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
@@ -128,12 +128,9 @@ def _gluon_attention_kernel(
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
-    if SELF_LAST:
-        q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _balanced_range(
-            q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
-    else:
-        q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
-            q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
+    q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _program_range(
+        q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
+        SELF_LAST)
 
     # The query block, once, into shared memory (wgmma's A operand).
     q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,

@@ -20,6 +20,18 @@ Where the scales are applied (Fp8Tiling.scale_site, else $LAYERFLOW_FP8_SCALE_SI
   weights by its V scale, 2 x BLOCK_N products per row instead of 2 x D per key. Powers of two: the same products.
 The SiLU (Fp8Tiling.silu, else $LAYERFLOW_FP8_SILU): "exact" (exp2 and a reciprocal) or "tanh" (one tanh.approx
 per score, gluon_tiles._tanh_silu_of_seen, the bf16 kernel's default at D=256).
+How the loader decodes (Fp8Tiling.decode, else $LAYERFLOW_FP8_DECODE, else "bits" for bf16 models and "cvt" for
+fp16 ones): "cvt", the native conversion through fp32 (sm_90 build, per code: one F2FP, i.e. half an e4m3x2 unpack
+and half a bf16x2 pack, on the conversion pipe, 16 results per clock per SM in NVIDIA's table; one HADD2 f16 -> f32;
+one FMUL), or "bits" (bf16 models): bit moves and two bf16 multiplies (gluon_fp8_tiles._bits_asm; per code half a
+PRMT, half a shift, half a LOP3 and one HMUL2: no conversion instruction), the same bits for every code the
+quantiser writes.
+The split count and the self tiles as in the bf16 kernel: it reads the "rows" rule's table (layerflow.kernels.splits:
+the count of the launch's real query blocks, so a bucket larger than the batch still fills whole waves) and the
+candidates' self tiles are dealt with the history and run by the last split (gluon_tiles._balanced_range).
+How the one-slot loader refills its code slot (Fp8Tiling.split_refill, else $LAYERFLOW_FP8_SPLIT_REFILL, off by
+default until the H200 shows it): off, tile t + 1's K and V codes once tile t is decoded; on, K's once tile t's K is
+decoded (they land while V is decoded) and V's once V is, each half in its own copy group. The same bits either way.
 """
 
 from __future__ import annotations
@@ -30,13 +42,13 @@ from dataclasses import dataclass, replace
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _code_smem_layout, _fill_tile,
-                                              _issue_codes, _start_codes, _tile_dots)
+from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout
+from layerflow.kernels.gluon_fp8_ws import _fp8_consumer, _fp8_one_slot_producer, _fp8_producer
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
                                              shape_reason)
-from layerflow.kernels.gluon_tiles import _split_range, _store_partial, _tile_pages, _user_block, _whole_tiles
+from layerflow.kernels.gluon_tiles import _program_range, _row_bounds, _row_splits, _user_block
 from layerflow.tier.layout import FP8_DTYPES
 
 KERNEL_NAME = "the fp8 Gluon kernel"   # how its refusals name it
@@ -56,6 +68,15 @@ WHOLE_TILES_ENV = "LAYERFLOW_FP8_UNMASKED_WHOLE_TILES"
 # The mask skipped on whole tiles: the same bits, faster on the H200 (16K/256: 97.1 us against 100.1; a 2K GPU hit's
 # attention 193.0 us against 196.6).
 DEFAULT_UNMASKED_WHOLE_TILES = True
+DECODES = ("cvt", "bits")
+DECODE_ENV = "LAYERFLOW_FP8_DECODE"
+# "cvt" is the Fp8Tiling field's default (it serves fp16 models too); default_fp8_tiling takes "bits" for bf16 models:
+# the H200 showed it exact for every code and, with the split table and self tiles last, a GPU hit's kernels 890.0 us
+# against 948.3 at 16K (393.3 against 415.1 at 2K).
+DEFAULT_DECODE = "cvt"
+BF16_DECODE = "bits"
+SPLIT_REFILL_ENV = "LAYERFLOW_FP8_SPLIT_REFILL"
+DEFAULT_SPLIT_REFILL = False
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 # The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
@@ -78,8 +99,9 @@ class Fp8Tiling:
     or 1 with "async": one slot, refilled with the next tile's codes as soon as this tile is decoded, so they travel
     while the loader waits for a free bf16 slot, which lets 64-key tiles fit beside a 128 x 256 query block), how the
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
-    each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), and whether the block's warps skip the mask
-    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles)."""
+    each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
+    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
+    (DECODES) and whether the one-slot loader refills K's and V's codes separately (`split_refill`)."""
 
     block_n: int = 32
     stages: int = 2
@@ -90,6 +112,8 @@ class Fp8Tiling:
     scale_site: str = DEFAULT_SCALE_SITE
     silu: str = DEFAULT_SILU
     unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
+    decode: str = DEFAULT_DECODE
+    split_refill: bool = DEFAULT_SPLIT_REFILL
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -104,21 +128,33 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     return value
 
 
-def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None = None) -> Fp8Tiling:
+def _env_flag(name: str, default: bool) -> bool:
+    """$name as a flag, "0" or "1" (ValueError naming it otherwise), else `default`."""
+    return _env_choice(name, ("0", "1"), str(int(default))) == "1"
+
+
+def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None = None,
+                       dtype: torch.dtype | None = None) -> Fp8Tiling:
     """64-key tiles: in four code slots at D <= 128, at D=256 in WIDE_CODE_STAGES[block_m] where those fit beside
     the query block (the "async" scale copy, the "decode" scale site), else 32-key tiles in four; the scale copy,
-    scale site, SiLU and whole-tile mask of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE, $LAYERFLOW_FP8_SILU
-    and $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES (0 or 1), else the defaults: the "async" scale copy where `page_size` is
-    a multiple of 4 (None: assumed to), else "load"; SILU_AT_M64 with 64-key tiles beside 64-row blocks at D=256,
-    else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks."""
+    scale site, SiLU, whole-tile mask, decode and refill of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE,
+    $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE and the flags (0 or 1) $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES,
+    $LAYERFLOW_FP8_SPLIT_REFILL (one code slot only; elsewhere ignored), else the defaults: the
+    "async" scale copy where `page_size` is a multiple of 4 (None: assumed to), else "load"; SILU_AT_M64 with 64-key
+    tiles beside 64-row blocks at D=256, else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks;
+    BF16_DECODE for a bf16 model (`dtype`), else DEFAULT_DECODE (the "bits" decode writes bf16 tiles only; None:
+    the model's dtype not known)."""
     copy = DEFAULT_SCALE_COPY if page_size is None or page_size % 4 == 0 else "load"
-    whole = _env_choice(WHOLE_TILES_ENV, ("0", "1"), str(int(DEFAULT_UNMASKED_WHOLE_TILES)))
     tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
                        scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
                        producer_warps=LOADER_WARPS_AT_M64 if block_m == 64 else 4,
                        scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
-                       unmasked_whole_tiles=whole == "1")
-    wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
+                       unmasked_whole_tiles=_env_flag(WHOLE_TILES_ENV, DEFAULT_UNMASKED_WHOLE_TILES),
+                       decode=_env_choice(DECODE_ENV, DECODES,
+                                          BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE))
+    code_stages = WIDE_CODE_STAGES.get(block_m, 4)
+    split_refill = _env_flag(SPLIT_REFILL_ENV, DEFAULT_SPLIT_REFILL)
+    wide = replace(tiling, block_n=64, code_stages=code_stages, split_refill=split_refill and code_stages == 1)
     if head_dim > 128 and fp8_tiling_reason(wide) is None and \
             fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
         tiling = wide
@@ -154,8 +190,13 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: scale_site must be one of {SCALE_SITES} (field or ${SCALE_SITE_ENV})"
     if tiling.silu not in SILUS:
         return f"{tiling}: silu must be one of {SILUS} (field or ${SILU_ENV})"
-    if not isinstance(tiling.unmasked_whole_tiles, bool):
-        return f"{tiling}: unmasked_whole_tiles must be a bool (field, or ${WHOLE_TILES_ENV} 0 or 1)"
+    for name, env in (("unmasked_whole_tiles", WHOLE_TILES_ENV), ("split_refill", SPLIT_REFILL_ENV)):
+        if not isinstance(getattr(tiling, name), bool):
+            return f"{tiling}: {name} must be a bool (field, or ${env} 0 or 1)"
+    if tiling.split_refill and tiling.code_stages != 1:
+        return f"{tiling}: split_refill is the one-slot loader's (code_stages 1)"
+    if tiling.decode not in DECODES:
+        return f"{tiling}: decode must be one of {DECODES} (field or ${DECODE_ENV})"
     return None
 
 
@@ -169,6 +210,8 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
         fp8_tiling_reason(tiling)
     if reason is not None:
         return reason
+    if tiling.decode == "bits" and dtype != torch.bfloat16:
+        return f"{tiling} for a {dtype} model: decode='bits' writes bf16 tiles (a bf16 model only)"
     if tiling.scale_copy == "async" and page_size is not None and page_size % 4:
         return (f"{tiling} at page_size={page_size}: scale_copy='async' copies 4-byte words of scales, so pages must "
                 "hold a multiple of 4 tokens")
@@ -181,99 +224,25 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
 
 
 @gluon.jit
-def _fp8_consumer(q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist, lo, alpha, r,
-                  self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head,
-                  H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Default partition: both dots of each tile once the loader says its slot is filled, the slot back to
-    the loader, then the block's partial. WHOLE: no mask on the tiles every row sees whole (_whole_tiles)."""
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    if WHOLE:
-        whole = _whole_tiles(hist_end, lo, num_hist, BLOCK_N)
-    else:  # unused: every tile is masked
-        whole = 0
-    for tile in range(num_tiles):
-        slot = tile % STAGES
-        mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
-        acc = _tile_dots(q_smem, k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot),
-                         v_dot_scales.index(slot), acc, s_zero, alpha, tile, whole, num_hist, lo, r, self_end,
-                         hist_end, key_cols, BLOCK_N, DOT_SCALES, TANH, WHOLE, s_layout, p_layout)
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(slot), count=1)
-    _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
-
-
-@gluon.jit
-def _fp8_producer(k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready, empty,
-                  num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start,
-                  q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr, FILL_ROWS: gl.constexpr,
-                  FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, DOT_SCALES: gl.constexpr):
-    """Loader partition: the code pipeline, and each landed tile decoded into the next free bf16 slot;
-    `ready` completes once every loader thread's stores are visible to the tensor cores."""
-    layout: gl.constexpr = _code_layout(D, gl.num_warps())
-    pages, k_bytes, v_bytes = _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row, cache_h,
-                                           scales_h, H, D, PAGE, ROWS, BLOCK_N, CODE_STAGES, ASYNC_SCALES, layout)
-    for tile in range(num_tiles):
-        pages, k_bytes, v_bytes = _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_scales,
-                                                 num_hist, lo, hi, page_row, cache_h, scales_h, H, D, PAGE, ROWS,
-                                                 BLOCK_N, CODE_STAGES, ASYNC_SCALES, layout)
-        slot = tile % STAGES
-        code_slot = tile % CODE_STAGES
-        mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
-        _fill_tile(k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot), v_dot_scales.index(slot),
-                   k_codes.index(code_slot), v_codes.index(code_slot), k_scales.index(code_slot),
-                   v_scales.index(code_slot), tile, num_hist, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
-                   row0, D, BLOCK_N, FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, layout)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(slot), count=1)
-
-
-@gluon.jit
-def _fp8_one_slot_producer(k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_words, v_words, ready,
-                           empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
-                           v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-                           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           FILL_ROWS: gl.constexpr, FP8: gl.constexpr, DOT_SCALES: gl.constexpr):
-    """Loader partition with one code slot (code_stages 1, "async" scale words): tile t + 1's codes are issued as
-    soon as every loader thread has decoded tile t out of the slot (and signalled its bf16 slot), so they are in
-    flight while the loader waits for the next free bf16 slot."""
-    layout: gl.constexpr = _code_layout(D, gl.num_warps())
-    k_slot, v_slot, k_word_slot, v_word_slot = k_codes.index(0), v_codes.index(0), k_words.index(0), v_words.index(0)
-    _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, 0, _tile_pages(page_row, 0, lo, hi, PAGE, BLOCK_N, layout),
-                 num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, True, layout)
-    pages = _tile_pages(page_row, 1, lo, hi, PAGE, BLOCK_N, layout)
-    for tile in range(num_tiles):
-        slot = tile % STAGES
-        async_copy.wait_group(0)
-        mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
-        gl.thread_barrier()
-        _fill_tile(k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot), v_dot_scales.index(slot), k_slot,
-                   v_slot, k_word_slot, v_word_slot, tile, num_hist, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len,
-                   head, row0, D, BLOCK_N, FILL_ROWS, FP8, True, DOT_SCALES, layout)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(slot), count=1)
-        _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, tile + 1, pages, num_hist, lo, hi, cache_h, scales_h,
-                     H, D, PAGE, ROWS, BLOCK_N, True, layout)
-        pages = _tile_pages(page_row, tile + 2, lo, hi, PAGE, BLOCK_N, layout)
-
-
-@gluon.jit
 def _gluon_fp8_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
-    dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha,
+    dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, split_table_ptr,
+    active_splits_ptr,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, NUM_SPLITS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, num_warps: gl.constexpr,
+    DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, DECODE_BITS: gl.constexpr,
+    SPLIT_REFILL: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
+    num_splits = NUM_SPLITS
+    if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
+        num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M,
+                                 num_warps)
+        if split >= num_splits:
+            return
     user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
     if user >= max_batch:
         return
@@ -288,8 +257,9 @@ def _gluon_fp8_kernel(
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
-    q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
-        q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, NUM_SPLITS, BLOCK_M, BLOCK_N)
+    q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _program_range(
+        q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
+        True)
 
     q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     q_token = (q_start + row0 + q_rows).to(gl.int64)
@@ -304,11 +274,7 @@ def _gluon_fp8_kernel(
     k_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
     v_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
 
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    j = row0 + r
-    history_row = j < appended
-    hist_end = gl.minimum(gl.where(history_row, hist - appended + j + 1, hist), hi)
-    self_end = gl.where(~history_row & (j < q_len), r + 1, r)
+    r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     page_row = page_table_ptr + user * page_table_stride
     cache_h = cache_ptr + head * D
@@ -340,7 +306,8 @@ def _gluon_fp8_kernel(
             (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
                                       v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
                                       scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES)),
+                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
+                                      SPLIT_REFILL)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([
@@ -351,7 +318,7 @@ def _gluon_fp8_kernel(
             (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
                              empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
                              v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
-                             FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES)),
+                             FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, DECODE_BITS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
@@ -365,9 +332,11 @@ class GluonFp8Attention(GluonLauncher):
     the fp16 MMA choice of layerflow.kernels.fp8: this kernel always runs the dots in the model's dtype)."""
 
     tiling_reason = staticmethod(fp8_tiling_reason)
+    row_splits = True
 
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
+                split_table_ptr: torch.Tensor | None = None, active_splits_ptr: torch.Tensor | None = None,
                 **tl_only) -> None:
         if WINDOW or CONTEXTUAL or FP8 not in (1, 2):
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the fp8 Gluon kernel serves the "
@@ -377,14 +346,16 @@ class GluonFp8Attention(GluonLauncher):
             raise ValueError(f"PAGE={PAGE}: scale_copy='async' copies 4-byte words of scales, so pages must hold a "
                              "multiple of 4 tokens")
         num_warps = BLOCK_M // 16
-        _gluon_fp8_kernel[grid](*args, H=H, D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M,
+        _gluon_fp8_kernel[grid](*args, split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H,
+                                D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M,
                                 BLOCK_N=t.block_n, STAGES=t.stages, CODE_STAGES=t.code_stages,
                                 INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, FP8=FP8,
                                 ASYNC_SCALES=t.scale_copy == "async",
                                 FILL_ROWS=fill_rows(t.block_n, D, t.producer_warps),
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
                                 DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
-                                WHOLE=t.unmasked_whole_tiles, num_warps=num_warps)
+                                WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits",
+                                SPLIT_REFILL=t.split_refill, num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
@@ -395,6 +366,6 @@ def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_
     (page_size None: not checked, assumed a multiple of 4)."""
     if choice not in ("auto", "gluon"):
         raise ValueError(f"kernel={choice!r}: expected 'auto' or 'gluon' (the caller handles 'triton')")
-    tiling = tiling or default_fp8_tiling(head_dim, block_m, page_size)
+    tiling = tiling or default_fp8_tiling(head_dim, block_m, page_size, dtype)
     reason = fp8_unsupported_reason(device, dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, page_size)
     return chosen(choice, reason, lambda: GluonFp8Attention(tiling), AUTO_TAKES_FP8)

@@ -1,7 +1,7 @@
 """The per-tile pieces of the fp8 Gluon attention kernel (layerflow.kernels.gluon_fp8): the code slots' layouts,
 the async copies of a tile's fp8 codes, its scale bytes, the decode of a landed tile into the dots' dtype (scaled, or
-the codes alone with their scales beside them), the code pipeline's prologue and step, and the two dots over a
-decoded tile."""
+the codes alone with their scales beside them; by the native conversion or by bit moves), the same for one half (K
+or V) of a tile, the code pipeline's prologue and step, and the two dots over a decoded tile."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -49,6 +49,26 @@ def _issue_codes(k_codes, v_codes, k_words, v_words, tile, page, num_hist, lo, h
 
 
 @gluon.jit
+def _issue_half(codes, words, tile, page, num_hist, lo, hi, cache_h, scales_h, H: gl.constexpr, D: gl.constexpr,
+                PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, V_HALF: gl.constexpr,
+                layout: gl.constexpr):
+    """_issue_codes for one half of the page (V_HALF: the V codes and scale words, else K's) in its own copy group,
+    so a loader can refill K's slot while V's codes are still landing."""
+    if tile < num_hist:
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        n = lo + tile * BLOCK_N + rows
+        key_ok = n < hi
+        half_at = page.to(gl.int64) * (2 * ROWS * H * D) + (ROWS * H * D if V_HALF else 0)
+        ptrs = cache_h + (half_at + ((n % PAGE) * (H * D)).to(gl.int64))[:, None] + \
+            gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
+        async_copy.async_copy_global_to_shared(codes, ptrs, mask=key_ok[:, None])
+        word_at = scales_h + half_at + (n % PAGE - n % 4)
+        async_copy.async_copy_global_to_shared(words, word_at.to(gl.pointer_type(gl.int32), bitcast=True),
+                                               mask=key_ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _load_scale_bytes(scales_h, tile, page, lo, hi, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
     """The K and V scale bytes (int32) of history tile `tile`'s keys (layerflow.tier.layout: `[H, PAGE]` bytes
@@ -79,27 +99,71 @@ def _row_scales(scales, ROWS_N: gl.constexpr, ASYNC_SCALES: gl.constexpr, layout
         return scales.load(gl.SliceLayout(1, layout))
 
 
+@gluon.constexpr_function
+def _bits_asm(fp8_format, scaled):
+    """PTX of the bit-move decode of four fp8 codes ($2, bytes 0..3) into two bf16x2 words ($0: codes 0, 1; $1: codes
+    2, 3), times the bf16x2 scale pair of their row ($3, $4) when `scaled`. Each code's byte, sign-extended to 16 bits
+    by one prmt per pair, shifted and masked is the bf16 whose sign, exponent and mantissa are the code's own: that
+    bf16 is the code's value times 2^-120 (e4m3; 2^-112 for e5m2), subnormal codes included (they land on bf16
+    subnormals of the same ratio); one exact multiply by 2^120 (2^112) gives the code's value, one by the scale 2^k
+    the product rounded once to bf16, what the conversion through fp32 gives. No conversion instruction: integer and
+    bf16 multiplies only. Codes the quantiser never writes (NaN, inf) decode to finite values."""
+    shift, mask, bias = (4, "0x87F087F0", "0x7B807B80") if fp8_format == 1 else (5, "0x8FE08FE0", "0x77807780")
+    last = ("mul.rn.bf16x2 $0, t0, $3;\nmul.rn.bf16x2 $1, t1, $4;" if scaled else
+            "mov.b32 $0, t0;\nmov.b32 $1, t1;")
+    return ("{\n.reg .b32 t0, t1, bias;\n"
+            f"mov.b32 bias, {bias};\n"
+            "prmt.b32 t0, $2, 0, 0x9180;\nprmt.b32 t1, $2, 0, 0xB3A2;\n"
+            f"shl.b32 t0, t0, {shift};\nshl.b32 t1, t1, {shift};\n"
+            f"and.b32 t0, t0, {mask};\nand.b32 t1, t1, {mask};\n"
+            "mul.rn.bf16x2 t0, t0, bias;\nmul.rn.bf16x2 t1, t1, bias;\n"
+            f"{last}\n}}")
+
+
+@gluon.jit
+def _bits_decode(raw, scales, FP8: gl.constexpr, SCALED: gl.constexpr):
+    """The bf16 values of fp8 codes `raw` (uint8 [rows, D]) times their row's scale (`scales` [rows, 1], bf16), or
+    without SCALED the codes' values alone (`scales` unused), by bit moves (_bits_asm): bit for bit the conversion's
+    result for every finite code."""
+    asm: gl.constexpr = _bits_asm(FP8, SCALED)
+    if SCALED:
+        values = gl.inline_asm_elementwise(asm, "=r,=r,r,r,r", [raw, scales], dtype=gl.bfloat16, is_pure=True,
+                                           pack=4)
+    else:
+        values = gl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=gl.bfloat16, is_pure=True, pack=4)
+    return values
+
+
 @gluon.jit
 def _decode_rows(dst, codes, scales, ROWS_N: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
-                 DOT_SCALES: gl.constexpr, layout: gl.constexpr):
+                 DOT_SCALES: gl.constexpr, DECODE_BITS: gl.constexpr, layout: gl.constexpr):
     """dst = codes * scales (one scale per row) in dst's dtype, or with DOT_SCALES the codes alone (the dots apply
-    the scales); exact either way: a code (times a power of two)."""
+    the scales); exact either way: a code (times a power of two). DECODE_BITS (bf16 dst): by bit moves
+    (_bits_decode), else by the native conversion through fp32; the same bits."""
     raw = codes.load(layout)
-    if FP8 == 1:
-        values = raw.to(gl.float8e4nv, bitcast=True)
+    if DECODE_BITS:
+        if DOT_SCALES:
+            dst.store(_bits_decode(raw, raw, FP8, False))
+        else:
+            row_scales = _row_scales(scales, ROWS_N, ASYNC_SCALES, layout).to(gl.bfloat16)
+            dst.store(_bits_decode(raw, row_scales[:, None], FP8, True))
     else:
-        values = raw.to(gl.float8e5, bitcast=True)
-    if DOT_SCALES:
-        dst.store(values.to(dst.dtype))
-    else:
-        dst.store((values.to(gl.float32) * _row_scales(scales, ROWS_N, ASYNC_SCALES, layout)[:, None]).to(dst.dtype))
+        if FP8 == 1:
+            values = raw.to(gl.float8e4nv, bitcast=True)
+        else:
+            values = raw.to(gl.float8e5, bitcast=True)
+        if DOT_SCALES:
+            dst.store(values.to(dst.dtype))
+        else:
+            dst.store((values.to(gl.float32) * _row_scales(scales, ROWS_N, ASYNC_SCALES, layout)[:, None]).to(
+                dst.dtype))
 
 
 @gluon.jit
 def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, tile, num_hist, k_ptr,
                v_ptr, k_stride, v_stride, q_start, q_len, head, row0, D: gl.constexpr, BLOCK_N: gl.constexpr,
                FILL_ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, DOT_SCALES: gl.constexpr,
-               layout: gl.constexpr):
+               DECODE_BITS: gl.constexpr, layout: gl.constexpr):
     """Tile `tile`'s K and V in the dots' dtype into (k_dst, v_dst), FILL_ROWS rows at a time (bounding the
     registers it takes): a history tile decoded from its landed code slot and scale slot, a self tile (past the
     history) the block's own K/V rows, zero past q_len. With DOT_SCALES the history tile holds the codes alone and
@@ -107,9 +171,11 @@ def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_sca
     if tile < num_hist:
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
             _decode_rows(k_dst.slice(c * FILL_ROWS, FILL_ROWS), k_codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, layout)
+                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES,
+                         DECODE_BITS, layout)
             _decode_rows(v_dst.slice(c * FILL_ROWS, FILL_ROWS), v_codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         v_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, layout)
+                         v_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES,
+                         DECODE_BITS, layout)
         if DOT_SCALES:
             k_dot_scales.store(_row_scales(k_scales, BLOCK_N, ASYNC_SCALES, layout))
             v_dot_scales.store(_row_scales(v_scales, BLOCK_N, ASYNC_SCALES, layout))
@@ -128,6 +194,38 @@ def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_sca
             ones = gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(1, layout))
             k_dot_scales.store(ones)
             v_dot_scales.store(ones)
+
+
+@gluon.jit
+def _self_rows(src_ptr, src_stride, tile, c, num_hist, q_start, q_len, head, row0, D: gl.constexpr,
+               BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Rows c * FILL_ROWS .. of self tile `tile` (past the history): the block's own rows of `src_ptr` (K or V),
+    zero past q_len."""
+    j = row0 + (tile - num_hist) * BLOCK_N + c * FILL_ROWS + gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
+    token = (q_start + j).to(gl.int64)[:, None]
+    head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
+    return gl.load(src_ptr + token * src_stride + head_cols, mask=(j < q_len)[:, None], other=0.0)
+
+
+@gluon.jit
+def _fill_half(dst, dot_scales, codes, words, tile, num_hist, src_ptr, src_stride, q_start, q_len, head, row0,
+               D: gl.constexpr, BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr, FP8: gl.constexpr,
+               DOT_SCALES: gl.constexpr, DECODE_BITS: gl.constexpr, layout: gl.constexpr):
+    """_fill_tile for one of K or V ("async" scale words): a history tile decoded from its landed code slot, a self
+    tile the block's own rows of `src_ptr`, zero past q_len; with DOT_SCALES its keys' scales into `dot_scales`."""
+    if tile < num_hist:
+        for c in gl.static_range(BLOCK_N // FILL_ROWS):
+            _decode_rows(dst.slice(c * FILL_ROWS, FILL_ROWS), codes.slice(c * FILL_ROWS, FILL_ROWS),
+                         words.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, True, DOT_SCALES, DECODE_BITS,
+                         layout)
+        if DOT_SCALES:
+            dot_scales.store(_row_scales(words, BLOCK_N, True, layout))
+    else:
+        for c in gl.static_range(BLOCK_N // FILL_ROWS):
+            dst.slice(c * FILL_ROWS, FILL_ROWS).store(_self_rows(src_ptr, src_stride, tile, c, num_hist, q_start,
+                                                                 q_len, head, row0, D, BLOCK_N, FILL_ROWS, layout))
+        if DOT_SCALES:
+            dot_scales.store(gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(1, layout)))
 
 
 @gluon.jit

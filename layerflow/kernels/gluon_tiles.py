@@ -99,6 +99,20 @@ def _balanced_range(q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, bl
 
 
 @gluon.jit
+def _program_range(q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SELF_LAST: gl.constexpr):
+    """_balanced_range's values with SELF_LAST (the last split runs the self tiles), else _split_range's (split 0
+    does)."""
+    if SELF_LAST:
+        q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _balanced_range(
+            q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
+    else:
+        q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _split_range(
+            q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N)
+    return q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles
+
+
+@gluon.jit
 def _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D: gl.constexpr, ROWS_M: gl.constexpr,
                 layout: gl.constexpr):
     """The block's query rows row0 .. row0 + ROWS_M of head `head` ([ROWS_M, D], zero past q_len)."""

@@ -4,7 +4,8 @@ A split count fills whole waves of the GPU's SMs. It is chosen at each launch fr
 ("rows", the default): a table made at construction, read on the device, so a captured graph for 512 tokens launches
 a 320-token batch's programs in one wave of 132 SMs instead of 1.4 (the grid stays the capacity's and the programs
 past the count exit at once; the launch stores its count where the split sum reads it). "bucket" fixes the count
-once from the capacity: the rule of a kernel that reads no table (the fp8 Gluon kernel).
+once from the capacity: the rule of a kernel that reads no table (the fp8 Gluon kernel unless its tiling's
+`row_splits`).
 """
 
 from __future__ import annotations
