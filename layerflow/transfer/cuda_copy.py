@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import threading
 import time
 from itertools import pairwise
 from typing import Callable
@@ -139,6 +140,9 @@ def _layer_addresses(gpu_bases: list[int], gpu_offsets: np.ndarray, host_layers:
 
 
 COPY_PATH_ENV = "LAYERFLOW_COPY_PATH"
+# The offloads' path, where it differs from the onboardings' (e.g. RUN_BATCH: a GPU hit's offload of a few pages in all
+# layers as one call instead of a 2D copy per layer, while onboardings keep AUTO).
+OFFLOAD_PATH_ENV = "LAYERFLOW_OFFLOAD_PATH"
 
 
 class CopyPath(enum.Enum):
@@ -160,11 +164,11 @@ class CopyPath(enum.Enum):
 LONG_RUN_PAGES = 32   # BY_LENGTH's mean run length for RUN_BATCH
 
 
-def configured_path() -> CopyPath:
-    """$LAYERFLOW_COPY_PATH (a CopyPath name, any case), else AUTO; ValueError naming any other value."""
-    value = os.environ.get(COPY_PATH_ENV, "auto").strip().upper()
+def configured_path(env: str = COPY_PATH_ENV, default: CopyPath = CopyPath.AUTO) -> CopyPath:
+    """$`env` (a CopyPath name, any case), else `default`; ValueError naming any other value."""
+    value = os.environ.get(env, default.name).strip().upper()
     if value not in CopyPath.__members__:
-        raise ValueError(f"{COPY_PATH_ENV}={value.lower()!r}: expected one of "
+        raise ValueError(f"{env}={value.lower()!r}: expected one of "
                          f"{[name.lower() for name in CopyPath.__members__]}")
     return CopyPath[value]
 
@@ -180,17 +184,38 @@ def resolved_path(path: CopyPath, num_runs: int, num_pages: int) -> CopyPath:
     return CopyPath.PAGES
 
 
-class CudaCopyEngine(CopyEngine):
-    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device), by `path`
-    (default: `configured_path()`; an attribute, so one engine can be switched between transfers)."""
+class _Tables(threading.local):
+    """Per issuing thread, a reusable op table per shape, pitches and width (`cudart.PitchedTable`): a transfer's
+    calls are all made within its `_issue`, on one thread, so its table is free again when the next one starts."""
 
-    def __init__(self, path: CopyPath | None = None, device: int | None = None) -> None:
+    def __init__(self) -> None:
+        self._tables: dict[tuple, cudart.PitchedTable] = {}
+
+    def get(self, shape: tuple[int, ...], dst_pitch: int, src_pitch: int, width: int) -> cudart.PitchedTable:
+        key = (shape, dst_pitch, src_pitch, width)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) >= 64:   # a long-lived engine sees many run counts: keep the set bounded
+                self._tables.clear()
+            table = self._tables[key] = cudart.PitchedTable(shape, dst_pitch, src_pitch, width)
+        return table
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device); onboardings by
+    `path` (default: `configured_path()`), offloads by `offload_path` (default: $LAYERFLOW_OFFLOAD_PATH, else
+    `path`); both attributes, so one engine can be switched between transfers."""
+
+    def __init__(self, path: CopyPath | None = None, device: int | None = None,
+                 offload_path: CopyPath | None = None) -> None:
         require_cuda("CudaCopyEngine")
         super().__init__()
         self.device = torch.cuda.current_device() if device is None else device
         cuda_api.set_device(self.device)
         self.path = configured_path() if path is None else path
+        self.offload_path = configured_path(OFFLOAD_PATH_ENV, self.path) if offload_path is None else offload_path
         self._ops: cudart.OpsCopier | None = None
+        self._tables = _Tables()
         self.h2d_stream = cuda_api.create_stream()
         self.d2h_stream = cuda_api.create_stream()
         self._pool = cuda_api.EventPool()
@@ -254,7 +279,7 @@ class CudaCopyEngine(CopyEngine):
         host_base = job.host.data_ptr()
         gpu_bases = [t.data_ptr() for t in job.gpu_layers]
         host_layers = [host_base + layer * page for layer in range(job.num_layers)]
-        path = resolved_path(self.path, plan.num_runs, plan.num_pages)
+        path = resolved_path(self.path if to_gpu else self.offload_path, plan.num_runs, plan.num_pages)
         if path is CopyPath.PAGES:
             gpu, host = _layer_addresses(gpu_bases, plan.gpu_pages * page, host_layers, plan.host_blocks * pitch)
             dsts, srcs = (gpu, host) if to_gpu else (host, gpu)
@@ -263,9 +288,8 @@ class CudaCopyEngine(CopyEngine):
             # A 2D op per run: `run_len` rows of one page, packed on the GPU, `pitch` apart on the block-first host.
             copier = self._run_ops()
             gpu, host = _layer_addresses(gpu_bases, plan.run_gpu * page, host_layers, plan.run_host * pitch)
-            rows = np.broadcast_to(plan.run_len.astype(np.uint64), gpu.shape)
-            ops = cudart.pitched_ops(gpu, page, host, pitch, page, rows) if to_gpu \
-                else cudart.pitched_ops(host, pitch, gpu, page, page, rows)
+            dsts, srcs, pitches = (gpu, host, (page, pitch)) if to_gpu else (host, gpu, (pitch, page))
+            ops = self._tables.get(gpu.shape, *pitches, page).fill(dsts, srcs, plan.run_len)
             return _op_batches(copier, ops, stream) if to_gpu else _one_op_batch(copier, ops, stream)
 
         runs = list(zip((plan.run_gpu * page).tolist(), (plan.run_host * pitch).tolist(), plan.run_len.tolist()))

@@ -149,6 +149,25 @@ def pitched_ops(dsts: np.ndarray, dst_pitch: int, srcs: np.ndarray, src_pitch: i
     return ops
 
 
+class PitchedTable:
+    """A reusable `pitched_ops` table of one shape, pitches and width: `fill` rewrites only the pointers and row
+    counts (a fresh table costs a dozen numpy field writes per transfer). The driver reads a table during the call
+    that issues it, so a table may be refilled once that call returned."""
+
+    def __init__(self, shape: tuple[int, ...], dst_pitch: int, src_pitch: int, width: int) -> None:
+        zeros = np.zeros(shape, dtype=np.uint64)
+        self.ops = pitched_ops(zeros, dst_pitch, zeros, src_pitch, width, zeros)
+        self._dst, self._src = self.ops["dst"]["ptr"], self.ops["src"]["ptr"]
+        self._rows = self.ops["extent"]["height"]
+
+    def fill(self, dsts: np.ndarray, srcs: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The table with these destinations, sources and rows (`rows` broadcast over the table's shape)."""
+        self._dst[...] = dsts
+        self._src[...] = srcs
+        self._rows[...] = rows
+        return self.ops
+
+
 class OpsCopier:
     """cudaMemcpy3DBatchAsync over tables of BATCH_OP_3D records (each op carries its own source order)."""
 
