@@ -27,11 +27,13 @@ def test_plan_runs_splits_where_either_side_breaks():
     assert plan.run_host.tolist() == [0, 3, 7, 9]
     assert plan.run_len.tolist() == [3, 1, 2, 1]
     assert plan_runs(range(100, 164), range(64)).num_runs == 1
+    assert plan_runs((5, 7, 6, 8), [0, 1, 2, 3]).run_len.tolist() == [1, 1, 1, 1]   # its ends span a run, it is not one
     assert plan_runs([], []).num_runs == 0
 
 
 @pytest.mark.parametrize("pages,blocks", [((7, 8, 9), [3, 4, 5]), ([0], (0,)), (tuple(range(64)), range(64)),
-                                          (tuple(range(65)), tuple(range(1, 66))), ((7, 8, 10), (3, 4, 5))])
+                                          (tuple(range(65)), tuple(range(1, 66))), ((7, 8, 10), (3, 4, 5)),
+                                          (tuple(range(9, 521)), list(range(512))), ([3, 4], (0, 2))])
 def test_a_short_run_of_ints_plans_like_its_arrays(pages, blocks):
     """Short tuples and lists that are one run are recognised on the Python ints: the same plan as numpy's path."""
     plan, arrays = plan_runs(pages, blocks), plan_runs(np.array(pages), np.array(blocks))
