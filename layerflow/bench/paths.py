@@ -2,7 +2,8 @@
 
 A variant is a set of the engine's switchable host paths (attributes it reads per batch): `release` (when collect
 gives an in-process onboarding back), `fill_copy` (how the bucket buffers copy a batch's integers) and the copy
-engine's `offload_path` (how an offload's copies are issued; CUDA only). So one engine per KV dtype serves every
+engine's `path` and `offload_path` (how an onboarding's and an offload's copies are issued; CUDA only). So one engine
+per KV dtype serves every
 variant. Per history length, blocks of CPU-hit + layerwise requests, then GPU hits, run each variant in turn, the
 order rotating from block to block, so drift of the machine spreads over all variants alike. The lower bound is the
 inference benchmark's (stats.lower_bound) from the same run: the transfer probes of every variant's requests (the
@@ -30,6 +31,7 @@ from layerflow.bench.workload import as_scores
 from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
+from layerflow.transfer.copy_plan import plan_runs
 from layerflow.transfer.cuda_copy import CopyPath
 
 # The phase rows `--profile` prints (bench.phases names).
@@ -44,18 +46,21 @@ class Variant:
     release: str = "after"
     fill_copy: str = "torch"
     offload_path: CopyPath = CopyPath.AUTO
+    copy_path: CopyPath = CopyPath.AUTO
 
     def apply(self, engine: Engine, copy: BenchCopyEngine) -> None:
         engine.release = self.release
         engine.fill_copy = self.fill_copy
         if hasattr(copy.inner, "offload_path"):   # the CUDA copy engine (the CPU path's thread engine has one way)
-            copy.inner.offload_path = self.offload_path
+            copy.inner.path, copy.inner.offload_path = self.copy_path, self.offload_path
 
 
 # The first is main's paths (the bound's GPU hit runs on it).
 VARIANTS: dict[str, Variant] = {"main": Variant(), "early": Variant(release="early"),
-                                "fillc": Variant(fill_copy="cudart"), "offload1": Variant(offload_path=CopyPath.RUN_BATCH),
-                                "all": Variant("early", "cudart", CopyPath.RUN_BATCH)}
+                                "fillc": Variant(fill_copy="cudart"),
+                                "offload1": Variant(offload_path=CopyPath.RUN_BATCH),
+                                "bylen": Variant(copy_path=CopyPath.BY_LENGTH),
+                                "all": Variant("early", "cudart", CopyPath.RUN_BATCH, CopyPath.BY_LENGTH)}
 
 
 class GpuHitsOnly(GpuHit):
@@ -79,10 +84,12 @@ def measure_length(ctx: Context, copy: BenchCopyEngine, variants: dict[str, Vari
     engine, names = ctx.engine, list(variants)
     layerwise = {n: [] for n in names}
     hits = {n: [] for n in names}
+    runs: set[int] = set()   # the runs (contiguous on both sides) of the layerwise requests' onboardings
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
             variants[name].apply(engine, copy)
             layerwise[name].append(CpuHitLayerwise().measure(ctx))
+            runs |= {plan_runs(o.gpu_pages, o.host_blocks).num_runs for o in copy.onboardings}
             hits[name].append(GpuHitsOnly().measure(ctx))
     variants[names[0]].apply(engine, copy)
     compute = GpuHit().measure(replace(ctx, timed_iters=3)).probes.layer_compute
@@ -96,7 +103,8 @@ def measure_length(ctx: Context, copy: BenchCopyEngine, variants: dict[str, Vari
     for name in names:
         wall, hit = Summary.of(_pooled(layerwise[name])), Summary.of(_pooled(hits[name]))
         rows[name] = {"paths": {"release": variants[name].release, "fill_copy": variants[name].fill_copy,
-                                "offload_path": variants[name].offload_path.name.lower()},
+                                "offload_path": variants[name].offload_path.name.lower(),
+                                "copy_path": variants[name].copy_path.name.lower()},
                       "layerwise_ms": wall.to_dict(), "gpu_hit_ms": hit.to_dict(),
                       "pipeline_efficiency": bound / wall.median,
                       "max_abs_diff_vs_gpu_hit": max(m.max_abs_diff for m in layerwise[name] + hits[name])}
@@ -105,7 +113,7 @@ def measure_length(ctx: Context, copy: BenchCopyEngine, variants: dict[str, Vari
             rows[name]["gpu_hit_phases_ms"] = _phases(hits[name])
     return {"seq_len": ctx.workload.seq_len, "lower_bound_ms": bound, "t_transfer_ms": t_transfer,
             "t_compute_ms": t_compute, "t_first_layer_transfer_ms": t_first, "t_last_layer_compute_ms": t_last,
-            "variants": rows}
+            "onboarding_runs": sorted(runs), "variants": rows}
 
 
 def run_dtype(settings: Settings, variants: dict[str, Variant], blocks: int, device: torch.device) -> list[dict]:

@@ -18,6 +18,7 @@ def test_every_variant_is_timed_against_one_bound_and_scores_exactly():
     assert row["seq_len"] == 128 and row["lower_bound_ms"] > 0
     assert row["lower_bound_ms"] >= row["t_transfer_ms"] and row["lower_bound_ms"] >= row["t_compute_ms"]
     assert list(row["variants"]) == ["main", "early"]
+    assert row["onboarding_runs"] == [1]   # a fresh pool places the user's pages in one run
     for name, v in row["variants"].items():
         assert v["paths"]["release"] == ("early" if name == "early" else "after")
         assert len(v["layerwise_ms"]["samples"]) == len(v["gpu_hit_ms"]["samples"]) == 4   # 2 blocks x 2 requests
@@ -37,7 +38,7 @@ def test_the_command_writes_its_rows(tmp_path):
     written = json.loads(out.read_text())
     assert [list(r["variants"]) for r in written["rows"]] == [["main", "all"]]
     assert written["rows"][0]["variants"]["all"]["paths"] == {"release": "early", "fill_copy": "cudart",
-                                                              "offload_path": "run_batch"}
+                                                              "offload_path": "run_batch", "copy_path": "by_length"}
 
 
 def test_an_unknown_variant_is_refused():
