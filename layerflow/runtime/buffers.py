@@ -94,7 +94,9 @@ class BatchBuffers:
         # The compute stream (the current one when the buffers are made: the engine's), kept: fetch and the serving
         # scheduler's marks use it, and torch.cuda.current_stream() costs ~7.5 us a call on the H200's host.
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        self._raw_stream = self.stream.cuda_stream if self.stream is not None else 0
+        self._raw_stream = self.stream.cuda_stream if self.stream is not None else None   # 0: the legacy default
+        if self._raw_stream is not None:
+            cudart.lib()   # loaded at set-up, never by a request's first cudart fill
 
     @staticmethod
     def _to_device(device: torch.Tensor, host: torch.Tensor) -> None:
@@ -104,7 +106,7 @@ class BatchBuffers:
     def _slab_to_device(self, host: torch.Tensor) -> None:
         """A whole host slab into the device slab, by `fill_copy` (the cudart copy on the buffers' stream, which is
         the current one when a batch is issued)."""
-        if self.fill_copy == "cudart" and self._raw_stream:
+        if self.fill_copy == "cudart" and self._raw_stream is not None:
             cudart.memcpy_async(self._device_address, host.data_ptr(), self._slab_bytes, cudart.MEMCPY_HOST_TO_DEVICE,
                                 self._raw_stream)
         else:
