@@ -45,6 +45,7 @@ def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="after
                              torch.randint(0, 5000, (40,), generator=gen).tolist()) for u in HISTORY]
             out += [s.clone() for s in engine.score(visit)]
         assert engine.kv.gpu.num_pinned == 0 and engine.kv.below.usage().pinned_users == 0
+        assert all(b.fill_copy == fill_copy and b._raw_stream is not None for b in engine._buffers.values())
         return out
 
 
