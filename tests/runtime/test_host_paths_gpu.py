@@ -1,7 +1,7 @@
 """The engine's switchable host paths on the H200 give the scores of main's paths bit for bit: the early release of
-an in-process onboarding (graph and eager, every signal kind), the cudart fill copy and the offload as one 3D batch
-call (whose host copy a later host hit reads back). A failed onboarding on them: test_engine_gpu.py's
-failing-transfer test."""
+an in-process onboarding (graph and eager, every signal kind) and the cudart fill copy, on GPU and host hits. Every
+host pin goes back: an onboarding's by its release, an offload's when it is reaped. A failed onboarding on them:
+test_engine_gpu.py's failing-transfer test."""
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ from layerflow.model import HSTUConfig, HSTUWeights
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
-from layerflow.transfer.cuda_copy import CopyPath
 
 pytestmark = pytest.mark.gpu
 
@@ -25,14 +24,13 @@ def weights():
     return HSTUWeights.init(MODEL, seed=3)
 
 
-def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="after", fill_copy="torch",
-          offload_path=CopyPath.AUTO) -> list[torch.Tensor]:
+def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="after",
+          fill_copy="torch") -> list[torch.Tensor]:
     """Two users scored, moved to `tier`, visited twice (the second visit reads what the first offloaded)."""
     gen = torch.Generator().manual_seed(0)
     config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, transfer_timeout_s=5.0)
     with Engine(weights, config, use_cuda_graph=graph, token_buckets=(128,), batch_buckets=(2,), release=release,
                 fill_copy=fill_copy) as engine:
-        engine.kv.below.engine.offload_path = offload_path
         engine.warmup()
         engine.score([Request(u, torch.randint(0, 5000, (n,), generator=gen).tolist(), []) for u, n in HISTORY.items()])
         out = []
@@ -44,6 +42,7 @@ def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="after
             visit = [Request(u, torch.randint(0, 5000, (5,), generator=gen).tolist(),
                              torch.randint(0, 5000, (40,), generator=gen).tolist()) for u in HISTORY]
             out += [s.clone() for s in engine.score(visit)]
+        engine.kv.wait_offloads()   # the last visit's offloads hold their host pins until reaped
         assert engine.kv.gpu.num_pinned == 0 and engine.kv.below.usage().pinned_users == 0
         assert all(b.fill_copy == fill_copy and b._raw_stream is not None for b in engine._buffers.values())
         return out
@@ -62,6 +61,6 @@ def test_host_hit_released_early_equals_the_gpu_hit_bitwise(weights, main_gpu_hi
 
 
 @pytest.mark.parametrize("tier", [Tier.GPU, Tier.HOST])
-def test_the_cudart_fill_and_the_one_call_offload_score_like_main(weights, main_gpu_hit, tier):
-    got = serve(weights, tier, fill_copy="cudart", offload_path=CopyPath.RUN_BATCH)
+def test_the_cudart_fill_scores_like_main(weights, main_gpu_hit, tier):
+    got = serve(weights, tier, fill_copy="cudart")
     assert all(torch.equal(a, b) for a, b in zip(got, main_gpu_hit))
