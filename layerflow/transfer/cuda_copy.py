@@ -140,9 +140,6 @@ def _layer_addresses(gpu_bases: list[int], gpu_offsets: np.ndarray, host_layers:
 
 
 COPY_PATH_ENV = "LAYERFLOW_COPY_PATH"
-# The offloads' path, where it differs from the onboardings' (e.g. RUN_BATCH: a GPU hit's offload of a few pages in all
-# layers as one call instead of a 2D copy per layer, while onboardings keep AUTO).
-OFFLOAD_PATH_ENV = "LAYERFLOW_OFFLOAD_PATH"
 
 
 class CopyPath(enum.Enum):
@@ -164,11 +161,11 @@ class CopyPath(enum.Enum):
 LONG_RUN_PAGES = 32   # BY_LENGTH's mean run length for RUN_BATCH
 
 
-def configured_path(env: str = COPY_PATH_ENV, default: CopyPath = CopyPath.AUTO) -> CopyPath:
-    """$`env` (a CopyPath name, any case), else `default`; ValueError naming any other value."""
-    value = os.environ.get(env, default.name).strip().upper()
+def configured_path() -> CopyPath:
+    """$LAYERFLOW_COPY_PATH (a CopyPath name, any case), else AUTO; ValueError naming any other value."""
+    value = os.environ.get(COPY_PATH_ENV, "auto").strip().upper()
     if value not in CopyPath.__members__:
-        raise ValueError(f"{env}={value.lower()!r}: expected one of "
+        raise ValueError(f"{COPY_PATH_ENV}={value.lower()!r}: expected one of "
                          f"{[name.lower() for name in CopyPath.__members__]}")
     return CopyPath[value]
 
@@ -202,18 +199,15 @@ class _Tables(threading.local):
 
 
 class CudaCopyEngine(CopyEngine):
-    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device); onboardings by
-    `path` (default: `configured_path()`), offloads by `offload_path` (default: $LAYERFLOW_OFFLOAD_PATH, else
-    `path`); both attributes, so one engine can be switched between transfers."""
+    """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device), by `path`
+    (default: `configured_path()`; an attribute, so one engine can be switched between transfers)."""
 
-    def __init__(self, path: CopyPath | None = None, device: int | None = None,
-                 offload_path: CopyPath | None = None) -> None:
+    def __init__(self, path: CopyPath | None = None, device: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
         super().__init__()
         self.device = torch.cuda.current_device() if device is None else device
         cuda_api.set_device(self.device)
         self.path = configured_path() if path is None else path
-        self.offload_path = configured_path(OFFLOAD_PATH_ENV, self.path) if offload_path is None else offload_path
         self._ops: cudart.OpsCopier | None = None
         self._tables = _Tables()
         self.h2d_stream = cuda_api.create_stream()
@@ -279,7 +273,7 @@ class CudaCopyEngine(CopyEngine):
         host_base = job.host.data_ptr()
         gpu_bases = [t.data_ptr() for t in job.gpu_layers]
         host_layers = [host_base + layer * page for layer in range(job.num_layers)]
-        path = resolved_path(self.path if to_gpu else self.offload_path, plan.num_runs, plan.num_pages)
+        path = resolved_path(self.path, plan.num_runs, plan.num_pages)
         if path is CopyPath.PAGES:
             gpu, host = _layer_addresses(gpu_bases, plan.gpu_pages * page, host_layers, plan.host_blocks * pitch)
             dsts, srcs = (gpu, host) if to_gpu else (host, gpu)

@@ -11,8 +11,8 @@ from cuda.bindings import runtime as rt
 from layerflow.config import SignalMode
 from layerflow.transfer import cudart
 from layerflow.transfer.copy_plan import plan_runs
-from layerflow.transfer.cuda_copy import (COPY_PATH_ENV, LONG_RUN_PAGES, OFFLOAD_PATH_ENV, CopyPath,
-                                         configured_path, resolved_path)
+from layerflow.transfer.cuda_copy import (COPY_PATH_ENV, LONG_RUN_PAGES, CopyPath, configured_path,
+                                         resolved_path)
 from layerflow.transfer.signals import make_signals
 from tests.transfer.pages import check_offload_of_new_contents, check_onboarded, make_tensors
 
@@ -63,16 +63,6 @@ def test_a_pitched_table_refilled_holds_what_a_fresh_table_would():
         got = table.fill(dsts, srcs, run_len)
         want = cudart.pitched_ops(dsts, 64, srcs, 256, 64, np.broadcast_to(run_len.astype(np.uint64), (2, 3)))
         assert got.tobytes() == want.tobytes(), seed
-
-
-def test_the_offload_path_has_its_own_variable_defaulting_to_the_copy_path(monkeypatch):
-    monkeypatch.delenv(OFFLOAD_PATH_ENV, raising=False)
-    assert configured_path(OFFLOAD_PATH_ENV, CopyPath.BY_LENGTH) is CopyPath.BY_LENGTH
-    monkeypatch.setenv(OFFLOAD_PATH_ENV, "run_batch")
-    assert configured_path(OFFLOAD_PATH_ENV, CopyPath.AUTO) is CopyPath.RUN_BATCH
-    monkeypatch.setenv(OFFLOAD_PATH_ENV, "one")
-    with pytest.raises(ValueError, match=r"LAYERFLOW_OFFLOAD_PATH='one'"):
-        configured_path(OFFLOAD_PATH_ENV)
 
 
 @pytest.mark.parametrize("value,path", [(None, CopyPath.AUTO), ("run_batch", CopyPath.RUN_BATCH),
@@ -158,15 +148,14 @@ def test_a_fragmented_placement_moves_byte_exact_with_each_layer_signalled_after
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["runs1", "mixed"])
-def test_offloads_by_run_batch_beside_auto_onboardings_are_byte_exact(placement):
-    """The offload path apart from the onboardings' (a GPU hit's offload as one 3D batch call), twice on one engine
-    (the second transfer refills the first's op table), byte-exact each time."""
+def test_run_batch_transfers_refilling_one_op_table_are_byte_exact(placement):
+    """RUN_BATCH's offloads of one placement, twice on one engine (the second refills the first's op table), after
+    its onboarding: byte-exact each time."""
     from layerflow.transfer.cuda_copy import CudaCopyEngine
 
     pages, blocks = (a.tolist() for a in FRAGMENTED[placement])
-    engine = CudaCopyEngine(path=CopyPath.AUTO, offload_path=CopyPath.RUN_BATCH)
+    engine = CudaCopyEngine(path=CopyPath.RUN_BATCH)
     try:
-        assert (engine.path, engine.offload_path) == (CopyPath.AUTO, CopyPath.RUN_BATCH)
         gpu, host = make_tensors("cuda", pages=160, blocks=170, layers=4, page=32, heads=2, dim=64,
                                  dtype=torch.bfloat16, seed=7)
         engine.onboard(gpu, host, pages, blocks).wait(10)
