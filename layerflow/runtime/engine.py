@@ -134,7 +134,7 @@ class Engine:
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "slab") is one of
     STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES, `release` (default:
-    $LAYERFLOW_RELEASE, else "after") one of RELEASE_MODES, `fill_copy` (default: $LAYERFLOW_FILL_COPY, else "torch")
+    $LAYERFLOW_RELEASE, else "after") one of RELEASE_MODES, `fill_copy` (default: $LAYERFLOW_FILL_COPY, else "cudart")
     one of FILL_COPIES (both attributes: they may change between batches). The captured
     shapes are every size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the
     padding to 12.5%); a batch runs in the smallest that fits.

@@ -83,10 +83,10 @@ def test_the_env_var_picks_the_release_and_a_bad_one_is_named(weights, monkeypat
 
 def test_the_fill_copy_reaches_every_bucket_and_a_bad_one_is_named(weights, monkeypatch):
     with make_engine(weights) as engine:
-        assert engine.fill_copy == "torch"
+        assert engine.fill_copy == "cudart"
         engine.score([Request(7, [1, 2], [3])])
-        engine.fill_copy = "cudart"   # the CPU path copies with torch whatever the mode: the same scores
-        assert {b.fill_copy for b in engine._buffers.values()} == {"cudart"}
+        engine.fill_copy = "torch"   # the CPU path copies with torch whatever the mode: the same scores
+        assert {b.fill_copy for b in engine._buffers.values()} == {"torch"}
         with pytest.raises(ValueError, match="fill_copy='dma'"):
             engine.fill_copy = "dma"
     monkeypatch.setenv("LAYERFLOW_FILL_COPY", "dma")
