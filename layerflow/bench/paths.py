@@ -1,14 +1,13 @@
 """`python -m layerflow.bench.paths`: the engine's host paths A/B'd in one process, in alternated blocks.
 
 A variant is a set of the engine's switchable host paths (attributes it reads per batch): `release` (when collect
-gives an in-process onboarding back), `fill_copy` (how the bucket buffers copy a batch's integers) and the copy
-engine's `path` and `offload_path` (how an onboarding's and an offload's copies are issued; CUDA only). So one engine
-per KV dtype serves every
-variant. Per history length, blocks of CPU-hit + layerwise requests, then GPU hits, run each variant in turn, the
-order rotating from block to block, so drift of the machine spreads over all variants alike. The lower bound is the
-inference benchmark's (stats.lower_bound) from the same run: the transfer probes of every variant's requests (the
-same pages), the GPU hit of the first variant and its per-layer compute. Every result is compared with the GPU hit's
-scores (0: bitwise). With `--profile` both scenarios' host phases (bench.phases) are kept per variant.
+gives an in-process onboarding back) and `fill_copy` (how the bucket buffers copy a batch's integers). So one engine
+per KV dtype serves every variant. Per history length, blocks of CPU-hit + layerwise requests, then GPU hits, run
+each variant in turn, the order rotating from block to block, so drift of the machine spreads over all variants
+alike. The lower bound is the inference benchmark's (stats.lower_bound) from the same run: the transfer probes of
+every variant's requests (the same pages), the GPU hit of the first variant and its per-layer compute. Every result
+is compared with the GPU hit's scores (0: bitwise). With `--profile` both scenarios' host phases (bench.phases) are
+kept per variant.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 from layerflow.transfer.copy_plan import plan_runs
-from layerflow.transfer.cuda_copy import CopyPath
 
 # The phase rows `--profile` prints (bench.phases names).
 PROFILE_ROWS = ("prepare", "prepare.pack", "prepare.onboard", "launch.fill", "launch.fill.copy", "launch.forward",
@@ -41,26 +39,19 @@ PROFILE_ROWS = ("prepare", "prepare.pack", "prepare.onboard", "launch.fill", "la
 
 @dataclass(frozen=True)
 class Variant:
-    """The host paths of one variant (engine and copy-engine attributes)."""
+    """The host paths of one variant (engine attributes)."""
 
     release: str = "after"
     fill_copy: str = "torch"
-    offload_path: CopyPath = CopyPath.AUTO
-    copy_path: CopyPath = CopyPath.AUTO
 
-    def apply(self, engine: Engine, copy: BenchCopyEngine) -> None:
+    def apply(self, engine: Engine) -> None:
         engine.release = self.release
         engine.fill_copy = self.fill_copy
-        if hasattr(copy.inner, "offload_path"):   # the CUDA copy engine (the CPU path's thread engine has one way)
-            copy.inner.path, copy.inner.offload_path = self.copy_path, self.offload_path
 
 
-# The first is main's paths (the bound's GPU hit runs on it).
+# The first is main's paths (the bound's GPU hit runs on it); "new" is every path that did not lose on the H200.
 VARIANTS: dict[str, Variant] = {"main": Variant(), "early": Variant(release="early"),
-                                "fillc": Variant(fill_copy="cudart"),
-                                "offload1": Variant(offload_path=CopyPath.RUN_BATCH),
-                                "bylen": Variant(copy_path=CopyPath.BY_LENGTH),
-                                "all": Variant("early", "cudart", CopyPath.RUN_BATCH, CopyPath.BY_LENGTH)}
+                                "fillc": Variant(fill_copy="cudart"), "new": Variant("early", "cudart")}
 
 
 class GpuHitsOnly(GpuHit):
@@ -87,11 +78,11 @@ def measure_length(ctx: Context, copy: BenchCopyEngine, variants: dict[str, Vari
     runs: set[int] = set()   # the runs (contiguous on both sides) of the layerwise requests' onboardings
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
-            variants[name].apply(engine, copy)
+            variants[name].apply(engine)
             layerwise[name].append(CpuHitLayerwise().measure(ctx))
             runs |= {plan_runs(o.gpu_pages, o.host_blocks).num_runs for o in copy.onboardings}
             hits[name].append(GpuHitsOnly().measure(ctx))
-    variants[names[0]].apply(engine, copy)
+    variants[names[0]].apply(engine)
     compute = GpuHit().measure(replace(ctx, timed_iters=3)).probes.layer_compute
     transfers = [t for runs in layerwise.values() for m in runs for t in m.probes.transfers]
     t_transfer = Summary.of([t.total_ms for t in transfers]).median
@@ -102,9 +93,7 @@ def measure_length(ctx: Context, copy: BenchCopyEngine, variants: dict[str, Vari
     rows = {}
     for name in names:
         wall, hit = Summary.of(_pooled(layerwise[name])), Summary.of(_pooled(hits[name]))
-        rows[name] = {"paths": {"release": variants[name].release, "fill_copy": variants[name].fill_copy,
-                                "offload_path": variants[name].offload_path.name.lower(),
-                                "copy_path": variants[name].copy_path.name.lower()},
+        rows[name] = {"paths": {"release": variants[name].release, "fill_copy": variants[name].fill_copy},
                       "layerwise_ms": wall.to_dict(), "gpu_hit_ms": hit.to_dict(),
                       "pipeline_efficiency": bound / wall.median,
                       "max_abs_diff_vs_gpu_hit": max(m.max_abs_diff for m in layerwise[name] + hits[name])}
