@@ -1,6 +1,7 @@
-"""The engine's early release (release="early", runtime/engine.py) on the CPU path: an in-process onboarding given
-back before the fetch scores bit for bit like one given back by commit after the block, returns its host pins and
-signal counter, and a failed onboarding released early fails its request alone; the mode is chosen by name."""
+"""The early release of an in-process onboarding (Engine._release_early) on the CPU path: a host hit gives its
+onboarding (host pins, signal counter) back in collect, before the fetch, so the KV manager's commit no longer finishes
+it; the host hit scores bit for bit like the same visit served as a GPU hit, and a failed onboarding released early
+fails its request alone."""
 
 import random
 
@@ -29,31 +30,30 @@ class Releases:
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
-def test_the_early_release_scores_bitwise_like_the_release_after_the_block(weights, layerwise):
+def test_a_host_hit_is_released_before_commit_and_scores_bitwise_like_a_gpu_hit(weights, layerwise):
     rng = random.Random(6)
     history, visit = items(rng, 200), Request(4, items(rng, 3), items(rng, 6))
     results = {}
-    for release in ("early", "after"):
+    for tier in (Tier.HOST, Tier.GPU):
         with make_engine(weights, enable_layerwise=layerwise) as engine:
-            engine.release = release
             releases = Releases(engine)
             engine.score([Request(4, history, [])])
-            engine.kv.evict_from_gpu(4)
-            assert engine.kv.tier(4) is Tier.HOST
-            results[release] = engine.score([visit])[0]
-            assert releases.in_commit == (0 if release == "early" else 1)
+            if tier is Tier.HOST:
+                engine.kv.evict_from_gpu(4)
+            assert engine.kv.tier(4) is tier
+            results[tier] = engine.score([visit])[0]
+            assert releases.in_commit == 0
             engine.kv.wait_offloads()
             assert engine.kv.below.usage().pinned_users == 0 and engine.kv.gpu.num_pinned == 0
             assert all(engine.kv.below.signals._released)   # the counter went back with the host pins
-    assert torch.equal(results["early"], results["after"])
-    assert torch.allclose(results["early"], reference(weights, history + visit.items, visit.candidates), atol=TOL)
+    assert torch.equal(results[Tier.HOST], results[Tier.GPU])
+    assert torch.allclose(results[Tier.HOST], reference(weights, history + visit.items, visit.candidates), atol=TOL)
 
 
 def test_a_failed_onboarding_released_early_fails_its_request_alone_then_the_engine_serves(weights):
     copier = FaultyThreadCopyEngine()
     history = list(range(60))
     with make_engine(weights, copy_engine=copier) as engine:
-        engine.release = "early"
         engine.score([Request(5, history, []), Request(6, history, [])])
         engine.kv.evict_from_gpu(5)
         copier.fail_at_layer = 1
@@ -67,28 +67,3 @@ def test_a_failed_onboarding_released_early_fails_its_request_alone_then_the_eng
         hit = engine.score([Request(6, [1], [2, 3])])[0]   # a GPU hit between: nothing of the failure is left
         assert torch.allclose(hit, reference(weights, history + [1], [2, 3]), atol=TOL)
         assert torch.equal(engine.score([Request(5, [1], [2, 3])])[0], hit)
-
-
-def test_the_env_var_picks_the_release_and_a_bad_one_is_named(weights, monkeypatch):
-    monkeypatch.setenv("LAYERFLOW_RELEASE", "early")
-    with make_engine(weights) as engine:
-        assert engine.release == "early"
-    monkeypatch.delenv("LAYERFLOW_RELEASE")
-    with make_engine(weights) as engine:
-        assert engine.release == "after"
-    monkeypatch.setenv("LAYERFLOW_RELEASE", "soon")
-    with pytest.raises(ValueError, match="release='soon' \\(LAYERFLOW_RELEASE\\)"):
-        make_engine(weights)
-
-
-def test_the_fill_copy_reaches_every_bucket_and_a_bad_one_is_named(weights, monkeypatch):
-    with make_engine(weights) as engine:
-        assert engine.fill_copy == "cudart"
-        engine.score([Request(7, [1, 2], [3])])
-        engine.fill_copy = "torch"   # the CPU path copies with torch whatever the mode: the same scores
-        assert {b.fill_copy for b in engine._buffers.values()} == {"torch"}
-        with pytest.raises(ValueError, match="fill_copy='dma'"):
-            engine.fill_copy = "dma"
-    monkeypatch.setenv("LAYERFLOW_FILL_COPY", "dma")
-    with pytest.raises(ValueError, match="fill_copy='dma' \\(LAYERFLOW_FILL_COPY\\)"):
-        make_engine(weights)
