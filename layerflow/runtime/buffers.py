@@ -2,9 +2,9 @@
 
 Every per-batch integer (offsets, lengths, page table, token ids and positions, candidate rows) is packed into one
 pinned host buffer and reaches the device in a single copy; the scores come back in a single copy (torch's
-`Tensor.copy_`). The integers' copy is one ctypes cudaMemcpyAsync on the buffers' own stream handle and addresses,
-taken once ("cudart", the default: on the H200 it halves the fill's host time, ~0.04 -> ~0.02 ms; session 9's ctypes
-copy lost to torch's when it looked the stream up per call, docs/performance.md), or torch's `copy_` ("torch").
+`Tensor.copy_`). On CUDA the integers' copy is one ctypes cudaMemcpyAsync on the buffers' own stream handle and
+addresses, taken once: on the H200 it halves the fill's host time against torch's `copy_` (~0.04 -> ~0.02 ms; a ctypes
+copy that looked the stream up per call was slower, docs/performance.md). The CPU path copies with torch.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
 from layerflow.runtime.staging import HostSlab, StagedBatch, slab_fields
 from layerflow.transfer import cudart
-
-FILL_COPIES = ("cudart", "torch")   # how `fill` issues the slab's host->device copy (the first is the default)
 
 
 def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
@@ -50,14 +48,9 @@ class Bucket:
 
 class BatchBuffers:
     """Static tensors of one bucket; `fill` writes a batch into them without allocating. The engine issues every batch
-    on the stream that was current when its buffers were made. `fill_copy` (one of FILL_COPIES, an attribute) issues
-    the slab's copy; "cudart" applies on CUDA only (the CPU path always copies with torch)."""
+    on the stream that was current when its buffers were made."""
 
-    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig,
-                 fill_copy: str = FILL_COPIES[0]):
-        if fill_copy not in FILL_COPIES:
-            raise ValueError(f"fill_copy={fill_copy!r}: expected one of {list(FILL_COPIES)}")
-        self.fill_copy = fill_copy
+    def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig):
         b, t = bucket.max_batch, bucket.max_tokens
         self.bucket, self.max_pages, self.device, self.model = bucket, max_pages, device, model
         slices = slab_fields(b, t, max_pages)
@@ -104,9 +97,9 @@ class BatchBuffers:
         device.copy_(host, non_blocking=True)
 
     def _slab_to_device(self, host: torch.Tensor) -> None:
-        """A whole host slab into the device slab, by `fill_copy` (the cudart copy on the buffers' stream, which is
-        the current one when a batch is issued)."""
-        if self.fill_copy == "cudart" and self._raw_stream is not None:
+        """A whole host slab into the device slab: on CUDA one cudart copy on the buffers' stream (the current one when
+        a batch is issued), else torch's copy."""
+        if self._raw_stream is not None:
             cudart.memcpy_async(self._device_address, host.data_ptr(), self._slab_bytes, cudart.MEMCPY_HOST_TO_DEVICE,
                                 self._raw_stream)
         else:

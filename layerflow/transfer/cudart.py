@@ -1,7 +1,7 @@
 """The CUDA runtime calls layerflow makes through ctypes on the process's libcudart (the one torch loaded): the
 hot-path copies (2D, batched 1D, batched 3D), the event record and wait of the native signal posts, the host-function
-launch of the runtime's wait nodes, and one plain copy (the bucket buffers' slab copy under `fill_copy="cudart"`, and
-what the copy benchmarks compare against).
+launch of the runtime's wait nodes, and one plain copy (the bucket buffers' slab copy, and what the copy benchmarks
+compare against).
 
 cuda.bindings converts every list element of cudaMemcpyBatchAsync into a Python object and back (about 0.7 ms per
 layer of 512 pages on the H200, which delays the first layer's copy); through ctypes the descriptors are numpy arrays
@@ -77,7 +77,7 @@ def _check(err: int, call: str) -> None:
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
-    """One plain copy: the bucket buffers' slab copy (`fill_copy="cudart"`), and the bulk reference of the transfer
+    """One plain copy: the bucket buffers' slab copy, and the bulk reference of the transfer
     benchmarks, issued the way the engine issues its copies."""
     _check(lib().cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
 

@@ -1,7 +1,7 @@
-"""The engine's switchable host paths on the H200 give the scores of main's paths bit for bit: the early release of
-an in-process onboarding (graph and eager, every signal kind) and the cudart fill copy, on GPU and host hits. Every
-host pin goes back: an onboarding's by its release, an offload's when it is reaped. A failed onboarding on them:
-test_engine_gpu.py's failing-transfer test."""
+"""The engine's host paths on the H200: a host hit, its onboarding released early (before the fetch), gives the
+GPU hit's scores bit for bit (graph and eager, every signal kind), with the bucket buffers' cudart fill copy on a
+stream handle of theirs. Every host pin goes back: an onboarding's by its release, an offload's when it is reaped.
+A failed onboarding on them: test_engine_gpu.py's failing-transfer test."""
 
 import pytest
 import torch
@@ -24,13 +24,11 @@ def weights():
     return HSTUWeights.init(MODEL, seed=3)
 
 
-def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="after",
-          fill_copy="torch") -> list[torch.Tensor]:
+def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True) -> list[torch.Tensor]:
     """Two users scored, moved to `tier`, visited twice (the second visit reads what the first offloaded)."""
     gen = torch.Generator().manual_seed(0)
     config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, transfer_timeout_s=5.0)
-    with Engine(weights, config, use_cuda_graph=graph, token_buckets=(128,), batch_buckets=(2,), release=release,
-                fill_copy=fill_copy) as engine:
+    with Engine(weights, config, use_cuda_graph=graph, token_buckets=(128,), batch_buckets=(2,)) as engine:
         engine.warmup()
         engine.score([Request(u, torch.randint(0, 5000, (n,), generator=gen).tolist(), []) for u, n in HISTORY.items()])
         out = []
@@ -44,23 +42,17 @@ def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="after
             out += [s.clone() for s in engine.score(visit)]
         engine.kv.wait_offloads()   # the last visit's offloads hold their host pins until reaped
         assert engine.kv.gpu.num_pinned == 0 and engine.kv.below.usage().pinned_users == 0
-        assert all(b.fill_copy == fill_copy and b._raw_stream is not None for b in engine._buffers.values())
+        assert all(b._raw_stream is not None for b in engine._buffers.values())
         return out
 
 
 @pytest.fixture(scope="module")
-def main_gpu_hit(weights):
+def gpu_hit(weights):
     return serve(weights, Tier.GPU)
 
 
 @pytest.mark.parametrize("signal,graph", [(SignalMode.WAITVALUE, True), (SignalMode.EVENTFD, True),
                                           (SignalMode.EVENT, True), (SignalMode.WAITVALUE, False)])
-def test_host_hit_released_early_equals_the_gpu_hit_bitwise(weights, main_gpu_hit, signal, graph):
-    got = serve(weights, Tier.HOST, signal=signal, graph=graph, release="early")
-    assert all(torch.equal(a, b) for a, b in zip(got, main_gpu_hit))
-
-
-@pytest.mark.parametrize("tier", [Tier.GPU, Tier.HOST])
-def test_the_cudart_fill_scores_like_main(weights, main_gpu_hit, tier):
-    got = serve(weights, tier, fill_copy="cudart")
-    assert all(torch.equal(a, b) for a, b in zip(got, main_gpu_hit))
+def test_host_hit_released_early_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
+    got = serve(weights, Tier.HOST, signal=signal, graph=graph)
+    assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
