@@ -127,35 +127,25 @@ def run(settings: Settings, device: torch.device | None = None) -> Results:
     return results
 
 
-def phase_timer(engine: Engine, settings: Settings) -> PhaseTimer | None:
-    """A PhaseTimer on `engine` when the settings ask for host phases (`--profile`), else None."""
-    if not settings.profile:
-        return None
-    phases = PhaseTimer()
-    phases.attach(engine)
-    return phases
-
-
-def workload_of(settings: Settings, index: int, seq_len: int) -> Workload:
-    """The users (ids of their own) and the replayed batch of the `index`-th history length."""
-    users = [index * settings.batch_size + b for b in range(settings.batch_size)]
-    return Workload.build(users, seq_len, settings.append_len, settings.num_candidates, settings.model, settings.seed)
-
-
 def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device: torch.device,
                 scenarios: list[Scenario], clock: Clock, timer: TransferTimer, progress: tqdm,
                 results: Results) -> None:
     timeline = settings.timeline and config.enable_layerwise
-    copy = BenchCopyEngine(copy_engine_for(device, timeline))
+    copy = BenchCopyEngine(_copy_engine(device, timeline))
     bucket = Bucket(settings.batch_size, settings.query_tokens)
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(bucket.max_batch,), token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine:
         tail = TailMarks(engine, copy.inner) if timeline else None   # before warmup: a graph variant of its own
         engine.warmup()
-        phases = phase_timer(engine, settings)
+        phases = None
+        if settings.profile:
+            phases = PhaseTimer()
+            phases.attach(engine)
         for index, seq_len in enumerate(settings.seq_lens):
             progress.set_postfix_str(f"{seq_len} tokens, layerwise {'on' if config.enable_layerwise else 'off'}")
-            workload = workload_of(settings, index, seq_len)
+            users = [index * settings.batch_size + b for b in range(settings.batch_size)]
+            workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates,
+                                      settings.model, settings.seed)
             copy.skip_offloads = False
             workload.load(engine)
             reference = as_scores(engine.score(workload.requests))
@@ -168,7 +158,7 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
             workload.drop(engine)
 
 
-def copy_engine_for(device: torch.device, timeline: bool) -> CopyEngine:
+def _copy_engine(device: torch.device, timeline: bool) -> CopyEngine:
     """Timelines read each onboarding's per-layer timing events."""
     if device.type != "cuda":
         return ThreadCopyEngine()
