@@ -130,7 +130,7 @@ def _one_op_batch(copier: cudart.OpsCopier, ops: np.ndarray, stream: int) -> Cal
     return issue
 
 
-def _layer_addresses(gpu_bases: list[int], gpu_offsets: np.ndarray, host_layers: list[int],
+def _layer_addresses(gpu_bases: tuple[int, ...], gpu_offsets: np.ndarray, host_layers: tuple[int, ...],
                      host_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`[layers, n]` uint64 GPU and host addresses: each layer's base plus the byte offsets of one transfer."""
     u64 = np.uint64
@@ -263,16 +263,15 @@ class CudaCopyEngine(CopyEngine):
 
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:
         """Per-layer issue function (called with l, it issues layer l's copies on `stream`), every per-run/per-page
-        address computed once here (plain ints for runs, numpy for a batch of pages).
+        address computed once here (plain ints for runs, numpy for a batch of pages) from the layers' addresses the
+        layout check took (`job.addresses`).
 
         `_issue` calls this once per transfer, after an offload's wait for the current stream and before the
         first copy, and posts layer l's signal right after layer l's call: the seam a subclass wraps to time or
         fail copies; what the function raises fails the transfer from that layer on."""
-        plan, page = job.plan, job.layer_page_bytes
-        pitch = job.num_layers * page
-        host_base = job.host.data_ptr()
-        gpu_bases = [t.data_ptr() for t in job.gpu_layers]
-        host_layers = [host_base + layer * page for layer in range(job.num_layers)]
+        plan, addresses = job.plan, job.addresses
+        page, pitch = addresses.page_bytes, addresses.block_pitch
+        gpu_bases, host_layers = addresses.gpu_bases, addresses.host_layers
         path = resolved_path(self.path, plan.num_runs, plan.num_pages)
         if path is CopyPath.PAGES:
             gpu, host = _layer_addresses(gpu_bases, plan.gpu_pages * page, host_layers, plan.host_blocks * pitch)

@@ -243,3 +243,17 @@ def test_auto_path_copies_runs_only_for_a_single_run():
                                                                              CopyPath.PAGES, CopyPath.PAGES]
     assert resolved_path(CopyPath.RUNS, 55, 110) is CopyPath.RUNS
     assert resolved_path(CopyPath.PAGES, 1, 110) is CopyPath.PAGES
+
+
+def test_a_layouts_addresses_are_taken_with_its_check_and_renewed_for_new_tensors(engine):
+    gpu, host = make_tensors()
+    layers, addresses = engine._layout(gpu, host)
+    assert layers == tuple(gpu)
+    assert addresses.gpu_bases == tuple(t.data_ptr() for t in gpu)
+    assert addresses.host_layers == tuple(host[0, layer].data_ptr() for layer in range(LAYERS))
+    assert addresses.page_bytes == gpu[0][0].nbytes and addresses.block_pitch == host[0].nbytes
+    assert engine._layout(gpu, host)[1] is addresses   # the same pool tensors: the memo's addresses
+    other_gpu, other_host = make_tensors()
+    renewed = engine._layout(other_gpu, other_host)[1]
+    assert renewed.gpu_bases == tuple(t.data_ptr() for t in other_gpu)
+    assert renewed.host_layers[0] == other_host.data_ptr()
