@@ -39,7 +39,11 @@ def main() -> None:
     parser.add_argument("--num-candidates", type=int, default=256)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--scenario", choices=("gpu_hit", "cpu_hit_layerwise"), default="gpu_hit")
-    parser.add_argument("--cprofile", help="write the loop's cProfile stats here (and print the top 25)")
+    parser.add_argument("--cprofile", help="write the loop's cProfile stats here (and print the top functions)")
+    parser.add_argument("--top", type=int, default=25, help="how many functions the cProfile listing prints")
+    parser.add_argument("--only", default="", help="the listing's functions restricted to this regex (e.g. layerflow)")
+    parser.add_argument("--callees", default=r"\((fill|_batch|offload_early)\)",
+                        help="regex of the functions whose callees the listing prints")
     args = parser.parse_args()
 
     cuda = torch.device(args.device).type == "cuda"
@@ -79,8 +83,8 @@ def main() -> None:
     if profile is not None:
         profile.dump_stats(args.cprofile)
         stats = pstats.Stats(args.cprofile).sort_stats("tottime")
-        stats.print_stats(25)
-        stats.print_callees(r"\((fill|_batch|offload_early)\)")
+        stats.print_stats(*[r for r in (args.only,) if r], args.top)
+        stats.print_callees(args.callees)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ PHASES: tuple[tuple[str, str | None, str], ...] = (
     ("launch", None, "Engine.launch"),
     ("launch.bucket", "launch", "bucket choice (Engine._bucket; the slab staging makes it in prepare.pack)"),
     ("launch.fill", "launch", "buffer fill and its host->device copy (BatchBuffers.fill)"),
-    ("launch.fill.copy", "launch.fill", "the host->device copy issue (BatchBuffers._to_device)"),
+    ("launch.fill.copy", "launch.fill", "the slab's host->device copy issue (BatchBuffers._slab_to_device)"),
     ("launch.bind", "launch", "wait binding (LayerWait.bind)"),
     ("launch.forward", "launch", "graph replay or eager forward"),
     ("launch.offload", "launch", "history record and early offload issue (KVManager.offload_early)"),
@@ -132,7 +132,7 @@ class PhaseTimer:
             found = bufs_of(bucket)
             if "fill" not in vars(found):   # each bucket's buffers are wrapped once, when first handed out
                 self._wrap(found, "fill", "launch.fill")
-                self._wrap(found, "_to_device", "launch.fill.copy")
+                self._wrap(found, "_slab_to_device", "launch.fill.copy")
                 self._wrap(found, "fetch", "collect.fetch")
             return found
         engine._bufs = bufs

@@ -37,6 +37,27 @@ class Transfer(ABC):
 
 
 @dataclass(frozen=True)
+class LayerAddresses:
+    """The addresses of one checked layout, taken with its check (`CopyEngine._layout`), so a transfer does not ask
+    every layer tensor for its pointer: each GPU layer's base, each layer's first byte in the host block tensor, the
+    bytes of one layer's page and the host pitch from one block to the next."""
+
+    gpu_bases: tuple[int, ...]
+    host_layers: tuple[int, ...]
+    page_bytes: int
+    block_pitch: int
+
+    @classmethod
+    def of(cls, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor) -> LayerAddresses:
+        """The addresses of a layout `check_layout` accepted."""
+        layer = gpu_layers[0]   # contiguous (check_layout): a page is one stride of its first dimension
+        page = layer.stride(0) * layer.element_size()
+        host_base = host.data_ptr()
+        return cls(tuple(t.data_ptr() for t in gpu_layers), tuple(host_base + i * page for i in range(len(gpu_layers))),
+                   page, len(gpu_layers) * page)
+
+
+@dataclass(frozen=True)
 class CopyJob:
     """A validated transfer: what the concrete engines execute."""
 
@@ -45,15 +66,11 @@ class CopyJob:
     plan: CopyPlan
     signal: SignalHandle | None
     first_layer: int
+    addresses: LayerAddresses
 
     @property
     def num_layers(self) -> int:
         return len(self.gpu_layers)
-
-    @property
-    def layer_page_bytes(self) -> int:
-        layer = self.gpu_layers[0]   # contiguous (check_layout): a page is one stride of its first dimension
-        return layer.stride(0) * layer.element_size()
 
 
 def check_layout(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor) -> None:
@@ -72,9 +89,9 @@ def check_layout(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor) -> No
             raise ValueError(f"gpu_layers[{i}]: must be contiguous")
 
 
-def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
-             host_blocks: Sequence[int] | np.ndarray, signal: SignalHandle | None, first_layer: int,
-             unique_gpu: bool) -> CopyJob:
+def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
+             gpu_pages: Sequence[int] | np.ndarray, host_blocks: Sequence[int] | np.ndarray,
+             signal: SignalHandle | None, first_layer: int, unique_gpu: bool) -> CopyJob:
     """Check index bounds once (the layout is checked by `check_layout`), so a bad call fails here, not in a copy."""
     plan = plan_runs(gpu_pages, host_blocks)
     if plan.num_pages:
@@ -91,7 +108,7 @@ def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, gpu_pages
     if signal is not None and (first_layer < 0 or first_layer + len(gpu_layers) > signal.num_layers):
         raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(gpu_layers) - 1} "
                          f"exceed the signal's {signal.num_layers} layers")
-    return CopyJob(gpu_layers, host, plan, signal, first_layer)
+    return CopyJob(gpu_layers, host, plan, signal, first_layer, addresses)
 
 
 def _last_index(starts: np.ndarray, lengths: np.ndarray) -> int:
@@ -114,23 +131,26 @@ class CopyEngine(ABC):
     """Moves KV pages between the GPU pool tensors and the host block tensor."""
 
     def __init__(self) -> None:
-        self._checked: dict[tuple[int, ...], tuple[weakref.ref, ...]] = {}
+        self._checked: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], LayerAddresses]] = {}
 
-    def _layout(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`check_layout` once per set of tensors: callers pass the same pool tensors on every transfer.
+    def _layout(self, gpu_layers: Sequence[torch.Tensor],
+                host: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], LayerAddresses]:
+        """`check_layout` and the layout's addresses once per set of tensors: callers pass the same pool tensors on
+        every transfer.
 
         The memo holds weak references (a departed transfer-server client's pool must not stay mapped because of
         it); an entry counts only while every tensor it names is alive and is the one with that id.
         """
         layers = tuple(gpu_layers)
         key = (id(host), *map(id, layers))
-        refs = self._checked.get(key)
-        if refs is None or any(ref() is not t for ref, t in zip(refs, (host, *layers))):
+        entry = self._checked.get(key)
+        if entry is None or any(ref() is not t for ref, t in zip(entry[0], (host, *layers))):
             check_layout(layers, host)
             if len(self._checked) >= 8:
                 self._checked.clear()
-            self._checked[key] = tuple(weakref.ref(t) for t in (host, *layers))
-        return layers
+            entry = self._checked[key] = (tuple(weakref.ref(t) for t in (host, *layers)),
+                                          LayerAddresses.of(layers, host))
+        return layers, entry[1]
 
     def onboard(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
                 host_blocks: Sequence[int] | np.ndarray, signal: SignalHandle | None = None,
@@ -139,14 +159,15 @@ class CopyEngine(ABC):
 
         `signal` (from `LayerSignals.acquire`) is posted per layer as `first_layer + l`; on failure it is poisoned.
         """
-        job = make_job(self._layout(gpu_layers, host), host, gpu_pages, host_blocks, signal, first_layer,
-                       unique_gpu=True)
+        layers, addresses = self._layout(gpu_layers, host)
+        job = make_job(layers, host, addresses, gpu_pages, host_blocks, signal, first_layer, unique_gpu=True)
         return self._onboard(job)
 
     def offload(self, gpu_layers: Sequence[torch.Tensor], host: torch.Tensor, gpu_pages: Sequence[int] | np.ndarray,
                 host_blocks: Sequence[int] | np.ndarray) -> Transfer:
         """GPU -> host, all layers, asynchronously; the host blocks are valid once the Transfer is done."""
-        job = make_job(self._layout(gpu_layers, host), host, gpu_pages, host_blocks, None, 0, unique_gpu=False)
+        layers, addresses = self._layout(gpu_layers, host)
+        job = make_job(layers, host, addresses, gpu_pages, host_blocks, None, 0, unique_gpu=False)
         return self._offload(job)
 
     @abstractmethod

@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import threading
 import time
 from itertools import pairwise
 from typing import Callable
@@ -129,7 +130,7 @@ def _one_op_batch(copier: cudart.OpsCopier, ops: np.ndarray, stream: int) -> Cal
     return issue
 
 
-def _layer_addresses(gpu_bases: list[int], gpu_offsets: np.ndarray, host_layers: list[int],
+def _layer_addresses(gpu_bases: tuple[int, ...], gpu_offsets: np.ndarray, host_layers: tuple[int, ...],
                      host_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`[layers, n]` uint64 GPU and host addresses: each layer's base plus the byte offsets of one transfer."""
     u64 = np.uint64
@@ -180,6 +181,23 @@ def resolved_path(path: CopyPath, num_runs: int, num_pages: int) -> CopyPath:
     return CopyPath.PAGES
 
 
+class _Tables(threading.local):
+    """Per issuing thread, a reusable op table per shape, pitches and width (`cudart.PitchedTable`): a transfer's
+    calls are all made within its `_issue`, on one thread, so its table is free again when the next one starts."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, cudart.PitchedTable] = {}
+
+    def get(self, shape: tuple[int, ...], dst_pitch: int, src_pitch: int, width: int) -> cudart.PitchedTable:
+        key = (shape, dst_pitch, src_pitch, width)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) >= 64:   # a long-lived engine sees many run counts: keep the set bounded
+                self._tables.clear()
+            table = self._tables[key] = cudart.PitchedTable(shape, dst_pitch, src_pitch, width)
+        return table
+
+
 class CudaCopyEngine(CopyEngine):
     """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device), by `path`
     (default: `configured_path()`; an attribute, so one engine can be switched between transfers)."""
@@ -191,6 +209,7 @@ class CudaCopyEngine(CopyEngine):
         cuda_api.set_device(self.device)
         self.path = configured_path() if path is None else path
         self._ops: cudart.OpsCopier | None = None
+        self._tables = _Tables()
         self.h2d_stream = cuda_api.create_stream()
         self.d2h_stream = cuda_api.create_stream()
         self._pool = cuda_api.EventPool()
@@ -244,16 +263,15 @@ class CudaCopyEngine(CopyEngine):
 
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:
         """Per-layer issue function (called with l, it issues layer l's copies on `stream`), every per-run/per-page
-        address computed once here (plain ints for runs, numpy for a batch of pages).
+        address computed once here (plain ints for runs, numpy for a batch of pages) from the layers' addresses the
+        layout check took (`job.addresses`).
 
         `_issue` calls this once per transfer, after an offload's wait for the current stream and before the
         first copy, and posts layer l's signal right after layer l's call: the seam a subclass wraps to time or
         fail copies; what the function raises fails the transfer from that layer on."""
-        plan, page = job.plan, job.layer_page_bytes
-        pitch = job.num_layers * page
-        host_base = job.host.data_ptr()
-        gpu_bases = [t.data_ptr() for t in job.gpu_layers]
-        host_layers = [host_base + layer * page for layer in range(job.num_layers)]
+        plan, addresses = job.plan, job.addresses
+        page, pitch = addresses.page_bytes, addresses.block_pitch
+        gpu_bases, host_layers = addresses.gpu_bases, addresses.host_layers
         path = resolved_path(self.path, plan.num_runs, plan.num_pages)
         if path is CopyPath.PAGES:
             gpu, host = _layer_addresses(gpu_bases, plan.gpu_pages * page, host_layers, plan.host_blocks * pitch)
@@ -263,9 +281,8 @@ class CudaCopyEngine(CopyEngine):
             # A 2D op per run: `run_len` rows of one page, packed on the GPU, `pitch` apart on the block-first host.
             copier = self._run_ops()
             gpu, host = _layer_addresses(gpu_bases, plan.run_gpu * page, host_layers, plan.run_host * pitch)
-            rows = np.broadcast_to(plan.run_len.astype(np.uint64), gpu.shape)
-            ops = cudart.pitched_ops(gpu, page, host, pitch, page, rows) if to_gpu \
-                else cudart.pitched_ops(host, pitch, gpu, page, page, rows)
+            dsts, srcs, pitches = (gpu, host, (page, pitch)) if to_gpu else (host, gpu, (pitch, page))
+            ops = self._tables.get(gpu.shape, *pitches, page).fill(dsts, srcs, plan.run_len)
             return _op_batches(copier, ops, stream) if to_gpu else _one_op_batch(copier, ops, stream)
 
         runs = list(zip((plan.run_gpu * page).tolist(), (plan.run_host * pitch).tolist(), plan.run_len.tolist()))

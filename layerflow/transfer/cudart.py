@@ -1,6 +1,7 @@
 """The CUDA runtime calls layerflow makes through ctypes on the process's libcudart (the one torch loaded): the
 hot-path copies (2D, batched 1D, batched 3D), the event record and wait of the native signal posts, the host-function
-launch of the runtime's wait nodes, and the plain copy benchmarks compare against.
+launch of the runtime's wait nodes, and one plain copy (the bucket buffers' slab copy, and what the copy benchmarks
+compare against).
 
 cuda.bindings converts every list element of cudaMemcpyBatchAsync into a Python object and back (about 0.7 ms per
 layer of 512 pages on the H200, which delays the first layer's copy); through ctypes the descriptors are numpy arrays
@@ -76,7 +77,8 @@ def _check(err: int, call: str) -> None:
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
-    """One plain copy: the bulk reference of the transfer benchmarks, issued the way the engine issues its copies."""
+    """One plain copy: the bucket buffers' slab copy, and the bulk reference of the transfer
+    benchmarks, issued the way the engine issues its copies."""
     _check(lib().cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
 
 
@@ -147,6 +149,25 @@ def pitched_ops(dsts: np.ndarray, dst_pitch: int, srcs: np.ndarray, src_pitch: i
     ops["extent"]["depth"] = 1
     ops["srcAccessOrder"] = SRC_ORDER_STREAM
     return ops
+
+
+class PitchedTable:
+    """A reusable `pitched_ops` table of one shape, pitches and width: `fill` rewrites only the pointers and row
+    counts (a fresh table costs a dozen numpy field writes per transfer). The driver reads a table during the call
+    that issues it, so a table may be refilled once that call returned."""
+
+    def __init__(self, shape: tuple[int, ...], dst_pitch: int, src_pitch: int, width: int) -> None:
+        zeros = np.zeros(shape, dtype=np.uint64)
+        self.ops = pitched_ops(zeros, dst_pitch, zeros, src_pitch, width, zeros)
+        self._dst, self._src = self.ops["dst"]["ptr"], self.ops["src"]["ptr"]
+        self._rows = self.ops["extent"]["height"]
+
+    def fill(self, dsts: np.ndarray, srcs: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The table with these destinations, sources and rows (`rows` broadcast over the table's shape)."""
+        self._dst[...] = dsts
+        self._src[...] = srcs
+        self._rows[...] = rows
+        return self.ops
 
 
 class OpsCopier:

@@ -27,11 +27,13 @@ def test_plan_runs_splits_where_either_side_breaks():
     assert plan.run_host.tolist() == [0, 3, 7, 9]
     assert plan.run_len.tolist() == [3, 1, 2, 1]
     assert plan_runs(range(100, 164), range(64)).num_runs == 1
+    assert plan_runs((5, 7, 6, 8), [0, 1, 2, 3]).run_len.tolist() == [1, 1, 1, 1]   # its ends span a run, it is not one
     assert plan_runs([], []).num_runs == 0
 
 
 @pytest.mark.parametrize("pages,blocks", [((7, 8, 9), [3, 4, 5]), ([0], (0,)), (tuple(range(64)), range(64)),
-                                          (tuple(range(65)), tuple(range(1, 66))), ((7, 8, 10), (3, 4, 5))])
+                                          (tuple(range(65)), tuple(range(1, 66))), ((7, 8, 10), (3, 4, 5)),
+                                          (tuple(range(9, 521)), list(range(512))), ([3, 4], (0, 2))])
 def test_a_short_run_of_ints_plans_like_its_arrays(pages, blocks):
     """Short tuples and lists that are one run are recognised on the Python ints: the same plan as numpy's path."""
     plan, arrays = plan_runs(pages, blocks), plan_runs(np.array(pages), np.array(blocks))
@@ -241,3 +243,17 @@ def test_auto_path_copies_runs_only_for_a_single_run():
                                                                              CopyPath.PAGES, CopyPath.PAGES]
     assert resolved_path(CopyPath.RUNS, 55, 110) is CopyPath.RUNS
     assert resolved_path(CopyPath.PAGES, 1, 110) is CopyPath.PAGES
+
+
+def test_a_layouts_addresses_are_taken_with_its_check_and_renewed_for_new_tensors(engine):
+    gpu, host = make_tensors()
+    layers, addresses = engine._layout(gpu, host)
+    assert layers == tuple(gpu)
+    assert addresses.gpu_bases == tuple(t.data_ptr() for t in gpu)
+    assert addresses.host_layers == tuple(host[0, layer].data_ptr() for layer in range(LAYERS))
+    assert addresses.page_bytes == gpu[0][0].nbytes and addresses.block_pitch == host[0].nbytes
+    assert engine._layout(gpu, host)[1] is addresses   # the same pool tensors: the memo's addresses
+    other_gpu, other_host = make_tensors()
+    renewed = engine._layout(other_gpu, other_host)[1]
+    assert renewed.gpu_bases == tuple(t.data_ptr() for t in other_gpu)
+    assert renewed.host_layers[0] == other_host.data_ptr()

@@ -52,6 +52,19 @@ def test_pitched_ops_describe_each_run_as_rows_of_one_page():
     assert (ops["srcAccessOrder"] == cudart.SRC_ORDER_STREAM).all()
 
 
+def test_a_pitched_table_refilled_holds_what_a_fresh_table_would():
+    """Refilled for a second transfer of the same shape, every field equals `pitched_ops`' for that transfer."""
+    table = cudart.PitchedTable((2, 3), 64, 256, 64)
+    for seed in (1, 2):
+        rng = np.random.default_rng(seed)
+        dsts = rng.integers(1, 2**40, (2, 3), dtype=np.uint64)
+        srcs = rng.integers(1, 2**40, (2, 3), dtype=np.uint64)
+        run_len = rng.integers(1, 9, 3).astype(np.int64)
+        got = table.fill(dsts, srcs, run_len)
+        want = cudart.pitched_ops(dsts, 64, srcs, 256, 64, np.broadcast_to(run_len.astype(np.uint64), (2, 3)))
+        assert got.tobytes() == want.tobytes(), seed
+
+
 @pytest.mark.parametrize("value,path", [(None, CopyPath.AUTO), ("run_batch", CopyPath.RUN_BATCH),
                                         (" PAGES ", CopyPath.PAGES), ("runs", CopyPath.RUNS)])
 def test_the_copy_path_comes_from_the_environment(monkeypatch, value, path):
@@ -130,6 +143,26 @@ def test_a_fragmented_placement_moves_byte_exact_with_each_layer_signalled_after
         check_offload_of_new_contents(engine, gpu, host, pages, blocks)
     finally:
         ring.close()
+        engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["runs1", "mixed"])
+def test_run_batch_transfers_refilling_one_op_table_are_byte_exact(placement):
+    """RUN_BATCH's offloads of one placement, twice on one engine (the second refills the first's op table), after
+    its onboarding: byte-exact each time."""
+    from layerflow.transfer.cuda_copy import CudaCopyEngine
+
+    pages, blocks = (a.tolist() for a in FRAGMENTED[placement])
+    engine = CudaCopyEngine(path=CopyPath.RUN_BATCH)
+    try:
+        gpu, host = make_tensors("cuda", pages=160, blocks=170, layers=4, page=32, heads=2, dim=64,
+                                 dtype=torch.bfloat16, seed=7)
+        engine.onboard(gpu, host, pages, blocks).wait(10)
+        check_onboarded(gpu, host, pages, blocks)
+        for _ in range(2):
+            check_offload_of_new_contents(engine, gpu, host, pages, blocks)
+    finally:
         engine.close()
 
 

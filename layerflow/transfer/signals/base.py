@@ -126,7 +126,10 @@ class LayerSignals(ABC):
         self.status_base = self.status.ctypes.data  # the array is never reallocated; `.ctypes` costs ~1 us a call
         self._errors: list[BaseException | None] = [None] * num_counters
         self._generation = [0] * num_counters
-        self._posted = np.ones((num_counters, num_layers), dtype=bool)
+        # Per counter, whether each layer was posted, and how many were not yet: plain lists, not numpy (a numpy
+        # reduction or fancy index costs microseconds per post and acquisition, on the first copy's path).
+        self._posted = [[True] * num_layers for _ in range(num_counters)]
+        self._unposted = [0] * num_counters
         self._released = [True] * num_counters
         self._next = 0
         self._cond = threading.Condition()
@@ -140,11 +143,12 @@ class LayerSignals(ABC):
             if not free:
                 raise TransferError(f"signal counter {counter} still in use after {timeout:.3f} s "
                                     f"(released={self._released[counter]}, "
-                                    f"posted={int(self._posted[counter].sum())}/{self.num_layers})")
+                                    f"posted={self.num_layers - self._unposted[counter]}/{self.num_layers})")
             self._next = (counter + 1) % self.num_counters
             self._generation[counter] += 1
             self._reset_counter(counter)
-            self._posted[counter] = False
+            self._posted[counter] = [False] * self.num_layers
+            self._unposted[counter] = self.num_layers
             self._released[counter] = False
             self._errors[counter] = None
             self.status[counter] = 0
@@ -165,7 +169,7 @@ class LayerSignals(ABC):
         """Release OS/CUDA resources."""
 
     def _is_free(self, counter: int) -> bool:
-        return self._released[counter] and bool(self._posted[counter].all())
+        return self._released[counter] and not self._unposted[counter]
 
     def _mark_posted(self, handle: SignalHandle, layers: Iterable[int]) -> list[int]:
         """Under the lock: the layers of `handle` not yet posted, now marked posted (none if the handle is stale)."""
@@ -173,7 +177,9 @@ class LayerSignals(ABC):
             return []
         row = self._posted[handle.counter_id]
         fresh = [layer for layer in layers if not row[layer]]
-        row[fresh] = True
+        for layer in fresh:
+            row[layer] = True
+        self._unposted[handle.counter_id] -= len(fresh)
         self._cond.notify_all()
         return fresh
 
@@ -201,7 +207,7 @@ class LayerSignals(ABC):
     def _wait_posted(self, handle: SignalHandle, layer: int, deadline: float) -> bool:
         """Host wait until the producer posted (CUDA modes: issued) `layer` of `handle`."""
         with self._cond:
-            return self._cond.wait_for(lambda: bool(self._posted[handle.counter_id, layer]),
+            return self._cond.wait_for(lambda: self._posted[handle.counter_id][layer],
                                        max(0.0, deadline - time.monotonic()))
 
     def _gpu_wait(self, handle: SignalHandle, layer: int, stream: int) -> None:
