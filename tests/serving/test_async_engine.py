@@ -10,13 +10,13 @@ import torch
 
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
-from layerflow.serving.async_engine import POLICIES, AsyncEngine
+from layerflow.serving.async_engine import CHAIN_ENV, POLICIES, AsyncEngine
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
 from tests.faults import FaultyThreadCopyEngine
-from tests.serving.helpers import (MODEL, TOL, WAIT_S, HeldEngine, config, sequential_scores, visits,
-                                   wait_until)
+from tests.serving.helpers import (MODEL, TOL, WAIT_S, FailingCollect, HeldEngine, config, sequential_scores,
+                                   visits, wait_until)
 
 
 def close_to(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -81,27 +81,29 @@ def test_concurrent_submitters_get_the_sequential_scores_in_batches_of_distinct_
     assert all(len({r.user_id for r in b}) == len(b) for b in batches)
 
 
+@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy):
+def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy, chain):
     """A pool for about 5 of the 12 users: most returns are host hits, onboarded under each policy's batching."""
     requests = visits(seed=4, users=list(range(12)), rounds=4)
     expected = sequential_scores(weights, requests)
     with HeldEngine(weights, config(serve_max_batch_size=4, gpu_pages=16)) as engine, \
-            AsyncEngine(engine, policy=policy) as serving:
+            AsyncEngine(engine, policy=policy, chain=chain) as serving:
         served = [f.result(WAIT_S) for f in [serving.submit(r) for r in requests]]
         assert engine.kv.gpu.num_pinned == 0
     assert sum(s.tier is Tier.HOST for s in served) >= 24
     assert all(close_to(s.scores, e) for s, e in zip(served, expected))
 
 
+@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_one_users_queued_requests_are_served_in_arrival_order_each_seeing_the_last(weights, policy):
+def test_one_users_queued_requests_are_served_in_arrival_order_each_seeing_the_last(weights, policy, chain):
     requests = [Request(7, [i, i + 1], [i + 2, 3]) for i in range(10)]
     others = visits(seed=2, users=[1, 2], rounds=5)
     stream = [r for pair in zip(requests, others) for r in pair]
     expected = sequential_scores(weights, stream)
     with HeldEngine(weights, config(serve_max_batch_size=8)) as engine, \
-            AsyncEngine(engine, policy=policy) as serving:
+            AsyncEngine(engine, policy=policy, chain=chain) as serving:
         engine.launch_gate.close()
         futures = [serving.submit(r) for r in stream]
         assert engine.launch_gate.entered.wait(WAIT_S)
@@ -377,10 +379,10 @@ class FailingPrepare(HeldEngine):
 
     failing: set[int] = set()
 
-    def prepare(self, requests):
+    def prepare(self, requests, chain=False):
         if any(r.user_id in self.failing for r in requests):
             raise RuntimeError("injected prepare failure")
-        return super().prepare(requests)
+        return super().prepare(requests, chain)
 
 
 def test_a_batch_that_fails_to_prepare_behind_one_in_flight_is_retried_alone_after_it(weights):
@@ -392,3 +394,60 @@ def test_a_batch_that_fails_to_prepare_behind_one_in_flight_is_retried_alone_aft
         assert futures[1].result(WAIT_S).batch_size == 1
         assert serving.metrics.failed_batches._value.get() == 1
         assert [[r.user_id for r in b] for b in engine.launched] == [[99], [3]]
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_chaining_prepares_a_users_next_request_behind_its_batch_in_flight(weights, chain):
+    first, second = Request(5, [1, 2], [3]), Request(5, [4], [5, 6])
+    with HeldEngine(weights, config()) as engine, AsyncEngine(engine, chain=chain) as serving:
+        engine.score([history(5, 40)])
+        engine.launch_gate.close()
+        engine.collect_gate.close()
+        futures = [serving.submit(first)]
+        assert engine.launch_gate.entered.wait(WAIT_S)
+        futures.append(serving.submit(second))
+        wait_until(lambda: len(serving.queue) == 1, "the second request queued")
+        engine.launch_gate.open()
+        assert engine.collect_gate.entered.wait(WAIT_S)    # the first is in flight, the scheduler at its collect
+        prepared = serving._prepared
+        assert (prepared is not None) == chain
+        if chain:
+            assert prepared.batch[0].request is second and prepared.plan.batch.cached_lens == [42]
+        engine.collect_gate.open()
+        scores = [f.result(WAIT_S).scores for f in futures]
+        assert engine.kv.gpu.num_pinned == 0
+    expected = sequential_scores(weights, [history(5, 40), first, second])[1:]
+    assert all(close_to(s, e) for s, e in zip(scores, expected))
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_failed_batch_in_flight_takes_the_batch_chained_on_it_back_to_the_queue_behind_its_retries(weights, chain):
+    with FailingCollect(weights, config(serve_max_batch_size=3)) as engine, \
+            AsyncEngine(engine, chain=chain) as serving:
+        on_host(engine, {1: 40})                    # user 1 onboards, users 2 and 3 are GPU hits
+        engine.score([history(2, 40)])
+        engine.score([history(3, 40)])
+        setup = len(engine.launched)
+        engine.failing = {1}
+        requests = [Request(u, [u], [u + 1]) for u in (1, 2, 3)] + [Request(2, [7], [8])]
+        futures = behind_a_blocker(engine, serving, requests)
+        with pytest.raises(TransferError, match="injected failure found at the collect"):
+            futures[0].result(WAIT_S)
+        scores = [f.result(WAIT_S).scores for f in futures[1:]]
+        assert [[r.user_id for r in b] for b in engine.launched[setup + 1:]] == [[1, 2, 3], [1], [2], [3], [2]]
+        # [1, 2, 3] behind the blocker, and with chaining user 2's next request behind [1, 2, 3] (then aborted)
+        assert serving.metrics.prefetched._value.get() == 1 + chain
+        assert engine.kv.gpu.num_pinned == 0
+    expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(2, [2], [3]),
+                                           Request(3, [3], [4]), Request(2, [7], [8])])
+    assert all(close_to(s, e) for s, e in zip(scores, expected[3:]))
+
+
+def test_the_chain_mode_comes_from_the_environment_and_a_bad_one_is_refused(weights, monkeypatch):
+    with Engine(weights, config()) as engine:
+        monkeypatch.setenv(CHAIN_ENV, "on")
+        with AsyncEngine(engine) as serving:
+            assert serving.chain
+        monkeypatch.setenv(CHAIN_ENV, "yes")
+        with pytest.raises(ValueError, match="LAYERFLOW_SERVE_CHAIN='yes'"):
+            AsyncEngine(engine)
