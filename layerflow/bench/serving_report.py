@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -25,8 +26,9 @@ def _errors(run: dict) -> str:
 
 
 def _policy(run: dict) -> str:
-    """The run's policy, and its copy path where runs compare them."""
-    return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "")
+    """The run's policy, "chained" with chaining on, and its copy path where runs compare them."""
+    return (run["policy"] + (" chained" if run.get("chain") else "")
+            + (f" / {run['copy_path']}" if "copy_path" in run else ""))
 
 
 PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")
@@ -103,6 +105,10 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
             f"GB/s bulk = {copy} req/s; GPU: batches of {b['full_batch']} GPU hits = "
             f"{b['gpu_rate']:.1f} req/s). GPU-hit batch ms by size: {gpu_ms}. Busy fractions are estimates from "
             f"these measured figures, not hardware counters.")
+    unloaded = results.get("unloaded")
+    if unloaded:
+        foot += (f" Unloaded ({unloaded['requests']} requests one at a time): p50 {unloaded['p50_ms']:.2f} ms, "
+                 f"p99 {unloaded['p99_ms']:.2f} ms.")
     scheduler = ("Scheduler thread, share of each run's wall time per phase (host clock; see "
                  "layerflow/bench/serving_timeline.py for the phases):")
     lines = [head, "", *rows, "", foot, "", scheduler, "", *scheduler_table(results["runs"])]
@@ -118,7 +124,8 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
 def to_dict(settings: ServingSettings, results: dict, device: torch.device) -> dict:
     """The results JSON: command line, environment, settings, calibration, bound, every run and the table."""
     return {**results_header(device), "settings": settings.to_dict(),
-            "calibration": results["calibration"].to_dict(), "bound": results["bound"], "runs": results["runs"],
+            "calibration": results["calibration"].to_dict(), "bound": results["bound"],
+            "unloaded": results.get("unloaded"), "runs": results["runs"],
             "table": markdown(settings, results, device_name(device))}
 
 
@@ -136,10 +143,10 @@ def plot(settings: ServingSettings, results: dict, device: torch.device, path: P
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for transport in settings.transports:
-        for policy in settings.policies:
+        for policy, chain in itertools.product(settings.policies, settings.chains):
             runs = [r for r in results["runs"] if r["transport"] == transport and r["policy"] == policy
-                    and r["p50_ms"] is not None]
-            label = f"{transport}, policy {policy}"
+                    and r["chain"] == chain and r["p50_ms"] is not None]
+            label = f"{transport}, policy {policy}{' chained' if chain else ''}"
             rates = [r["offered_rate"] for r in runs]
             color = ax.plot(rates, [r["p50_ms"] for r in runs], marker="o", label=f"{label}: p50")[0].get_color()
             ax.plot(rates, [r["p99_ms"] for r in runs], marker="x", linestyle="--", color=color, label=f"{label}: p99")

@@ -9,6 +9,7 @@ import torch
 from layerflow.bench.cli import main, serving_settings_from_args
 from layerflow.bench.serving import Calibration, ServingSettings, bound, run_serving, summarize
 from layerflow.bench.serving_load import Record
+from layerflow.bench.serving_report import markdown
 from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.throughput import ThroughputSettings
 from layerflow.cli import build_parser
@@ -53,6 +54,8 @@ def test_bad_serving_settings_are_refused():
         ServingSettings(workload(), (1.0,), policies=("eager",))
     with pytest.raises(ValueError, match="gpu_users=2 < batch_size=4"):
         ServingSettings(workload(batch_size=4), (1.0,))
+    with pytest.raises(ValueError, match="chains=\\('on',\\)"):
+        ServingSettings(workload(), (1.0,), chains=("on",))
 
 
 def test_the_scheduler_timeline_counts_each_step_once_within_the_wall_time():
@@ -121,3 +124,13 @@ def test_every_policy_serves_the_whole_stream_on_one_engine_and_its_engine_phase
         assert 0 < phases["prepare.onboard"] < phases["prepare"] <= prepared
         assert 0 < phases["launch"] <= steps["launch"]["s"] * 1e3
         assert sum(r["scheduler"]["user_runs"].values()) == r["tiers"]["host"]   # a placement per host hit
+
+
+def test_chaining_off_and_on_alternate_in_blocks_and_serve_the_whole_stream_after_the_unloaded_requests():
+    settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
+                               ("inprocess",), policies=("mixed",), chains=(False, True), blocks=2, unloaded=6)
+    data = run_serving(settings, CPU)
+    assert data["unloaded"]["requests"] == 6 and 0 < data["unloaded"]["p50_ms"] <= data["unloaded"]["p99_ms"]
+    assert [(r["block"], r["chain"]) for r in data["runs"]] == [(0, False), (0, True), (1, False), (1, True)]
+    assert all(r["answered"] == 12 and not r["errors"] for r in data["runs"])
+    assert "mixed chained" in markdown(settings, data, "cpu")
