@@ -3,11 +3,10 @@
 Returning users with Zipf popularity, more of them than the GPU pool holds, arrive open-loop (Poisson) at each
 offered rate; the same arrivals go through the AsyncEngine in process and through the HTTP server with a real aiohttp
 client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off, mixed,
-guarded, free), each with chaining off and/or on (`chains`: the batch prepared ahead may hold users of the batch
-in flight), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
+guarded, free), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
-Every (policy, chaining, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
+Every (policy, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
 drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
 (layerflow.transfer.cuda_copy.CopyPath), its copy engine timing each transfer's issue on the host
 (layerflow.bench.serving_issue).
@@ -57,8 +56,8 @@ class ServingSettings:
     """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
     rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, whether
     each run also sums the engine's host time per phase (layerflow.bench.phases), the copy paths compared (CopyPath
-    names, CUDA only; empty: the engine's own path, untimed), how many alternated blocks repeat every run and the
-    chaining modes compared (AsyncEngine's `chain`); `unloaded`: how many requests of the stream are first served
+    names, CUDA only; empty: the engine's own path, untimed), and how many alternated blocks repeat every run;
+    `unloaded`: how many requests of the stream are first served
     one at a time (each sent once the last was answered) for the unloaded latency (0: none)."""
 
     workload: ThroughputSettings
@@ -69,7 +68,6 @@ class ServingSettings:
     profile: bool = False
     copy_paths: tuple[str, ...] = ()
     blocks: int = 1
-    chains: tuple[bool, ...] = (False,)
     unloaded: int = 0
 
     def __post_init__(self) -> None:
@@ -84,8 +82,6 @@ class ServingSettings:
             raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
-        if not self.chains or any(not isinstance(c, bool) for c in self.chains):
-            raise ValueError(f"chains={self.chains!r}: expected some of (False, True)")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
             raise ValueError(f"unloaded={self.unloaded!r}: must be an integer >= 0")
         if not self.max_wait_ms >= 0:
@@ -99,7 +95,7 @@ class ServingSettings:
                                             else self.workload.signal.value}
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
-                "copy_paths": list(self.copy_paths), "blocks": self.blocks, "chains": list(self.chains),
+                "copy_paths": list(self.copy_paths), "blocks": self.blocks,
                 "unloaded": self.unloaded}
 
 
@@ -203,7 +199,7 @@ def serving_config(settings: ServingSettings) -> Config:
 def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
     path = f", copy path {run['copy_path']}" if "copy_path" in run else ""
-    print(f"policy {run['policy']}{', chained' if run['chain'] else ''}{path}, {run['transport']}, {run['offered_rate']:g}/s: "
+    print(f"policy {run['policy']}{path}, {run['transport']}, {run['offered_rate']:g}/s: "
           f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
           f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
 
@@ -219,7 +215,7 @@ def unloaded_latency(engine: Engine, requests: list[Request]) -> dict:
 
 
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (block, policy, chaining, copy path, transport, rate) run on one engine, its users loaded first; the
+    """Every (block, policy, copy path, transport, rate) run on one engine, its users loaded first; the
     calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are truncated back after each run (the
     engine is idle then)."""
     workload = settings.workload
@@ -240,10 +236,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
         timer = PhaseTimer() if settings.profile else None
         if timer is not None:
             timer.attach(engine)
-        for block, policy, chain in itertools.product(range(settings.blocks), settings.policies, settings.chains):
-            if chain and policy == "off" and False in settings.chains:
-                continue   # nothing is prepared ahead, so nothing is chained: the same run as unchained "off"
-            serving = TimedAsyncEngine(engine, policy=policy, chain=chain)
+        for block, policy in itertools.product(range(settings.blocks), settings.policies):
+            serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
@@ -257,7 +251,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
                         else in_process(serving, arrivals)
-                    extra = {"chain": chain, "block": block}
+                    extra = {"block": block}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
                     if copies is not None:

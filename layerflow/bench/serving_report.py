@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -26,9 +25,8 @@ def _errors(run: dict) -> str:
 
 
 def _policy(run: dict) -> str:
-    """The run's policy, "chained" with chaining on, and its copy path where runs compare them."""
-    return (run["policy"] + (" chained" if run.get("chain") else "")
-            + (f" / {run['copy_path']}" if "copy_path" in run else ""))
+    """The run's policy, and its copy path where runs compare them."""
+    return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "")
 
 
 PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")
@@ -143,10 +141,10 @@ def plot(settings: ServingSettings, results: dict, device: torch.device, path: P
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for transport in settings.transports:
-        for policy, chain in itertools.product(settings.policies, settings.chains):
+        for policy in settings.policies:
             runs = [r for r in results["runs"] if r["transport"] == transport and r["policy"] == policy
-                    and r["chain"] == chain and r["p50_ms"] is not None]
-            label = f"{transport}, policy {policy}{' chained' if chain else ''}"
+                    and r["p50_ms"] is not None]
+            label = f"{transport}, policy {policy}"
             rates = [r["offered_rate"] for r in runs]
             color = ax.plot(rates, [r["p50_ms"] for r in runs], marker="o", label=f"{label}: p50")[0].get_color()
             ax.plot(rates, [r["p99_ms"] for r in runs], marker="x", linestyle="--", color=color, label=f"{label}: p99")

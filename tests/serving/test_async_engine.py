@@ -10,7 +10,7 @@ import torch
 
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
-from layerflow.serving.async_engine import CHAIN_ENV, POLICIES, AsyncEngine
+from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
@@ -81,29 +81,27 @@ def test_concurrent_submitters_get_the_sequential_scores_in_batches_of_distinct_
     assert all(len({r.user_id for r in b}) == len(b) for b in batches)
 
 
-@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy, chain):
+def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy):
     """A pool for about 5 of the 12 users: most returns are host hits, onboarded under each policy's batching."""
     requests = visits(seed=4, users=list(range(12)), rounds=4)
     expected = sequential_scores(weights, requests)
     with HeldEngine(weights, config(serve_max_batch_size=4, gpu_pages=16)) as engine, \
-            AsyncEngine(engine, policy=policy, chain=chain) as serving:
+            AsyncEngine(engine, policy=policy) as serving:
         served = [f.result(WAIT_S) for f in [serving.submit(r) for r in requests]]
         assert engine.kv.gpu.num_pinned == 0
     assert sum(s.tier is Tier.HOST for s in served) >= 24
     assert all(close_to(s.scores, e) for s, e in zip(served, expected))
 
 
-@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_one_users_queued_requests_are_served_in_arrival_order_each_seeing_the_last(weights, policy, chain):
+def test_one_users_queued_requests_are_served_in_arrival_order_each_seeing_the_last(weights, policy):
     requests = [Request(7, [i, i + 1], [i + 2, 3]) for i in range(10)]
     others = visits(seed=2, users=[1, 2], rounds=5)
     stream = [r for pair in zip(requests, others) for r in pair]
     expected = sequential_scores(weights, stream)
     with HeldEngine(weights, config(serve_max_batch_size=8)) as engine, \
-            AsyncEngine(engine, policy=policy, chain=chain) as serving:
+            AsyncEngine(engine, policy=policy) as serving:
         engine.launch_gate.close()
         futures = [serving.submit(r) for r in stream]
         assert engine.launch_gate.entered.wait(WAIT_S)
@@ -178,9 +176,9 @@ def test_prefetch_starts_the_next_batchs_onboarding_before_the_current_one_is_co
 
 
 def test_mixed_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weights):
-    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight "mixed" prepares [2, 3] ahead, then 1's next
-    request runs behind it (per-user order)."""
-    batches, ahead = [[1], [2, 3], [1]], 2
+    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight "mixed" prepares [2, 3] ahead, with 1's next
+    request chained on [1]'s appended history (per-user order)."""
+    batches, ahead = [[1], [2, 3, 1]], 1
     with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, \
             AsyncEngine(engine, policy="mixed") as serving:
         on_host(engine, {1: 40, 2: 40})
@@ -396,10 +394,9 @@ def test_a_batch_that_fails_to_prepare_behind_one_in_flight_is_retried_alone_aft
         assert [[r.user_id for r in b] for b in engine.launched] == [[99], [3]]
 
 
-@pytest.mark.parametrize("chain", [False, True])
-def test_chaining_prepares_a_users_next_request_behind_its_batch_in_flight(weights, chain):
+def test_chaining_prepares_a_users_next_request_behind_its_batch_in_flight(weights):
     first, second = Request(5, [1, 2], [3]), Request(5, [4], [5, 6])
-    with HeldEngine(weights, config()) as engine, AsyncEngine(engine, chain=chain) as serving:
+    with HeldEngine(weights, config()) as engine, AsyncEngine(engine) as serving:
         engine.score([history(5, 40)])
         engine.launch_gate.close()
         engine.collect_gate.close()
@@ -410,9 +407,7 @@ def test_chaining_prepares_a_users_next_request_behind_its_batch_in_flight(weigh
         engine.launch_gate.open()
         assert engine.collect_gate.entered.wait(WAIT_S)    # the first is in flight, the scheduler at its collect
         prepared = serving._prepared
-        assert (prepared is not None) == chain
-        if chain:
-            assert prepared.batch[0].request is second and prepared.plan.batch.cached_lens == [42]
+        assert prepared.batch[0].request is second and prepared.plan.batch.cached_lens == [42]
         engine.collect_gate.open()
         scores = [f.result(WAIT_S).scores for f in futures]
         assert engine.kv.gpu.num_pinned == 0
@@ -420,10 +415,9 @@ def test_chaining_prepares_a_users_next_request_behind_its_batch_in_flight(weigh
     assert all(close_to(s, e) for s, e in zip(scores, expected))
 
 
-@pytest.mark.parametrize("chain", [False, True])
-def test_a_failed_batch_in_flight_takes_the_batch_chained_on_it_back_to_the_queue_behind_its_retries(weights, chain):
+def test_a_failed_batch_in_flight_takes_the_batch_chained_on_it_back_to_the_queue_behind_its_retries(weights):
     with FailingCollect(weights, config(serve_max_batch_size=3)) as engine, \
-            AsyncEngine(engine, chain=chain) as serving:
+            AsyncEngine(engine) as serving:
         on_host(engine, {1: 40})                    # user 1 onboards, users 2 and 3 are GPU hits
         engine.score([history(2, 40)])
         engine.score([history(3, 40)])
@@ -435,19 +429,9 @@ def test_a_failed_batch_in_flight_takes_the_batch_chained_on_it_back_to_the_queu
             futures[0].result(WAIT_S)
         scores = [f.result(WAIT_S).scores for f in futures[1:]]
         assert [[r.user_id for r in b] for b in engine.launched[setup + 1:]] == [[1, 2, 3], [1], [2], [3], [2]]
-        # [1, 2, 3] behind the blocker, and with chaining user 2's next request behind [1, 2, 3] (then aborted)
-        assert serving.metrics.prefetched._value.get() == 1 + chain
+        # [1, 2, 3] behind the blocker, and user 2's next request chained behind [1, 2, 3] (then aborted)
+        assert serving.metrics.prefetched._value.get() == 2
         assert engine.kv.gpu.num_pinned == 0
     expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(2, [2], [3]),
                                            Request(3, [3], [4]), Request(2, [7], [8])])
     assert all(close_to(s, e) for s, e in zip(scores, expected[3:]))
-
-
-def test_the_chain_mode_comes_from_the_environment_and_a_bad_one_is_refused(weights, monkeypatch):
-    with Engine(weights, config()) as engine:
-        monkeypatch.setenv(CHAIN_ENV, "on")
-        with AsyncEngine(engine) as serving:
-            assert serving.chain
-        monkeypatch.setenv(CHAIN_ENV, "yes")
-        with pytest.raises(ValueError, match="LAYERFLOW_SERVE_CHAIN='yes'"):
-            AsyncEngine(engine)
