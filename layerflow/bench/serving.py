@@ -3,7 +3,7 @@
 Returning users with Zipf popularity, more of them than the GPU pool holds, arrive open-loop (Poisson) at each
 offered rate; the same arrivals go through the AsyncEngine in process and through the HTTP server with a real aiohttp
 client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off, mixed,
-guarded, free), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
+guarded), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
 Every (policy, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow

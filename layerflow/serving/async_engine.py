@@ -10,9 +10,9 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   copies run while N computes. N+1 is launched once N is collected. If the GPU pool cannot hold N+1 beside N
   (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at most one batch is
   prepared ahead, and only when the pool holds it.
-- The other policies (the constructor's `policy`; "off": none; docs/serving.md has their figures): "guarded" and
-  "free" prepare ahead as "mixed" does, but the batch prepared ahead evicts no resident user of the next two
-  batches' requests, or none at all (serving.guard).
+- The other policies (the constructor's `policy`; "off": none; docs/serving.md has their figures): "guarded"
+  prepares ahead as "mixed" does, but the batch prepared ahead evicts no resident user of the next two batches'
+  requests (serving.guard).
   A user's requests are served in arrival order under every policy.
 - Chaining: the batch prepared ahead may hold a user of the batch in flight, built on the history that batch
   recorded at its launch, so a hot user's next request need not skip a batch (on the H200 it lifted every prefetch
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
 POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
-POLICIES = ("off", "mixed", "guarded", "free")   # prefetch across batches (module docstring)
+POLICIES = ("off", "mixed", "guarded")   # prefetch across batches (module docstring)
 
 
 @dataclass(frozen=True)

@@ -225,11 +225,11 @@ def test_a_prefetch_the_pool_cannot_hold_waits_for_the_collect(weights):
     assert close_to(a.scores, expected[2]) and close_to(b.scores, expected[3])
 
 
-@pytest.mark.parametrize("policy, kept, prefetched", [("mixed", {4}, 1), ("guarded", {3}, 1), ("free", {3, 4}, 0)])
+@pytest.mark.parametrize("policy, kept, prefetched", [("mixed", {4}, 1), ("guarded", {3}, 1)])
 def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(weights, policy, kept, prefetched):
     """27 pages, 7 a user: users 3 and 4 are resident (3 least recently used), 1 and 2 on the host. While [1] is in
     flight, [2] is prepared ahead and needs one of them evicted: "mixed" takes the LRU one, 3, though 3's request is
-    the next batch; "guarded" keeps 3 and takes 4; "free" keeps both, so [2] waits for [1]'s collect."""
+    the next batch; "guarded" keeps 3 and takes 4."""
     with HeldEngine(weights, config(gpu_pages=27, serve_max_batch_size=1)) as engine, \
             AsyncEngine(engine, policy=policy) as serving:
         on_host(engine, {1: 100, 2: 100})

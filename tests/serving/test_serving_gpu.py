@@ -25,7 +25,7 @@ CONFIG = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.05, page_size=32, transfer_time
                 serve_deadline_ms=0.0)
 
 
-@pytest.mark.parametrize("policies", [("mixed",), ("off",), ("guarded", "free")], ids="+".join)
+@pytest.mark.parametrize("policies", [("mixed",), ("off",), ("guarded",)], ids="+".join)
 def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies):
     """Each policy in turn serves every user's visits (from the host) on one engine; histories grow across them."""
     weights = HSTUWeights.init(FP32, seed=0)
