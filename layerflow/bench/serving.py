@@ -2,7 +2,7 @@
 
 Returning users with Zipf popularity, more of them than the GPU pool holds, arrive open-loop (Poisson) at each
 offered rate; the same arrivals go through the AsyncEngine in process and through the HTTP server with a real aiohttp
-client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off, mixed,
+client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off and
 guarded), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
@@ -64,7 +64,7 @@ class ServingSettings:
     rates: tuple[float, ...]
     transports: tuple[str, ...] = TRANSPORTS
     max_wait_ms: float = 2.0
-    policies: tuple[str, ...] = ("off", "mixed")
+    policies: tuple[str, ...] = ("off", "guarded")
     profile: bool = False
     copy_paths: tuple[str, ...] = ()
     blocks: int = 1

@@ -27,7 +27,7 @@ WAIT_S = 20.0   # how long a test waits for something that must happen (it fails
 
 
 def config(gpu_pages: int = 200, **overrides) -> Config:
-    """Small pools; prefetch on (policy "mixed" for an AsyncEngine given no policy), whose rules most tests check."""
+    """Small pools; prefetch on (policy "guarded" for an AsyncEngine given no policy), whose rules most tests check."""
     values = dict(cpu_cache_gb=400 * PAGE_GB, gpu_cache_gb=gpu_pages * PAGE_GB, page_size=PAGE,
                   transfer_timeout_s=5.0, serve_deadline_ms=0.0, serve_max_wait_ms=1.0, serve_prefetch=True)
     values.update(overrides)

@@ -175,12 +175,12 @@ def test_prefetch_starts_the_next_batchs_onboarding_before_the_current_one_is_co
         assert serving.metrics.prefetched._value.get() == (1 if prefetch else 0)
 
 
-def test_mixed_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weights):
-    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight "mixed" prepares [2, 3] ahead, with 1's next
-    request chained on [1]'s appended history (per-user order)."""
+def test_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weights):
+    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight the prefetch prepares [2, 3] ahead, with 1's
+    next request chained on [1]'s appended history (per-user order)."""
     batches, ahead = [[1], [2, 3, 1]], 1
     with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, \
-            AsyncEngine(engine, policy="mixed") as serving:
+            AsyncEngine(engine) as serving:
         on_host(engine, {1: 40, 2: 40})
         engine.score([history(3, 40)])
         engine.kv.wait_offloads()
@@ -225,13 +225,12 @@ def test_a_prefetch_the_pool_cannot_hold_waits_for_the_collect(weights):
     assert close_to(a.scores, expected[2]) and close_to(b.scores, expected[3])
 
 
-@pytest.mark.parametrize("policy, kept, prefetched", [("mixed", {4}, 1), ("guarded", {3}, 1)])
-def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(weights, policy, kept, prefetched):
+def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(weights):
     """27 pages, 7 a user: users 3 and 4 are resident (3 least recently used), 1 and 2 on the host. While [1] is in
-    flight, [2] is prepared ahead and needs one of them evicted: "mixed" takes the LRU one, 3, though 3's request is
-    the next batch; "guarded" keeps 3 and takes 4."""
+    flight, [2] is prepared ahead and needs one of them evicted: LRU would take 3, though 3's request is the next
+    batch; the guard keeps 3 and takes 4, so 3 is then a GPU hit."""
     with HeldEngine(weights, config(gpu_pages=27, serve_max_batch_size=1)) as engine, \
-            AsyncEngine(engine, policy=policy) as serving:
+            AsyncEngine(engine) as serving:
         on_host(engine, {1: 100, 2: 100})
         for user in (3, 4):
             engine.score([history(user, 100)])
@@ -244,13 +243,13 @@ def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(
         wait_until(lambda: len(serving.queue) == 2, "both requests queued")
         engine.launch_gate.open()
         assert engine.collect_gate.entered.wait(WAIT_S)   # [1] in flight, its prefetch done or deferred
-        assert {u for u in (3, 4) if u in engine.kv.gpu} == kept
-        assert serving.metrics.prefetched._value.get() == prefetched
-        assert serving.metrics.prefetch_deferred._value.get() == 1 - prefetched
+        assert {u for u in (3, 4) if u in engine.kv.gpu} == {3}
+        assert serving.metrics.prefetched._value.get() == 1
+        assert serving.metrics.prefetch_deferred._value.get() == 0
         engine.collect_gate.open()
         results = [f.result(WAIT_S) for f in [first, *later]]
         assert engine.kv.gpu.num_pinned == 0
-    assert results[2].tier is (Tier.GPU if policy == "guarded" else Tier.HOST)
+    assert results[2].tier is Tier.GPU
     expected = sequential_scores(weights, [history(1, 100), history(2, 100), history(3, 100), history(4, 100),
                                            Request(1, [3], [4]), Request(2, [5], [6]), Request(3, [7], [8])],
                                  gpu_pages=27)
