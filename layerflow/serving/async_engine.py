@@ -86,7 +86,6 @@ class AsyncEngine:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
-        self.policy = policy
         self.prefetch = policy != "off"
         self.default_deadline_s = config.serve_deadline_ms / 1e3 if config.serve_deadline_ms > 0 else None
         max_batch = min(config.serve_max_batch_size, max(b.max_batch for b in engine.buckets))
