@@ -54,7 +54,7 @@ class Config:
     serve_max_wait_ms: float = 2.0
     serve_max_queue: int = 1024
     serve_deadline_ms: float = 1000.0
-    serve_prefetch: bool = False
+    serve_prefetch: bool = True
     # The remote KV tier shared between hosts (docs/redis.md); off while remote_url is None.
     remote_url: str | None = None
     remote_password_file: str | None = None

@@ -2,12 +2,14 @@
 
 Returning users with Zipf popularity, more of them than the GPU pool holds, arrive open-loop (Poisson) at each
 offered rate; the same arrivals go through the AsyncEngine in process and through the HTTP server with a real aiohttp
-client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off, mixed,
-guarded, free), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
+client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: prefetch across batches off and
+guarded), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
-With `copy_paths` every run is repeated per copy path (layerflow.transfer.cuda_copy.CopyPath) on the same engine, in
-`blocks` alternated blocks, its copy engine timing each transfer's issue on the host (layerflow.bench.serving_issue).
+Every (policy, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
+drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
+(layerflow.transfer.cuda_copy.CopyPath), its copy engine timing each transfer's issue on the host
+(layerflow.bench.serving_issue).
 
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
@@ -40,7 +42,8 @@ from layerflow.config import Config
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
 from layerflow.runtime.engine import Engine
-from layerflow.serving.async_engine import POLICIES
+from layerflow.runtime.request import Request
+from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.cuda_copy import CopyPath
@@ -53,16 +56,19 @@ class ServingSettings:
     """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
     rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, whether
     each run also sums the engine's host time per phase (layerflow.bench.phases), the copy paths compared (CopyPath
-    names, CUDA only; empty: the engine's own path, untimed) and how many alternated blocks repeat every run."""
+    names, CUDA only; empty: the engine's own path, untimed), and how many alternated blocks repeat every run;
+    `unloaded`: how many requests of the stream are first served
+    one at a time (each sent once the last was answered) for the unloaded latency (0: none)."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
     transports: tuple[str, ...] = TRANSPORTS
     max_wait_ms: float = 2.0
-    policies: tuple[str, ...] = ("off", "mixed")
+    policies: tuple[str, ...] = ("off", "guarded")
     profile: bool = False
     copy_paths: tuple[str, ...] = ()
     blocks: int = 1
+    unloaded: int = 0
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -76,6 +82,8 @@ class ServingSettings:
             raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
+        if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
+            raise ValueError(f"unloaded={self.unloaded!r}: must be an integer >= 0")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms={self.max_wait_ms!r}: must be >= 0")
         if self.workload.gpu_users < self.workload.batch_size:
@@ -87,7 +95,8 @@ class ServingSettings:
                                             else self.workload.signal.value}
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
-                "copy_paths": list(self.copy_paths), "blocks": self.blocks}
+                "copy_paths": list(self.copy_paths), "blocks": self.blocks,
+                "unloaded": self.unloaded}
 
 
 GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
@@ -195,10 +204,20 @@ def _progress(run: dict) -> None:
           f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
 
 
+def unloaded_latency(engine: Engine, requests: list[Request]) -> dict:
+    """Each request served alone through an AsyncEngine (policy "off"), sent once the last was answered: the
+    latency of a request that finds the server idle (it still waits `serve_max_wait_ms` for company)."""
+    with AsyncEngine(engine, policy="off") as serving:
+        served = [serving.submit(r).result() for r in requests]
+    latencies = [s.latency_ms for s in served]
+    return {"requests": len(served), "p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99),
+            "tiers": dict(Counter(s.tier.value for s in served))}
+
+
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (policy, block, copy path, transport, rate) run on one engine, its users loaded first; the calibration
-    (measured on it before the runs) and the bound. Histories are truncated back after each run (the engine is idle
-    then)."""
+    """Every (block, policy, copy path, transport, rate) run on one engine, its users loaded first; the
+    calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are truncated back after each run (the
+    engine is idle then)."""
     workload = settings.workload
     weights = HSTUWeights.init(PRESETS[workload.preset], seed=workload.seed)
     rng = random.Random(workload.seed + 1)
@@ -208,16 +227,21 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
     with stream_engine(workload, weights, serving_config(settings), device, copy_engine=copies) as engine:
         load_users(engine, workload, visits, rng)
         calibration = calibrate(engine, workload, visits, device)
+        unloaded = None
+        if settings.unloaded:
+            users = [u for _, u in stream(replace(workload, num_requests=settings.unloaded))]
+            unloaded = unloaded_latency(engine, [visits[u] for u in users])
+            for u in visits:
+                engine.kv.truncate(u, workload.history_len)
         timer = PhaseTimer() if settings.profile else None
         if timer is not None:
             timer.attach(engine)
-        for policy in settings.policies:
+        for block, policy in itertools.product(range(settings.blocks), settings.policies):
             serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
-                for block, path, transport, rate in itertools.product(range(settings.blocks),
-                                                                      settings.copy_paths or (None,),
-                                                                      settings.transports, settings.rates):
+                for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
+                                                               settings.rates):
                     arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
                     serving.reset()
                     if copies is not None:
@@ -227,9 +251,11 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
                         else in_process(serving, arrivals)
-                    extra = {} if timer is None else {"engine_phases_ms": timer.stop()}
+                    extra = {"block": block}
+                    if timer is not None:
+                        extra["engine_phases_ms"] = timer.stop()
                     if copies is not None:
-                        extra |= {"copy_path": path, "block": block, "issue": summarize_issue(copies.records)}
+                        extra |= {"copy_path": path, "issue": summarize_issue(copies.records)}
                     runs.append(summarize(records, rate, transport, policy, engine.layout, calibration)
                                 | {"scheduler": serving.timeline()} | extra)
                     _progress(runs[-1])
@@ -239,4 +265,5 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                 if server is not None:
                     server.close()
                 serving.close()
-    return {"calibration": calibration, "runs": runs, "bound": bound(runs, calibration, workload.batch_size)}
+    return {"calibration": calibration, "runs": runs, "bound": bound(runs, calibration, workload.batch_size),
+            "unloaded": unloaded}

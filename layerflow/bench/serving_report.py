@@ -103,6 +103,10 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
             f"GB/s bulk = {copy} req/s; GPU: batches of {b['full_batch']} GPU hits = "
             f"{b['gpu_rate']:.1f} req/s). GPU-hit batch ms by size: {gpu_ms}. Busy fractions are estimates from "
             f"these measured figures, not hardware counters.")
+    unloaded = results.get("unloaded")
+    if unloaded:
+        foot += (f" Unloaded ({unloaded['requests']} requests one at a time): p50 {unloaded['p50_ms']:.2f} ms, "
+                 f"p99 {unloaded['p99_ms']:.2f} ms.")
     scheduler = ("Scheduler thread, share of each run's wall time per phase (host clock; see "
                  "layerflow/bench/serving_timeline.py for the phases):")
     lines = [head, "", *rows, "", foot, "", scheduler, "", *scheduler_table(results["runs"])]
@@ -118,7 +122,8 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
 def to_dict(settings: ServingSettings, results: dict, device: torch.device) -> dict:
     """The results JSON: command line, environment, settings, calibration, bound, every run and the table."""
     return {**results_header(device), "settings": settings.to_dict(),
-            "calibration": results["calibration"].to_dict(), "bound": results["bound"], "runs": results["runs"],
+            "calibration": results["calibration"].to_dict(), "bound": results["bound"],
+            "unloaded": results.get("unloaded"), "runs": results["runs"],
             "table": markdown(settings, results, device_name(device))}
 
 

@@ -227,18 +227,17 @@ class Engine:
     def _score(self, requests: list[Request]) -> list[torch.Tensor]:
         return self.collect(self.launch(self.prepare(requests)))
 
-    def prepare(self, requests: list[Request]) -> BatchPlan:
+    def prepare(self, requests: list[Request], chain: bool = False) -> BatchPlan:
         """Place the batch's KV on the GPU and start its onboarding (ValueError for a bad request, PoolExhausted for a
-        batch the GPU cannot hold now; nothing changes then). Its users must not be in a batch in flight."""
+        batch the GPU cannot hold now; nothing changes then). Its users must not be in another batch not collected yet
+        (ValueError), unless `chain` and that batch is in flight: this one then builds on the history the flight
+        recorded and is aborted if the flight fails (runtime/chains.py; `cancel`, or `launch` raising ChainAborted,
+        then gives its slab back)."""
         with self._cond:
             self._check_open()
             if self._flight is None and self._failover is not None:
                 self._failover.check(self.kv)
-            if self._flight is not None:
-                busy = {r.user_id for r in self._flight.plan.requests} & {r.user_id for r in requests}
-                if busy:
-                    raise ValueError(f"users {sorted(busy)} are in the batch in flight; prepare them after it")
-            return self.kv.prepare(requests)
+            return self.kv.prepare(requests, chain)
 
     def launch(self, plan: BatchPlan) -> Flight:
         """Run a prepared batch on the device (waiting for the batch in flight to be collected first)."""
@@ -246,6 +245,7 @@ class Engine:
             self._cond.wait_for(lambda: self._flight is None)
             try:
                 self._check_open()
+                self.kv.chains.check_launch(plan)
                 flight = self._launch(plan)
             except BaseException:
                 self.kv.abort(plan)

@@ -4,7 +4,8 @@ The manager owns the GPU's side (histories, page pool, pins, LRU, the batch plan
 A batch pins its users, allocates GPU pages for their history after the append, starts ONE onboarding for all its
 host, SSD and remote hits (one signal counter; under a window only the pages read) and, after the launch, offloads
 the pages it wrote. LRU eviction takes only users whose offload finished. A user gone from every tier is a miss,
-recomputed once from its stored history; one only a shared tier holds is adopted with its manifest's history.
+recomputed once from its stored history; one only a shared tier holds is adopted with its manifest's history. A batch
+may be prepared on top of a launched one's uncommitted history (runtime/chains.py: its abort aborts them too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from layerflow.model.batch import BatchShape, JaggedBatch, check_lengths
 from layerflow.model.config import HSTUConfig
+from layerflow.runtime.chains import PlanChains
 from layerflow.runtime.history import EmbeddingHistory, History, ItemHistory
+from layerflow.runtime.quarantine import Quarantine
 from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
@@ -57,6 +60,7 @@ class BatchPlan:
     onboarding: Onboarding | None = None
     recorded: dict[int, int] = field(default_factory=dict)   # batch index -> history length before this batch
     first_pages: dict[int, int] = field(default_factory=dict)   # batch index -> first GPU page onboarded
+    aborted: bool = False
 
     @property
     def handle(self) -> SignalHandle | None:
@@ -75,8 +79,8 @@ class KVManager:
         self.reap_after_launch = reap_after_launch
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
-        self._quarantine: list[tuple[Onboarding, list[tuple]]] = []   # pages a failed onboarding may still write
-        self._quarantined = 0
+        self.quarantine = Quarantine(gpu)
+        self.chains = PlanChains()
 
     def tier(self, user: int) -> Tier:
         entry = self.users.get(user)
@@ -121,8 +125,10 @@ class KVManager:
 
     # ---- a batch ------------------------------------------------------------------------------
 
-    def prepare(self, requests: list[Request]) -> BatchPlan:
+    def prepare(self, requests: list[Request], chain: bool = False) -> BatchPlan:
         """Validate the batch, place every user on the GPU and launch the onboarding; nothing changes on error.
+        `chain`: a user of a launched batch not committed yet may be in it (its history as that batch recorded it);
+        else such a user is a ValueError, as one of a batch not launched yet always is (runtime/chains.py).
 
         The onboarding is issued before the batch is packed, so the first layer's copy starts as early as possible:
         what must be refused before any page moves (a request of the wrong kind, a batch past max_seq_len) is checked
@@ -132,9 +138,10 @@ class KVManager:
         if len(set(users)) != len(users):
             dup = next(u for u in users if users.count(u) > 1)
             raise ValueError(f"user {dup} appears twice in one batch")
+        parents = self.chains.parents(users, lambda plan: bool(plan.recorded), chain)
         if not self.reap_after_launch or any(u not in self.gpu for u in users):
             self._reap_offloads()
-        self._reap_quarantine()
+        self.quarantine.reap()
         tiers = [self._tier_for(r) for r in requests]
         cached, appended = self._query_tokens(requests, tiers)
         plan = BatchPlan(requests, None, tiers, [], appended)
@@ -165,6 +172,7 @@ class KVManager:
         except BaseException:
             self.abort(plan)
             raise
+        self.chains.open(plan, parents)
         return plan
 
     def _query_tokens(self, requests: list, tiers: list[Tier]) -> tuple[list[int], list]:
@@ -227,6 +235,7 @@ class KVManager:
             plan.onboarding = None
         for r in plan.requests:
             self.gpu.unpin(r.user_id)
+        self.chains.close(plan)
 
     def abort(self, plan: BatchPlan) -> None:
         """The block failed: users whose pages were being filled lose them (they are no longer resident), users
@@ -234,7 +243,14 @@ class KVManager:
         its copy below (its offload may have written pages the failed onboarding left unfilled): it is recomputed.
 
         A producer that has not answered (a hung transfer server) may still write the onboarded users' pages: those
-        pages are quarantined, never reused until the producer is done, so they can never corrupt another user's KV."""
+        pages are quarantined, never reused until the producer is done, so they can never corrupt another user's KV.
+        The batches chained on this one are aborted first (their pins and pages go back before these users'); a
+        second abort of a plan does nothing."""
+        if plan.aborted:
+            return
+        plan.aborted = True
+        for dependent in self.chains.close(plan):
+            self.abort(dependent)
         fenced = True
         if plan.onboarding is not None:
             onboarding, plan.onboarding = plan.onboarding, None
@@ -243,7 +259,7 @@ class KVManager:
         for r in plan.requests:
             self.gpu.unpin(r.user_id)
         if not fenced:
-            self._quarantine.append((onboarding, [self._quarantine_pages(u) for u in onboarded if u in self.gpu]))
+            self.quarantine.hold(onboarding, onboarded)
             log.warning("onboarding of users %s did not end; their GPU pages stay out of use until it does", onboarded)
         for b, (r, tier) in enumerate(zip(plan.requests, plan.tiers)):
             if tier is not Tier.GPU:
@@ -359,27 +375,10 @@ class KVManager:
             settle(self.users[waitable].offload)
             self._reap_offloads()
 
-    def _quarantine_pages(self, user: int) -> tuple:
-        """Move `user`'s GPU pages to a pinned owner of their own; the user no longer holds any."""
-        self._quarantined += 1
-        key = ("quarantine", self._quarantined)
-        self.gpu.rename(user, key)
-        self.gpu.pin(key)
-        return key
-
-    def _reap_quarantine(self) -> None:
-        """Give quarantined pages back once their producer is done with them."""
-        for entry in [e for e in self._quarantine if e[0].fenced()]:
-            self._quarantine.remove(entry)
-            for key in entry[1]:
-                self.gpu.unpin(key)
-                self.gpu.free(key)
-            log.info("a stalled onboarding ended; %d users' GPU pages are free again", len(entry[1]))
-
     @property
     def quarantined_pages(self) -> int:
         """GPU pages held back from failed onboardings whose producer has not ended yet."""
-        return sum(len(self.gpu.pages(key)) for _, keys in self._quarantine for key in keys)
+        return self.quarantine.pages
 
     def _offload(self, user: int, entry: UserEntry, pages: tuple[int, ...]) -> None:
         """Copy the pages this batch wrote down to the tier below (asynchronously)."""

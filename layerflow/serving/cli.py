@@ -17,9 +17,9 @@ from layerflow.serving.async_engine import AsyncEngine
 from layerflow.serving.server import ServingServer
 
 DESCRIPTION = ("Serve candidate scores over HTTP: POST /v1/score {user_id, items, candidates[, deadline_ms]}, "
-               "GET /healthz, GET /metrics (Prometheus). Requests are batched, each user's in arrival order; with "
-               "--prefetch the next batch's KV is onboarded while the current one computes. SIGTERM/SIGINT drain the "
-               "queue, finish the offloads and exit.")
+               "GET /healthz, GET /metrics (Prometheus). Requests are batched, each user's in arrival order; the "
+               "next batch's KV is onboarded while the current one computes (unless --no-prefetch). SIGTERM/SIGINT "
+               "drain the queue, finish the offloads and exit.")
 READY = "layerflow serve: listening on"
 
 # Flags that override a config key of the serving layer: flag dest -> config key.
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline-ms", type=float, help="default request deadline, 0 = none "
                                                           "(config: serve_deadline_ms)")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
-                        help="prepare the next batch while one computes (config: serve_prefetch)")
+                        help="prepare the next batch while one computes (config: serve_prefetch, default on)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
 
 

@@ -1,8 +1,8 @@
 """The requests waiting to be batched: bounded, in arrival order, and the rule that picks the next batch from them.
 
 A batch takes the oldest queued requests in arrival order, at most one per user and only a user's oldest queued
-request, skipping users that are busy (in the batch in flight, or in a prepared one): so two requests of one user are
-served in arrival order, never share a batch, and the second is prepared only once the first was collected. A batch
+request, skipping users that are busy (the scheduler's choice: in a prepared batch, and in the batch in flight unless
+it chains): so two requests of one user are served in arrival order and never share a batch. A batch
 is capped in requests and in query tokens (appended items + candidates: the engine's largest graph bucket). With
 `wait`, `take` holds the batch back until it is full or its oldest request has waited `max_wait_s`.
 """

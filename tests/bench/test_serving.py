@@ -9,6 +9,7 @@ import torch
 from layerflow.bench.cli import main, serving_settings_from_args
 from layerflow.bench.serving import Calibration, ServingSettings, bound, run_serving, summarize
 from layerflow.bench.serving_load import Record
+from layerflow.bench.serving_report import markdown
 from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.throughput import ThroughputSettings
 from layerflow.cli import build_parser
@@ -100,7 +101,7 @@ def test_serve_command_on_cpu_runs_both_transports_with_prefetch_off_and_on(caps
     data = json.loads((tmp_path / "s.json").read_text())
     runs = data["runs"]
     assert [(r["policy"], r["prefetch"], r["transport"], r["offered_rate"]) for r in runs] == [
-        (p, p != "off", t, rate) for p in ("off", "mixed") for t in ("inprocess", "http") for rate in (200.0, 400.0)]
+        (p, p != "off", t, rate) for p in ("off", "guarded") for t in ("inprocess", "http") for rate in (200.0, 400.0)]
     assert all(r["answered"] == 8 and sum(r["tiers"].values()) == 8 and not r["errors"] for r in runs)
     assert data["environment"]["cpu_path"] is True and data["command"]
     assert data["settings"]["workload"]["num_users"] == 8
@@ -111,9 +112,9 @@ def test_serve_command_on_cpu_runs_both_transports_with_prefetch_off_and_on(caps
 
 def test_every_policy_serves_the_whole_stream_on_one_engine_and_its_engine_phases_are_summed():
     settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
-                               ("inprocess",), policies=("off", "mixed", "guarded"), profile=True)
+                               ("inprocess",), policies=("off", "guarded"), profile=True)
     data = run_serving(settings, CPU)
-    assert [r["policy"] for r in data["runs"]] == ["off", "mixed", "guarded"]
+    assert [r["policy"] for r in data["runs"]] == ["off", "guarded"]
     assert all(r["answered"] == 12 and not r["errors"] and r["tiers"].get("host", 0) > 0 for r in data["runs"])
     for r in data["runs"]:   # the engine's phases of the run's batches, each within the scheduler's own steps
         phases, steps = r["engine_phases_ms"], r["scheduler"]["phases"]
@@ -121,3 +122,13 @@ def test_every_policy_serves_the_whole_stream_on_one_engine_and_its_engine_phase
         assert 0 < phases["prepare.onboard"] < phases["prepare"] <= prepared
         assert 0 < phases["launch"] <= steps["launch"]["s"] * 1e3
         assert sum(r["scheduler"]["user_runs"].values()) == r["tiers"]["host"]   # a placement per host hit
+
+
+def test_policies_alternate_in_blocks_and_serve_the_whole_stream_after_the_unloaded_requests():
+    settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
+                               ("inprocess",), policies=("off", "guarded"), blocks=2, unloaded=6)
+    data = run_serving(settings, CPU)
+    assert data["unloaded"]["requests"] == 6 and 0 < data["unloaded"]["p50_ms"] <= data["unloaded"]["p99_ms"]
+    assert [(r["block"], r["policy"]) for r in data["runs"]] == [(0, "off"), (0, "guarded"), (1, "off"), (1, "guarded")]
+    assert all(r["answered"] == 12 and not r["errors"] for r in data["runs"])
+    assert "p99 " in markdown(settings, data, "cpu").split("Unloaded")[1]

@@ -1,5 +1,6 @@
 """What the serving tests share: a tiny model, engines with small pools, sequential reference scores, and an Engine
-whose launch and collect a test can hold at their entry (to stop the scheduler at a known step)."""
+whose launch and collect a test can hold at their entry (to stop the scheduler at a known step), and one whose
+collect of chosen users' batches fails."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from layerflow.model import HSTUConfig, HSTUWeights
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
 from layerflow.tier.layout import KVLayout
+from layerflow.transfer.errors import TransferError
 
 MODEL = HSTUConfig(num_layers=2, num_heads=2, dqk=16, dv=16, embedding_dim=32, max_seq_len=1024,
                    dtype=torch.float32, item_vocab_size=500, position_table_size=1024)
@@ -25,7 +27,7 @@ WAIT_S = 20.0   # how long a test waits for something that must happen (it fails
 
 
 def config(gpu_pages: int = 200, **overrides) -> Config:
-    """Small pools; prefetch on (policy "mixed" for an AsyncEngine given no policy), whose rules most tests check."""
+    """Small pools; prefetch on (policy "guarded" for an AsyncEngine given no policy), whose rules most tests check."""
     values = dict(cpu_cache_gb=400 * PAGE_GB, gpu_cache_gb=gpu_pages * PAGE_GB, page_size=PAGE,
                   transfer_timeout_s=5.0, serve_deadline_ms=0.0, serve_max_wait_ms=1.0, serve_prefetch=True)
     values.update(overrides)
@@ -97,3 +99,23 @@ def sequential_scores(weights: HSTUWeights, requests: list[Request], **overrides
     """Each request scored alone by a fresh Engine, in list order (the per-user order the server must keep)."""
     with Engine(weights, config(**overrides)) as engine:
         return [engine.score([r])[0] for r in requests]
+
+
+class FailedCheck:
+    """Stands in for a flight's layer wait at its collect: reports a transfer failure, as a captured graph's wait
+    does only after the block (on the CPU path the eager block would raise at the launch instead)."""
+
+    def check(self) -> None:
+        raise TransferError("injected failure found at the collect")
+
+
+class FailingCollect(HeldEngine):
+    """A HeldEngine whose collect of a batch holding a user of `failing` finds its transfer failed (the engine
+    rolls the batch back as for any failed batch)."""
+
+    failing: set[int] = set()
+
+    def collect(self, flight):
+        if any(r.user_id in self.failing for r in flight.plan.requests):
+            flight.wait = FailedCheck()
+        return super().collect(flight)

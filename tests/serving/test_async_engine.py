@@ -15,8 +15,8 @@ from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
 from tests.faults import FaultyThreadCopyEngine
-from tests.serving.helpers import (MODEL, TOL, WAIT_S, HeldEngine, config, sequential_scores, visits,
-                                   wait_until)
+from tests.serving.helpers import (MODEL, TOL, WAIT_S, FailingCollect, HeldEngine, config, sequential_scores,
+                                   visits, wait_until)
 
 
 def close_to(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -175,12 +175,12 @@ def test_prefetch_starts_the_next_batchs_onboarding_before_the_current_one_is_co
         assert serving.metrics.prefetched._value.get() == (1 if prefetch else 0)
 
 
-def test_mixed_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weights):
-    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight "mixed" prepares [2, 3] ahead, then 1's next
-    request runs behind it (per-user order)."""
-    batches, ahead = [[1], [2, 3], [1]], 2
+def test_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weights):
+    """Users 1 and 2 on the host, 3 on the GPU. While [1] is in flight the prefetch prepares [2, 3] ahead, with 1's
+    next request chained on [1]'s appended history (per-user order)."""
+    batches, ahead = [[1], [2, 3, 1]], 1
     with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, \
-            AsyncEngine(engine, policy="mixed") as serving:
+            AsyncEngine(engine) as serving:
         on_host(engine, {1: 40, 2: 40})
         engine.score([history(3, 40)])
         engine.kv.wait_offloads()
@@ -225,13 +225,12 @@ def test_a_prefetch_the_pool_cannot_hold_waits_for_the_collect(weights):
     assert close_to(a.scores, expected[2]) and close_to(b.scores, expected[3])
 
 
-@pytest.mark.parametrize("policy, kept, prefetched", [("mixed", {4}, 1), ("guarded", {3}, 1), ("free", {3, 4}, 0)])
-def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(weights, policy, kept, prefetched):
+def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(weights):
     """27 pages, 7 a user: users 3 and 4 are resident (3 least recently used), 1 and 2 on the host. While [1] is in
-    flight, [2] is prepared ahead and needs one of them evicted: "mixed" takes the LRU one, 3, though 3's request is
-    the next batch; "guarded" keeps 3 and takes 4; "free" keeps both, so [2] waits for [1]'s collect."""
+    flight, [2] is prepared ahead and needs one of them evicted: LRU would take 3, though 3's request is the next
+    batch; the guard keeps 3 and takes 4, so 3 is then a GPU hit."""
     with HeldEngine(weights, config(gpu_pages=27, serve_max_batch_size=1)) as engine, \
-            AsyncEngine(engine, policy=policy) as serving:
+            AsyncEngine(engine) as serving:
         on_host(engine, {1: 100, 2: 100})
         for user in (3, 4):
             engine.score([history(user, 100)])
@@ -244,13 +243,13 @@ def test_a_guarded_prefetch_evicts_no_resident_user_queued_for_the_next_batches(
         wait_until(lambda: len(serving.queue) == 2, "both requests queued")
         engine.launch_gate.open()
         assert engine.collect_gate.entered.wait(WAIT_S)   # [1] in flight, its prefetch done or deferred
-        assert {u for u in (3, 4) if u in engine.kv.gpu} == kept
-        assert serving.metrics.prefetched._value.get() == prefetched
-        assert serving.metrics.prefetch_deferred._value.get() == 1 - prefetched
+        assert {u for u in (3, 4) if u in engine.kv.gpu} == {3}
+        assert serving.metrics.prefetched._value.get() == 1
+        assert serving.metrics.prefetch_deferred._value.get() == 0
         engine.collect_gate.open()
         results = [f.result(WAIT_S) for f in [first, *later]]
         assert engine.kv.gpu.num_pinned == 0
-    assert results[2].tier is (Tier.GPU if policy == "guarded" else Tier.HOST)
+    assert results[2].tier is Tier.GPU
     expected = sequential_scores(weights, [history(1, 100), history(2, 100), history(3, 100), history(4, 100),
                                            Request(1, [3], [4]), Request(2, [5], [6]), Request(3, [7], [8])],
                                  gpu_pages=27)
@@ -377,10 +376,10 @@ class FailingPrepare(HeldEngine):
 
     failing: set[int] = set()
 
-    def prepare(self, requests):
+    def prepare(self, requests, chain=False):
         if any(r.user_id in self.failing for r in requests):
             raise RuntimeError("injected prepare failure")
-        return super().prepare(requests)
+        return super().prepare(requests, chain)
 
 
 def test_a_batch_that_fails_to_prepare_behind_one_in_flight_is_retried_alone_after_it(weights):
@@ -392,3 +391,46 @@ def test_a_batch_that_fails_to_prepare_behind_one_in_flight_is_retried_alone_aft
         assert futures[1].result(WAIT_S).batch_size == 1
         assert serving.metrics.failed_batches._value.get() == 1
         assert [[r.user_id for r in b] for b in engine.launched] == [[99], [3]]
+
+
+def test_chaining_prepares_a_users_next_request_behind_its_batch_in_flight(weights):
+    first, second = Request(5, [1, 2], [3]), Request(5, [4], [5, 6])
+    with HeldEngine(weights, config()) as engine, AsyncEngine(engine) as serving:
+        engine.score([history(5, 40)])
+        engine.launch_gate.close()
+        engine.collect_gate.close()
+        futures = [serving.submit(first)]
+        assert engine.launch_gate.entered.wait(WAIT_S)
+        futures.append(serving.submit(second))
+        wait_until(lambda: len(serving.queue) == 1, "the second request queued")
+        engine.launch_gate.open()
+        assert engine.collect_gate.entered.wait(WAIT_S)    # the first is in flight, the scheduler at its collect
+        prepared = serving._prepared
+        assert prepared.batch[0].request is second and prepared.plan.batch.cached_lens == [42]
+        engine.collect_gate.open()
+        scores = [f.result(WAIT_S).scores for f in futures]
+        assert engine.kv.gpu.num_pinned == 0
+    expected = sequential_scores(weights, [history(5, 40), first, second])[1:]
+    assert all(close_to(s, e) for s, e in zip(scores, expected))
+
+
+def test_a_failed_batch_in_flight_takes_the_batch_chained_on_it_back_to_the_queue_behind_its_retries(weights):
+    with FailingCollect(weights, config(serve_max_batch_size=3)) as engine, \
+            AsyncEngine(engine) as serving:
+        on_host(engine, {1: 40})                    # user 1 onboards, users 2 and 3 are GPU hits
+        engine.score([history(2, 40)])
+        engine.score([history(3, 40)])
+        setup = len(engine.launched)
+        engine.failing = {1}
+        requests = [Request(u, [u], [u + 1]) for u in (1, 2, 3)] + [Request(2, [7], [8])]
+        futures = behind_a_blocker(engine, serving, requests)
+        with pytest.raises(TransferError, match="injected failure found at the collect"):
+            futures[0].result(WAIT_S)
+        scores = [f.result(WAIT_S).scores for f in futures[1:]]
+        assert [[r.user_id for r in b] for b in engine.launched[setup + 1:]] == [[1, 2, 3], [1], [2], [3], [2]]
+        # [1, 2, 3] behind the blocker, and user 2's next request chained behind [1, 2, 3] (then aborted)
+        assert serving.metrics.prefetched._value.get() == 2
+        assert engine.kv.gpu.num_pinned == 0
+    expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(2, [2], [3]),
+                                           Request(3, [3], [4]), Request(2, [7], [8])])
+    assert all(close_to(s, e) for s, e in zip(scores, expected[3:]))

@@ -1,5 +1,6 @@
 """The serving layer on the H200: batches prepared while another computes (their KV onboarded under CUDA graphs with
-layer waits, beside the batch in flight) score like a full recompute, under every prefetch policy."""
+layer waits, beside the batch in flight) score like a full recompute, prefetch off and on (chained on the batch in
+flight); a chained batch scores bitwise as if prepared after the collect of the batch it was chained on."""
 
 import random
 
@@ -19,8 +20,12 @@ FP32 = HSTUConfig(num_layers=4, num_heads=2, dqk=128, dv=128, embedding_dim=256,
                   dtype=torch.float32, item_vocab_size=5000, position_table_size=4096)
 
 
-@pytest.mark.parametrize("policies", [("mixed",), ("off",), ("guarded", "free")],
-                         ids="+".join)
+# ~200 pages of 32 tokens: about four users fit, so most visits are host hits onboarded while a batch computes.
+CONFIG = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.05, page_size=32, transfer_timeout_s=5.0, serve_max_batch_size=2,
+                serve_deadline_ms=0.0)
+
+
+@pytest.mark.parametrize("policies", [("off",), ("guarded",)], ids="+".join)
 def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies):
     """Each policy in turn serves every user's visits (from the host) on one engine; histories grow across them."""
     weights = HSTUWeights.init(FP32, seed=0)
@@ -28,10 +33,7 @@ def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies):
     histories = {u: [rng.randrange(5000) for _ in range(rng.randrange(600, 1500))] for u in range(8)}
     visits = [Request(u, [rng.randrange(5000) for _ in range(5)], [rng.randrange(5000) for _ in range(20)])
               for _ in range(3) for u in histories]
-    # ~200 pages of 32 tokens: about four users fit, so most visits are host hits onboarded while a batch computes.
-    config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.05, page_size=32, transfer_timeout_s=5.0,
-                    serve_max_batch_size=2, serve_deadline_ms=0.0)
-    with Engine(weights, config, token_buckets=(64, 256), batch_buckets=(1, 2)) as engine:
+    with Engine(weights, CONFIG, token_buckets=(64, 256), batch_buckets=(1, 2)) as engine:
         engine.warmup()
         for u, h in histories.items():
             engine.score([Request(u, h, [])])
@@ -50,3 +52,32 @@ def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies):
                 histories[r.user_id] = histories[r.user_id] + r.items
                 ref = full_forward(weights, [histories[r.user_id]], [r.candidates]).scores
                 assert torch.allclose(served.scores, ref, rtol=2e-3, atol=2e-3), (policy, r.user_id)
+
+
+def test_a_batch_chained_on_the_one_in_flight_scores_bitwise_as_if_prepared_after_its_collect():
+    """User 0 in both batches (a GPU hit, then chained on its appended tokens), user 1 onboarded from the host."""
+    weights = HSTUWeights.init(FP32, seed=1)
+    rng = random.Random(1)
+    histories = {u: [rng.randrange(5000) for _ in range(900)] for u in range(3)}
+
+    def visit(user: int) -> Request:
+        return Request(user, [rng.randrange(5000) for _ in range(5)], [rng.randrange(5000) for _ in range(20)])
+
+    first, second = [visit(0), visit(1)], [visit(0), visit(2)]
+    scores = []
+    for chain in (True, False):
+        with Engine(weights, CONFIG, token_buckets=(64, 256), batch_buckets=(1, 2)) as engine:
+            engine.warmup()
+            for u, h in histories.items():
+                engine.score([Request(u, h, [])])
+            engine.kv.wait_offloads()
+            engine.kv.evict_from_gpu(1)
+            if chain:
+                flight = engine.launch(engine.prepare(first))
+                plan = engine.prepare(second, chain=True)
+                assert plan.tiers[0] is Tier.GPU and plan.batch.cached_lens[0] == 905
+                scores.append(engine.collect(flight) + engine.collect(engine.launch(plan)))
+            else:
+                scores.append(engine.score(first) + engine.score(second))
+            assert engine.kv.gpu.num_pinned == 0
+    assert all(torch.equal(c, a) for c, a in zip(*scores))
