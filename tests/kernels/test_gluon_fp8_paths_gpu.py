@@ -103,7 +103,7 @@ def test_the_rows_split_table_and_self_tiles_last_match_reference_and_tl(monkeyp
     kv_append(batch.k, batch.v, batch.kv_cache, *batch.lengths, kv_dtype=E4M3)
     attn = PagedAttention(1, 512, batch.page_table.shape[1], H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5,
                           MAX_SEQ_LEN, kv_dtype=E4M3, kernel="gluon")
-    assert attn.split_rule == "rows" and attn.gluon.tiling.self_last and attn.gluon.tiling.decode == decode
+    assert attn.split_rule == "rows" and attn.gluon.tiling.decode == decode
     attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(batch.q))
     real_blocks = -(-(64 + candidates) // attn.block_m)
     assert attn.active_splits.tolist() == [int(attn.split_table[real_blocks])]
