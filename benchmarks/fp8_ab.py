@@ -4,9 +4,10 @@
 included, each variant's CUDA graph timed in turn) for bf16 Gluon's default, the fp8 kernel's defaults, its other
 paths and ablations of the defaults (benchmarks/fp8_ablation.py: timing only, wrong numbers). `engine`: GPU hits
 (benchmarks/gpu_hit_ab.py's request: hstu-bench, 64 appended + 256 candidates, one exact token bucket) of a bf16
-engine beside fp8 engines on the defaults and on the split refill, with their scores against the bf16 engine's. A
-variant's fp8 paths are LAYERFLOW_FP8_* settings in force while its attention or engine is built (that is when
-gluon_fp8.default_fp8_tiling reads them). `--warm NAME` builds one variant (compiling its kernels) and times nothing.
+engine beside an fp8 engine on the defaults (`--variants` names others), with their scores against the bf16
+engine's. A variant's fp8 paths are LAYERFLOW_FP8_* settings in force while its attention or engine is built (that
+is when gluon_fp8.default_fp8_tiling reads them). `--warm NAME` builds one variant (compiling its kernels) and times
+nothing.
 
     python3 benchmarks/fp8_ab.py attention --shapes 16K/256,2K/256 --out attention.json
     python3 benchmarks/fp8_ab.py engine --seq-lens 16K,2K --out engine.json
@@ -35,12 +36,12 @@ from benchmarks.kernels import Case, graph_of, median_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, SILU_ENV, SPLIT_REFILL_ENV  # noqa: E402
+from layerflow.kernels.gluon_fp8 import DECODE_ENV, SILU_ENV  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-SETTINGS = (DECODE_ENV, SILU_ENV, SPLIT_REFILL_ENV)
+SETTINGS = (DECODE_ENV, SILU_ENV)
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,11 @@ class Variant:
 VARIANTS = {
     "bf16": Variant(False),
     "fp8 main": Variant(True),
-    "fp8 split": Variant(True, ((SPLIT_REFILL_ENV, "1"),)),
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 split", "fp8 cvt", *(f"fp8 {name}" for name in ABLATIONS))
-ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 split")
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 cvt", *(f"fp8 {name}" for name in ABLATIONS))
+ENGINE_VARIANTS = ("bf16", "fp8 main")
 BASES = ("fp8 main", "fp8 cvt")      # what every fp8 row's output is compared with
 
 

@@ -29,9 +29,6 @@ quantiser writes.
 The split count and the self tiles as in the bf16 kernel: it reads the "rows" rule's table (layerflow.kernels.splits:
 the count of the launch's real query blocks, so a bucket larger than the batch still fills whole waves) and the
 candidates' self tiles are dealt with the history and run by the last split (gluon_tiles._balanced_range).
-How the one-slot loader refills its code slot (Fp8Tiling.split_refill, else $LAYERFLOW_FP8_SPLIT_REFILL, off by
-default until the H200 shows it): off, tile t + 1's K and V codes once tile t is decoded; on, K's once tile t's K is
-decoded (they land while V is decoded) and V's once V is, each half in its own copy group. The same bits either way.
 """
 
 from __future__ import annotations
@@ -75,8 +72,6 @@ DECODE_ENV = "LAYERFLOW_FP8_DECODE"
 # against 948.3 at 16K (393.3 against 415.1 at 2K).
 DEFAULT_DECODE = "cvt"
 BF16_DECODE = "bits"
-SPLIT_REFILL_ENV = "LAYERFLOW_FP8_SPLIT_REFILL"
-DEFAULT_SPLIT_REFILL = False
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 # The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
@@ -100,8 +95,8 @@ class Fp8Tiling:
     while the loader waits for a free bf16 slot, which lets 64-key tiles fit beside a 128 x 256 query block), how the
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
     each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
-    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
-    (DECODES) and whether the one-slot loader refills K's and V's codes separately (`split_refill`)."""
+    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles) and how the loader decodes
+    (DECODES)."""
 
     block_n: int = 32
     stages: int = 2
@@ -113,7 +108,6 @@ class Fp8Tiling:
     silu: str = DEFAULT_SILU
     unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
     decode: str = DEFAULT_DECODE
-    split_refill: bool = DEFAULT_SPLIT_REFILL
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -137,13 +131,12 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
                        dtype: torch.dtype | None = None) -> Fp8Tiling:
     """64-key tiles: in four code slots at D <= 128, at D=256 in WIDE_CODE_STAGES[block_m] where those fit beside
     the query block (the "async" scale copy, the "decode" scale site), else 32-key tiles in four; the scale copy,
-    scale site, SiLU, whole-tile mask, decode and refill of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE,
-    $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE and the flags (0 or 1) $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES,
-    $LAYERFLOW_FP8_SPLIT_REFILL (one code slot only; elsewhere ignored), else the defaults: the
-    "async" scale copy where `page_size` is a multiple of 4 (None: assumed to), else "load"; SILU_AT_M64 with 64-key
-    tiles beside 64-row blocks at D=256, else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps beside 64-row blocks;
-    BF16_DECODE for a bf16 model (`dtype`), else DEFAULT_DECODE (the "bits" decode writes bf16 tiles only; None:
-    the model's dtype not known)."""
+    scale site, SiLU, whole-tile mask and decode of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE,
+    $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE and the flag (0 or 1) $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES, else the
+    defaults: the "async" scale copy where `page_size` is a multiple of 4 (None: assumed to), else "load";
+    SILU_AT_M64 with 64-key tiles beside 64-row blocks at D=256, else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps
+    beside 64-row blocks; BF16_DECODE for a bf16 model (`dtype`), else DEFAULT_DECODE (the "bits" decode writes bf16
+    tiles only; None: the model's dtype not known)."""
     copy = DEFAULT_SCALE_COPY if page_size is None or page_size % 4 == 0 else "load"
     tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
                        scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
@@ -152,9 +145,7 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
                        unmasked_whole_tiles=_env_flag(WHOLE_TILES_ENV, DEFAULT_UNMASKED_WHOLE_TILES),
                        decode=_env_choice(DECODE_ENV, DECODES,
                                           BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE))
-    code_stages = WIDE_CODE_STAGES.get(block_m, 4)
-    split_refill = _env_flag(SPLIT_REFILL_ENV, DEFAULT_SPLIT_REFILL)
-    wide = replace(tiling, block_n=64, code_stages=code_stages, split_refill=split_refill and code_stages == 1)
+    wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
     if head_dim > 128 and fp8_tiling_reason(wide) is None and \
             fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
         tiling = wide
@@ -190,11 +181,8 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: scale_site must be one of {SCALE_SITES} (field or ${SCALE_SITE_ENV})"
     if tiling.silu not in SILUS:
         return f"{tiling}: silu must be one of {SILUS} (field or ${SILU_ENV})"
-    for name, env in (("unmasked_whole_tiles", WHOLE_TILES_ENV), ("split_refill", SPLIT_REFILL_ENV)):
-        if not isinstance(getattr(tiling, name), bool):
-            return f"{tiling}: {name} must be a bool (field, or ${env} 0 or 1)"
-    if tiling.split_refill and tiling.code_stages != 1:
-        return f"{tiling}: split_refill is the one-slot loader's (code_stages 1)"
+    if not isinstance(tiling.unmasked_whole_tiles, bool):
+        return f"{tiling}: unmasked_whole_tiles must be a bool (field, or ${WHOLE_TILES_ENV} 0 or 1)"
     if tiling.decode not in DECODES:
         return f"{tiling}: decode must be one of {DECODES} (field or ${DECODE_ENV})"
     return None
@@ -233,7 +221,7 @@ def _gluon_fp8_kernel(
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
     DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, DECODE_BITS: gl.constexpr,
-    SPLIT_REFILL: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -306,8 +294,7 @@ def _gluon_fp8_kernel(
             (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
                                       v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
                                       scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
-                                      SPLIT_REFILL)),
+                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([
@@ -354,8 +341,7 @@ class GluonFp8Attention(GluonLauncher):
                                 FILL_ROWS=fill_rows(t.block_n, D, t.producer_warps),
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
                                 DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
-                                WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits",
-                                SPLIT_REFILL=t.split_refill, num_warps=num_warps)
+                                WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits", num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,

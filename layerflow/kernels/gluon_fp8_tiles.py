@@ -1,7 +1,7 @@
 """The per-tile pieces of the fp8 Gluon attention kernel (layerflow.kernels.gluon_fp8): the code slots' layouts,
 the async copies of a tile's fp8 codes, its scale bytes, the decode of a landed tile into the dots' dtype (scaled, or
-the codes alone with their scales beside them; by the native conversion or by bit moves), the same for one half (K
-or V) of a tile, the code pipeline's prologue and step, and the two dots over a decoded tile."""
+the codes alone with their scales beside them; by the native conversion or by bit moves), the code pipeline's
+prologue and step, and the two dots over a decoded tile."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -45,26 +45,6 @@ def _issue_codes(k_codes, v_codes, k_words, v_words, tile, page, num_hist, lo, h
                                                    mask=key_ok)
             async_copy.async_copy_global_to_shared(
                 v_words, (word_at + ROWS * H * D).to(gl.pointer_type(gl.int32), bitcast=True), mask=key_ok)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _issue_half(codes, words, tile, page, num_hist, lo, hi, cache_h, scales_h, H: gl.constexpr, D: gl.constexpr,
-                PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, V_HALF: gl.constexpr,
-                layout: gl.constexpr):
-    """_issue_codes for one half of the page (V_HALF: the V codes and scale words, else K's) in its own copy group,
-    so a loader can refill K's slot while V's codes are still landing."""
-    if tile < num_hist:
-        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        n = lo + tile * BLOCK_N + rows
-        key_ok = n < hi
-        half_at = page.to(gl.int64) * (2 * ROWS * H * D) + (ROWS * H * D if V_HALF else 0)
-        ptrs = cache_h + (half_at + ((n % PAGE) * (H * D)).to(gl.int64))[:, None] + \
-            gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
-        async_copy.async_copy_global_to_shared(codes, ptrs, mask=key_ok[:, None])
-        word_at = scales_h + half_at + (n % PAGE - n % 4)
-        async_copy.async_copy_global_to_shared(words, word_at.to(gl.pointer_type(gl.int32), bitcast=True),
-                                               mask=key_ok)
     async_copy.commit_group()
 
 
@@ -194,38 +174,6 @@ def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_sca
             ones = gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(1, layout))
             k_dot_scales.store(ones)
             v_dot_scales.store(ones)
-
-
-@gluon.jit
-def _self_rows(src_ptr, src_stride, tile, c, num_hist, q_start, q_len, head, row0, D: gl.constexpr,
-               BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr, layout: gl.constexpr):
-    """Rows c * FILL_ROWS .. of self tile `tile` (past the history): the block's own rows of `src_ptr` (K or V),
-    zero past q_len."""
-    j = row0 + (tile - num_hist) * BLOCK_N + c * FILL_ROWS + gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
-    token = (q_start + j).to(gl.int64)[:, None]
-    head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
-    return gl.load(src_ptr + token * src_stride + head_cols, mask=(j < q_len)[:, None], other=0.0)
-
-
-@gluon.jit
-def _fill_half(dst, dot_scales, codes, words, tile, num_hist, src_ptr, src_stride, q_start, q_len, head, row0,
-               D: gl.constexpr, BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr, FP8: gl.constexpr,
-               DOT_SCALES: gl.constexpr, DECODE_BITS: gl.constexpr, layout: gl.constexpr):
-    """_fill_tile for one of K or V ("async" scale words): a history tile decoded from its landed code slot, a self
-    tile the block's own rows of `src_ptr`, zero past q_len; with DOT_SCALES its keys' scales into `dot_scales`."""
-    if tile < num_hist:
-        for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            _decode_rows(dst.slice(c * FILL_ROWS, FILL_ROWS), codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         words.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, True, DOT_SCALES, DECODE_BITS,
-                         layout)
-        if DOT_SCALES:
-            dot_scales.store(_row_scales(words, BLOCK_N, True, layout))
-    else:
-        for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            dst.slice(c * FILL_ROWS, FILL_ROWS).store(_self_rows(src_ptr, src_stride, tile, c, num_hist, q_start,
-                                                                 q_len, head, row0, D, BLOCK_N, FILL_ROWS, layout))
-        if DOT_SCALES:
-            dot_scales.store(gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(1, layout)))
 
 
 @gluon.jit

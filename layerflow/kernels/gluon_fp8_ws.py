@@ -1,15 +1,15 @@
 """The warp-specialised partitions of the fp8 Gluon attention kernel (layerflow.kernels.gluon_fp8): the block's
 warps run both dots of each decoded tile; a loader partition keeps the code pipeline going and decodes each landed
 tile into the next free bf16 slot of the ring, through a ring of code slots or (one code slot) refilling the one
-slot as soon as it is decoded (whole, or per K / V half). Slots change hands through two mbarriers each (ready:
-decoded; empty: the dots are done with it)."""
+slot as soon as it is decoded. Slots change hands through two mbarriers each (ready: decoded; empty: the dots are
+done with it)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
-from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _fill_half, _fill_tile, _issue_codes,
-                                              _issue_half, _start_codes, _tile_dots)
+from layerflow.kernels.gluon_fp8_tiles import (_advance_codes, _code_layout, _fill_tile, _issue_codes, _start_codes,
+                                              _tile_dots)
 from layerflow.kernels.gluon_tiles import _store_partial, _tile_pages, _whole_tiles
 
 
@@ -72,56 +72,26 @@ def _fp8_one_slot_producer(k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, 
                            v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
                            ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            FILL_ROWS: gl.constexpr, FP8: gl.constexpr, DOT_SCALES: gl.constexpr,
-                           DECODE_BITS: gl.constexpr, SPLIT_REFILL: gl.constexpr):
+                           DECODE_BITS: gl.constexpr):
     """Loader partition with one code slot (code_stages 1, "async" scale words): tile t + 1's codes are issued as
     soon as every loader thread has decoded tile t out of the slot (and signalled its bf16 slot), so they are in
-    flight while the loader waits for the next free bf16 slot. With SPLIT_REFILL, K and V travel in copy groups of
-    their own: tile t + 1's K codes are issued as soon as tile t's K is decoded, so they land while V is decoded, and
-    V's as soon as V is; a refill's HBM latency hides behind the other half's decode."""
+    flight while the loader waits for the next free bf16 slot."""
     layout: gl.constexpr = _code_layout(D, gl.num_warps())
     k_slot, v_slot, k_word_slot, v_word_slot = k_codes.index(0), v_codes.index(0), k_words.index(0), v_words.index(0)
-    if SPLIT_REFILL:
-        pages = _tile_pages(page_row, 0, lo, hi, PAGE, BLOCK_N, layout)
-        _issue_half(k_slot, k_word_slot, 0, pages, num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N,
-                    False, layout)
-        _issue_half(v_slot, v_word_slot, 0, pages, num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N,
-                    True, layout)
-    else:
-        _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, 0,
-                     _tile_pages(page_row, 0, lo, hi, PAGE, BLOCK_N, layout), num_hist, lo, hi, cache_h, scales_h, H,
-                     D, PAGE, ROWS, BLOCK_N, True, layout)
+    _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, 0, _tile_pages(page_row, 0, lo, hi, PAGE, BLOCK_N, layout),
+                 num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, True, layout)
     pages = _tile_pages(page_row, 1, lo, hi, PAGE, BLOCK_N, layout)
     for tile in range(num_tiles):
         slot = tile % STAGES
-        if SPLIT_REFILL:    # K's group is the older of the two in flight
-            async_copy.wait_group(1)
-        else:
-            async_copy.wait_group(0)
+        async_copy.wait_group(0)
         mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
         gl.thread_barrier()
-        if SPLIT_REFILL:
-            _fill_half(k_ring.index(slot), k_dot_scales.index(slot), k_slot, k_word_slot, tile, num_hist, k_ptr,
-                       k_stride, q_start, q_len, head, row0, D, BLOCK_N, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
-                       layout)
-            gl.thread_barrier()
-            _issue_half(k_slot, k_word_slot, tile + 1, pages, num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS,
-                        BLOCK_N, False, layout)
-            async_copy.wait_group(1)
-            gl.thread_barrier()
-            _fill_half(v_ring.index(slot), v_dot_scales.index(slot), v_slot, v_word_slot, tile, num_hist, v_ptr,
-                       v_stride, q_start, q_len, head, row0, D, BLOCK_N, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
-                       layout)
-        else:
-            _fill_tile(k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot), v_dot_scales.index(slot),
-                       k_slot, v_slot, k_word_slot, v_word_slot, tile, num_hist, k_ptr, v_ptr, k_stride, v_stride,
-                       q_start, q_len, head, row0, D, BLOCK_N, FILL_ROWS, FP8, True, DOT_SCALES, DECODE_BITS, layout)
+        _fill_tile(k_ring.index(slot), v_ring.index(slot), k_dot_scales.index(slot), v_dot_scales.index(slot), k_slot,
+                   v_slot, k_word_slot, v_word_slot, tile, num_hist, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len,
+                   head, row0, D, BLOCK_N, FILL_ROWS, FP8, True, DOT_SCALES, DECODE_BITS, layout)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(slot), count=1)
-        if SPLIT_REFILL:
-            _issue_half(v_slot, v_word_slot, tile + 1, pages, num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS,
-                        BLOCK_N, True, layout)
-        else:
-            _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, tile + 1, pages, num_hist, lo, hi, cache_h,
-                         scales_h, H, D, PAGE, ROWS, BLOCK_N, True, layout)
+        _issue_codes(k_slot, v_slot, k_word_slot, v_word_slot, tile + 1, pages, num_hist, lo, hi, cache_h, scales_h,
+                     H, D, PAGE, ROWS, BLOCK_N, True, layout)
         pages = _tile_pages(page_row, tile + 2, lo, hi, PAGE, BLOCK_N, layout)

@@ -3,14 +3,14 @@ batches with 0-history users for both formats, head dims and scale copies, BS=1 
 scales applied in the dots (bit for bit the decode's result), the tanh SiLU, unmasked whole tiles (bit for bit the
 masked result), 64-key tiles in one or two code slots (the defaults at D=256: 32-key tiles' result to fp32
 rounding), `auto` taking the kernel (with the "async" scale copy and those defaults), and one CUDA graph replayed
-across lengths (the bit-move decode and the split refill: also test_gluon_fp8_paths_gpu)."""
+across lengths (the bit-move decode: also test_gluon_fp8_paths_gpu)."""
 
 import pytest
 import torch
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
 from layerflow.kernels.gluon_attention import KERNEL_ENV
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, SPLIT_REFILL_ENV, Fp8Tiling, GluonFp8Attention
+from layerflow.kernels.gluon_fp8 import DECODE_ENV, Fp8Tiling, GluonFp8Attention
 from tests.kernels.cuda_graph import captured, replay_on
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch, quantised_batch
 
@@ -155,13 +155,10 @@ def test_auto_takes_the_fp8_kernel_with_64_key_tiles_at_d256_and_it_matches_refe
     check(fp8_batch([16384 + 64, 700], [64, 64], [candidates, 3], 256, E4M3), 256, E4M3)
 
 
-@pytest.mark.parametrize("paths", ["bits", "cvt", "bits:split"])
-def test_one_graph_replays_any_lengths_like_eager(monkeypatch, paths):
-    """Over the "rows" split table read on the device: the bit-move decode (the bf16 default), the conversion, and
-    the bit-move decode with the split refill."""
-    decode, _, refill = paths.partition(":")
+@pytest.mark.parametrize("decode", ["bits", "cvt"])
+def test_one_graph_replays_any_lengths_like_eager(monkeypatch, decode):
+    """Over the "rows" split table read on the device: the bit-move decode (the bf16 default) and the conversion."""
     monkeypatch.setenv(DECODE_ENV, decode)
-    monkeypatch.setenv(SPLIT_REFILL_ENV, str(int(refill == "split")))
     max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
     cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),
              ([0, 300], [0, 17], [256, 3])]
@@ -173,7 +170,7 @@ def test_one_graph_replays_any_lengths_like_eager(monkeypatch, paths):
 
     attn = PagedAttention(max_batch, max_tokens, max_pages, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5,
                           MAX_SEQ_LEN, kv_dtype=E4M3, kernel="gluon")
-    assert (attn.gluon.tiling.decode, attn.gluon.tiling.split_refill) == (decode, refill == "split")
+    assert attn.gluon.tiling.decode == decode
     static = batch_of(cases[0])
     static_out = torch.zeros_like(static.q)
     graph = captured(lambda: attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out))

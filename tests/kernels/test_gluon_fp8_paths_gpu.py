@@ -1,9 +1,6 @@
 """The fp8 Gluon kernel's paths on an H200: the bit-move decode against the native conversion for every code at
-every scale (bit for bit) and in the attention (bit for bit), the split refill against the whole refill (bit for
-bit), and the "rows" split table with the self tiles on the last split against the torch fp8 reference and the `tl`
-kernel's fp8 path."""
-
-from dataclasses import replace
+every scale (bit for bit) and in the attention (bit for bit), and the "rows" split table with the self tiles on the
+last split against the torch fp8 reference and the `tl` kernel's fp8 path."""
 
 import pytest
 import torch
@@ -58,21 +55,6 @@ def test_the_bit_move_decode_is_the_conversion_for_every_finite_code_at_every_sc
     differ = (bits.view(torch.int16) != cvt.view(torch.int16)) & finite.cuda()[None, :]
     where = [(int(scale_bytes[r]), hex(c)) for r, c in differ.nonzero().tolist()[:8]]
     assert not differ.any(), f"{int(differ.sum())} (scale byte, code) pairs differ, e.g. {where}"
-
-
-@pytest.mark.parametrize("decode", ["bits", "cvt"])
-def test_the_split_refill_gives_the_whole_refills_attention_bit_for_bit(decode):
-    """One code slot beside 128-row query blocks, 256 candidates (self tiles), a long and a short user."""
-    batch = fp8_batch([16384 + 64, 700], [64, 64], [256, 3], 256, E4M3)
-    tiling = Fp8Tiling(block_n=64, code_stages=1, decode=decode)
-    expected = run(batch, "gluon", 256, E4M3, tiling)
-    total = batch.total_tokens
-    assert torch.equal(run(batch, "gluon", 256, E4M3, replace(tiling, split_refill=True))[:total], expected[:total])
-
-
-def test_the_split_refill_matches_reference_and_tl_on_small_ragged_batches():
-    check(fp8_batch(*SMALL, 256, E5M2), 256, E5M2, Fp8Tiling(block_n=64, code_stages=1, decode="bits",
-                                                            split_refill=True))
 
 
 @pytest.mark.parametrize("candidates", [256, 0])

@@ -1,6 +1,6 @@
 """Which kernel serves an fp8 cache: the fp8 Gluon kernel's shape rules, `auto` taking it only where it can run,
 `gluon` insisting (with the reason it cannot run here), the tiling checks, and the scale-copy ("async" where pages
-allow), scale-site, SiLU, whole-tile, decode and split-refill switches."""
+allow), scale-site, SiLU, whole-tile and decode switches."""
 
 import pytest
 import torch
@@ -8,9 +8,8 @@ import torch
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
 from layerflow.kernels.gluon_fp8 import (DECODE_ENV, DEFAULT_DECODE, DEFAULT_SCALE_SITE, DEFAULT_SILU,
-                                         DEFAULT_SPLIT_REFILL, DEFAULT_UNMASKED_WHOLE_TILES, SCALE_COPY_ENV,
-                                         SCALE_SITE_ENV, SILU_ENV, SPLIT_REFILL_ENV, WHOLE_TILES_ENV,
-                                         Fp8Tiling, GluonFp8Attention,
+                                         DEFAULT_UNMASKED_WHOLE_TILES, SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV,
+                                         WHOLE_TILES_ENV, Fp8Tiling, GluonFp8Attention,
                                          default_fp8_tiling, fill_rows, fp8_shared_memory_bytes, fp8_unsupported_reason,
                                          select_fp8_kernel)
 
@@ -35,9 +34,6 @@ E4M3 = torch.float8_e4m3fn
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(scale_site="loader"), "scale_site"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(silu="sigmoid"), "silu"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(unmasked_whole_tiles=1), "unmasked_whole_tiles"),
-    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(block_n=64, code_stages=1, split_refill="yes"),
-     "split_refill must be a bool"),
-    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(split_refill=True), "split_refill is the one-slot loader's"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="lut"), "decode must be one of"),
     (torch.float16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="bits"), "decode='bits' writes bf16 tiles"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
@@ -202,22 +198,14 @@ def test_the_fp8_tiling_takes_the_query_block_of_the_tl_tiling():
     assert Fp8Tiling().query_block(128) == 128 and Fp8Tiling().query_block(64) == 64
 
 
-def test_the_decode_and_the_split_refill_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
-    """The split refill serves the one-slot loader only (128-row blocks at D=256); elsewhere the flag is ignored."""
-    for name in (DECODE_ENV, SPLIT_REFILL_ENV):
-        monkeypatch.delenv(name, raising=False)
-    tiling = default_fp8_tiling(256)
-    assert (tiling.decode, tiling.split_refill) == (DEFAULT_DECODE, DEFAULT_SPLIT_REFILL) == ("cvt", False)
+def test_the_decode_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.delenv(DECODE_ENV, raising=False)
+    assert default_fp8_tiling(256).decode == DEFAULT_DECODE == "cvt"
     monkeypatch.setenv(DECODE_ENV, "bits")
-    monkeypatch.setenv(SPLIT_REFILL_ENV, "1")
-    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, decode="bits", split_refill=True)
-    assert not default_fp8_tiling(256, 64).split_refill
-    assert not default_fp8_tiling(128, 128).split_refill
-    for name, bad in ((SPLIT_REFILL_ENV, "yes"), (DECODE_ENV, "magic")):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=f"{name}='{bad}'"):
-            select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
-        monkeypatch.delenv(name)
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, decode="bits")
+    monkeypatch.setenv(DECODE_ENV, "magic")
+    with pytest.raises(ValueError, match=f"{DECODE_ENV}='magic'"):
+        select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)
 
 
 def test_a_bf16_model_decodes_by_bit_moves_and_an_fp16_one_by_the_conversion(monkeypatch):
