@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Record of the final call B (session 12) on e539313; the "fp8 split" variant it timed was removed after it (c0c707b).
 # fp8k12 final (session 12, round 3), on merged main: the fp8 Gluon kernel's GPU tests (the paths file: bit-move
 # decode, split refill bit for bit against the whole refill, rows split table with self tiles last; the graph
 # replays over bits / cvt / bits+split refill), then ONE process timing attention alone (BS=1, D=256, H=4,
