@@ -190,7 +190,7 @@ def bandwidth(args, engine, timed, gpu, host, bulk) -> list[dict]:
                 issue = statistics.median(_issue_time(engine, *place) for _ in range(5))
                 rows.append({
                     "tokens": tokens, "placement": name, "path": PATH_NAMES[path],
-                    "auto": path is resolved_path(CopyPath.AUTO, runs, len(gpu_pages)), "runs": runs, "bytes": nbytes,
+                    "auto": path is resolved_path(CopyPath.AUTO, runs), "runs": runs, "bytes": nbytes,
                     "signal": args.signal,
                     "onboard_GBps": nbytes / on / 1e9, "bulk_h2d_GBps": nbytes / on_bulk / 1e9,
                     "onboard_efficiency": on_bulk / on, "onboard_gpu_efficiency": h2d_gpu / on_gpu,

@@ -61,7 +61,7 @@ class IssueTimedCopyEngine(CudaCopyEngine):
         transfer = call(*args, **kwargs)
         spent = time.perf_counter() - start
         plan = current.job.plan
-        path = resolved_path(self.path, plan.num_runs, plan.num_pages).name.lower()
+        path = resolved_path(self.path, plan.num_runs).name.lower()
         self.records.append(IssueRecord(to_gpu, plan.num_pages, plan.num_runs, path, spent, current.issue,
                                         current.setup, current.calls, current.layer0))
         return transfer

@@ -146,19 +146,12 @@ class CopyPath(enum.Enum):
     """How a transfer's copies are issued per layer: AUTO takes RUNS for a placement that is one run on both sides and
     PAGES otherwise (see the module docstring); RUNS: a cudaMemcpy2DAsync per run and layer; PAGES: one
     cudaMemcpyBatchAsync per layer, an entry per page; RUN_BATCH: cudaMemcpy3DBatchAsync, a 2D op per run and layer,
-    one call per layer onboarding and one call per offload; BY_LENGTH: AUTO, except RUN_BATCH where the runs average
-    LONG_RUN_PAGES pages or more (a run that long costs the copy engine no more as one op than as its pages' entries,
-    and the host a fraction: on the H200 three runs of 128 pages copy in 7.71 ms by RUN_BATCH against 7.67 by page
-    entries, issued in 0.53 ms against 2.86)."""
+    one call per layer onboarding and one call per offload."""
 
     AUTO = enum.auto()
     RUNS = enum.auto()
     PAGES = enum.auto()
     RUN_BATCH = enum.auto()
-    BY_LENGTH = enum.auto()
-
-
-LONG_RUN_PAGES = 32   # BY_LENGTH's mean run length for RUN_BATCH
 
 
 def configured_path() -> CopyPath:
@@ -170,15 +163,11 @@ def configured_path() -> CopyPath:
     return CopyPath[value]
 
 
-def resolved_path(path: CopyPath, num_runs: int, num_pages: int) -> CopyPath:
-    """The path a transfer of `num_pages` pages in `num_runs` runs (contiguous on both sides) takes under `path`."""
-    if path not in (CopyPath.AUTO, CopyPath.BY_LENGTH):
+def resolved_path(path: CopyPath, num_runs: int) -> CopyPath:
+    """The path a transfer of `num_runs` runs (contiguous on both sides) takes under `path`."""
+    if path is not CopyPath.AUTO:
         return path
-    if num_runs <= 1:
-        return CopyPath.RUNS
-    if path is CopyPath.BY_LENGTH and num_pages >= LONG_RUN_PAGES * num_runs:
-        return CopyPath.RUN_BATCH
-    return CopyPath.PAGES
+    return CopyPath.RUNS if num_runs <= 1 else CopyPath.PAGES
 
 
 class _Tables(threading.local):
@@ -272,7 +261,7 @@ class CudaCopyEngine(CopyEngine):
         plan, addresses = job.plan, job.addresses
         page, pitch = addresses.page_bytes, addresses.block_pitch
         gpu_bases, host_layers = addresses.gpu_bases, addresses.host_layers
-        path = resolved_path(self.path, plan.num_runs, plan.num_pages)
+        path = resolved_path(self.path, plan.num_runs)
         if path is CopyPath.PAGES:
             gpu, host = _layer_addresses(gpu_bases, plan.gpu_pages * page, host_layers, plan.host_blocks * pitch)
             dsts, srcs = (gpu, host) if to_gpu else (host, gpu)

@@ -239,10 +239,10 @@ def test_ramp_bounds_cover_the_batch_in_doubling_chunks_without_a_short_tail(n):
 def test_auto_path_copies_runs_only_for_a_single_run():
     from layerflow.transfer.cuda_copy import CopyPath, resolved_path
 
-    assert [resolved_path(CopyPath.AUTO, n, 110) for n in (0, 1, 2, 55)] == [CopyPath.RUNS, CopyPath.RUNS,
-                                                                             CopyPath.PAGES, CopyPath.PAGES]
-    assert resolved_path(CopyPath.RUNS, 55, 110) is CopyPath.RUNS
-    assert resolved_path(CopyPath.PAGES, 1, 110) is CopyPath.PAGES
+    assert [resolved_path(CopyPath.AUTO, n) for n in (0, 1, 2, 55)] == [CopyPath.RUNS, CopyPath.RUNS,
+                                                                        CopyPath.PAGES, CopyPath.PAGES]
+    assert resolved_path(CopyPath.RUNS, 55) is CopyPath.RUNS
+    assert resolved_path(CopyPath.PAGES, 1) is CopyPath.PAGES
 
 
 def test_a_layouts_addresses_are_taken_with_its_check_and_renewed_for_new_tensors(engine):

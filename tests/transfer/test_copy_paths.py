@@ -11,7 +11,7 @@ from cuda.bindings import runtime as rt
 from layerflow.config import SignalMode
 from layerflow.transfer import cudart
 from layerflow.transfer.copy_plan import plan_runs
-from layerflow.transfer.cuda_copy import (COPY_PATH_ENV, LONG_RUN_PAGES, CopyPath, configured_path,
+from layerflow.transfer.cuda_copy import (COPY_PATH_ENV, CopyPath, configured_path,
                                          resolved_path)
 from layerflow.transfer.signals import make_signals
 from tests.transfer.pages import check_offload_of_new_contents, check_onboarded, make_tensors
@@ -82,17 +82,7 @@ def test_a_bad_copy_path_is_named(monkeypatch):
 
 
 def test_run_batch_is_taken_for_every_placement():
-    assert all(resolved_path(CopyPath.RUN_BATCH, n, 128) is CopyPath.RUN_BATCH for n in (0, 1, 2, 200))
-
-
-@pytest.mark.parametrize("runs,pages,auto,by_length", [(1, 128, "RUNS", "RUNS"), (2, 128, "PAGES", "RUN_BATCH"),
-                                                       (4, 128, "PAGES", "RUN_BATCH"), (5, 128, "PAGES", "PAGES"),
-                                                       (128, 128, "PAGES", "PAGES")])
-def test_by_length_takes_run_batch_only_where_the_runs_are_long(runs, pages, auto, by_length):
-    """Runs of 32 pages or more on average (LONG_RUN_PAGES) go as 3D ops, shorter ones as page entries."""
-    assert LONG_RUN_PAGES == 32
-    assert resolved_path(CopyPath.AUTO, runs, pages) is CopyPath[auto]
-    assert resolved_path(CopyPath.BY_LENGTH, runs, pages) is CopyPath[by_length]
+    assert all(resolved_path(CopyPath.RUN_BATCH, n) is CopyPath.RUN_BATCH for n in (0, 1, 2, 200))
 
 
 def runs_of(n: int, run: int, gap: int, start: int = 0) -> np.ndarray:
@@ -100,8 +90,7 @@ def runs_of(n: int, run: int, gap: int, start: int = 0) -> np.ndarray:
     return start + i + (i // run) * gap
 
 
-# 4K-user-like placements (in pages) at test size: runs of 1, 4, 16 and 32 pages (the only ones BY_LENGTH copies
-# by RUN_BATCH), and runs of differing lengths whose GPU and host runs break at different pages.
+# 4K-user-like placements (in pages) at test size: runs of 1, 4, 16 and 32 pages, and runs of differing lengths whose GPU and host runs break at different pages.
 FRAGMENTED = {
     "runs1": (runs_of(64, 1, 1), runs_of(64, 1, 1, start=3)),
     "runs4": (runs_of(64, 4, 3), runs_of(64, 4, 1, start=5)),
@@ -118,7 +107,7 @@ def test_the_placements_are_fragmented_as_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["RUN_BATCH", "PAGES", "RUNS", "BY_LENGTH"])
+@pytest.mark.parametrize("path", ["RUN_BATCH", "PAGES", "RUNS"])
 @pytest.mark.parametrize("placement", FRAGMENTED)
 def test_a_fragmented_placement_moves_byte_exact_with_each_layer_signalled_after_its_copies(placement, path):
     """Onboarded with an eventfd counter, each layer's pages hold the host bytes once its signal fired (every layer
