@@ -261,8 +261,7 @@ class GluonAttention(GluonLauncher):
                                           [min(PAGE, t.block_n), D], SMEM_LAYOUT.value)
         _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc,
                                       split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H, D=D,
-                                      PAGE=PAGE,
-                                      BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
+                                      PAGE=PAGE, BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
                                       TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
