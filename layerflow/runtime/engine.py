@@ -285,6 +285,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            self.kv.deferred.release()
             self.kv.wait_offloads()
             if self.graphs is not None:
                 torch.cuda.synchronize(self.device)
@@ -340,8 +341,9 @@ class Engine:
         landed, while the last layer still runs: its cost leaves the request's tail (on the H200 fp8 16K layerwise
         5.54 vs 5.63 ms); commit then skips it. Safe: no batch acquires a signal counter while collect holds the
         engine's lock, and the block has ended when collect returns. A transfer server's onboarding is released by
-        commit, after the block (its copies are the server's)."""
-        if plan.onboarding is not None and isinstance(self.kv.below, InProcessTier):
+        commit, after the block (its copies are the server's); so is every one under the `deferred` release
+        (runtime/deferred.py: commit keeps it for after the next launch)."""
+        if plan.onboarding is not None and isinstance(self.kv.below, InProcessTier) and not self.kv.deferred.enabled:
             plan.onboarding.finish(wait=True)
             plan.onboarding = None
 

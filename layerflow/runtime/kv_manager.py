@@ -12,60 +12,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from layerflow.model.batch import BatchShape, JaggedBatch, check_lengths
 from layerflow.model.config import HSTUConfig
 from layerflow.runtime.chains import PlanChains
+from layerflow.runtime.deferred import DeferredReleases
 from layerflow.runtime.history import EmbeddingHistory, History, ItemHistory
+from layerflow.runtime.plan import BatchPlan, UserEntry
 from layerflow.runtime.quarantine import Quarantine
 from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.tier.allocator import PoolExhausted
-from layerflow.tier.base import KVTier, Load, Onboarding, Tier, settle
+from layerflow.tier.base import KVTier, Load, Tier, settle
 from layerflow.tier.gpu_pool import GpuKVPool
-from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.signals.base import SignalHandle
 
 __all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
 
 log = logging.getLogger(__name__)
 
 BELOW_GPU = (Tier.HOST, Tier.SSD, Tier.REMOTE)   # tiers a batch onboards from
-
-
-@dataclass
-class UserEntry:
-    """What the manager remembers of a user: its history (to recompute a miss) and its last offload."""
-
-    history: History
-    offload: Transfer | None = None
-    gpu_first_page: int = 0   # its GPU pages hold valid K/V from this page on (a windowed onboarding skipped others)
-
-    def offloading(self) -> bool:
-        return self.offload is not None and not self.offload.done()
-
-
-@dataclass
-class BatchPlan:
-    """One batch's placement: the validated batch, each user's GPU pages, its tier, and the onboarding."""
-
-    requests: list[Request]
-    batch: BatchShape | None   # a JaggedBatch or a packer's; None only while `KVManager.prepare` builds the plan
-    tiers: list[Tier]
-    page_rows: list[tuple[int, ...]]
-    appended: list = field(default_factory=list)   # per user the ids (or rows) the batch appends to its history
-    onboarding: Onboarding | None = None
-    recorded: dict[int, int] = field(default_factory=dict)   # batch index -> history length before this batch
-    first_pages: dict[int, int] = field(default_factory=dict)   # batch index -> first GPU page onboarded
-    aborted: bool = False
-
-    @property
-    def handle(self) -> SignalHandle | None:
-        """The signal handle the batch's layers wait on (None: every user is a GPU hit or a miss)."""
-        return None if self.onboarding is None else self.onboarding.handle
 
 
 class KVManager:
@@ -81,6 +48,7 @@ class KVManager:
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
         self.quarantine = Quarantine(gpu)
         self.chains = PlanChains()
+        self.deferred = DeferredReleases()   # committed onboardings given back after the next launch (`deferred`)
 
     def tier(self, user: int) -> Tier:
         entry = self.users.get(user)
@@ -117,6 +85,7 @@ class KVManager:
         """Swap the tier below the GPU (e.g. the transfer server died, or came back): the old one's copies are
         forgotten (closing it is the caller's choice); GPU-resident users stay hits and are offloaded to the new tier at
         their next batch; the rest become misses."""
+        self.deferred.release()
         for user in self._offloading:
             settle(self.users[user].offload)
             self.users[user].offload = None
@@ -222,16 +191,20 @@ class KVManager:
         The copy stream waits for the block on the GPU, so issuing the offloads now overlaps their host cost with the
         block instead of adding it after the scores. An onboarded user's first offloaded page also holds onboarded
         tokens: if the batch fails, `abort` drops that user's copy below, which the offload may have overwritten.
+        Earlier batches' deferred onboardings are given back first (their host pins may be needed for room).
         """
+        self.deferred.release()
         if self.reap_after_launch:
             self._reap_offloads()
         for b in range(len(plan.requests)):
             self._record(plan, b)
 
     def commit(self, plan: BatchPlan) -> None:
-        """The block succeeded (`offload_early` recorded its users): release its onboarding (signalled) and pins."""
+        """The block succeeded (`offload_early` recorded its users): release its onboarding (signalled; or keep it for
+        after the next launch, runtime/deferred.py) and pins."""
         if plan.onboarding is not None:
-            plan.onboarding.finish(wait=True)
+            if not self.deferred.keep(plan.onboarding):
+                plan.onboarding.finish(wait=True)
             plan.onboarding = None
         for r in plan.requests:
             self.gpu.unpin(r.user_id)
@@ -292,7 +265,8 @@ class KVManager:
             log.warning("offload of user %s not started: %s", r.user_id, e)
 
     def wait_offloads(self) -> None:
-        """Block until every offload landed (benchmarks, shutdown)."""
+        """Block until every offload landed (benchmarks, shutdown); deferred onboardings stay kept (runtime/deferred.py:
+        the next launch gives them back, so a benchmark's untimed wait here does not hide their cost)."""
         for user in self._offloading:
             settle(self.users[user].offload)
         self._reap_offloads()
@@ -317,12 +291,14 @@ class KVManager:
 
     def evict_from_host(self, user: int) -> None:
         """Move a user's host copy down to SSD (or nowhere without one)."""
+        self.deferred.release()   # a pinned host copy would stay behind
         settle(self.users[user].offload)
         self._reap_offloads()
         self.below.evict(user)
 
     def drop(self, user: int) -> None:
         """Forget a user everywhere: history, GPU pages and the tier below's copies."""
+        self.deferred.release()
         entry = self.users.pop(user, None)
         if entry is not None:
             settle(entry.offload)
@@ -354,6 +330,7 @@ class KVManager:
             if first < last:
                 loads.append(Load(r.user_id, tier, cached, pages[first:last], first_page=first))
         if loads:
+            self.deferred.before_onboard(loads, self.below.signals.num_counters)
             plan.onboarding = self.below.onboard(loads, self.layerwise)
 
     def _allocate(self, user: int, tokens: int) -> tuple[int, ...]:

@@ -61,9 +61,12 @@ class Load:
 
 
 class Onboarding(ABC):
-    """A batch's onboarding: its layers wait on `handle`; `finish` once the block is done with it (or failed)."""
+    """A batch's onboarding: its layers wait on `handle`; `finish` once the block is done with it (or failed).
+    `local`: its copies are this process's and end on their own, so a committed one may be finished later
+    (runtime/deferred.py)."""
 
     handle: SignalHandle
+    local: bool = False
 
     @abstractmethod
     def finish(self, wait: bool) -> bool:

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class _LocalOnboarding(Onboarding):
+    local = True
+
     def __init__(self, handle: SignalHandle, copies: OnboardCopies, cache: HostCache, pinned: list[Pinned]):
         self.handle, self.copies, self.cache, self.pinned = handle, copies, cache, pinned
         self._released = False

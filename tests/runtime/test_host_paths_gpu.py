@@ -24,12 +24,14 @@ def weights():
     return HSTUWeights.init(MODEL, seed=3)
 
 
-def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True) -> list[torch.Tensor]:
-    """Two users scored, moved to `tier`, visited twice (the second visit reads what the first offloaded)."""
+def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="early") -> list[torch.Tensor]:
+    """Two users scored, moved to `tier`, visited twice (the second visit reads what the first offloaded) under the
+    onboarding's `release` (runtime/deferred.py)."""
     gen = torch.Generator().manual_seed(0)
     config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, transfer_timeout_s=5.0)
     with Engine(weights, config, use_cuda_graph=graph, token_buckets=(128,), batch_buckets=(2,)) as engine:
         engine.warmup()
+        engine.kv.deferred.enabled = release == "deferred"
         engine.score([Request(u, torch.randint(0, 5000, (n,), generator=gen).tolist(), []) for u, n in HISTORY.items()])
         out = []
         for _ in range(2):
@@ -41,6 +43,8 @@ def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True) -> list[torch.
                              torch.randint(0, 5000, (40,), generator=gen).tolist()) for u in HISTORY]
             out += [s.clone() for s in engine.score(visit)]
         engine.kv.wait_offloads()   # the last visit's offloads hold their host pins until reaped
+        assert len(engine.kv.deferred) == (release == "deferred" and tier is Tier.HOST)
+        engine.kv.deferred.release()   # a kept onboarding holds its host pins until given back
         assert engine.kv.gpu.num_pinned == 0 and engine.kv.below.usage().pinned_users == 0
         assert all(b._raw_stream is not None for b in engine._buffers.values())
         return out
@@ -55,4 +59,10 @@ def gpu_hit(weights):
                                           (SignalMode.EVENT, True), (SignalMode.WAITVALUE, False)])
 def test_host_hit_released_early_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
     got = serve(weights, Tier.HOST, signal=signal, graph=graph)
+    assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
+
+
+@pytest.mark.parametrize("signal", [SignalMode.WAITVALUE, SignalMode.EVENTFD])
+def test_host_hit_released_after_the_next_launch_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal):
+    got = serve(weights, Tier.HOST, signal=signal, release="deferred")
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
