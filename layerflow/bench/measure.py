@@ -127,6 +127,21 @@ def run(settings: Settings, device: torch.device | None = None) -> Results:
     return results
 
 
+def phase_timer(engine: Engine, settings: Settings) -> PhaseTimer | None:
+    """A PhaseTimer on `engine` when the settings ask for host phases (`--profile`), else None."""
+    if not settings.profile:
+        return None
+    phases = PhaseTimer()
+    phases.attach(engine)
+    return phases
+
+
+def workload_of(settings: Settings, index: int, seq_len: int) -> Workload:
+    """The users (ids of their own) and the replayed batch of the `index`-th history length."""
+    users = [index * settings.batch_size + b for b in range(settings.batch_size)]
+    return Workload.build(users, seq_len, settings.append_len, settings.num_candidates, settings.model, settings.seed)
+
+
 def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device: torch.device,
                 scenarios: list[Scenario], clock: Clock, timer: TransferTimer, progress: tqdm,
                 results: Results) -> None:
@@ -137,15 +152,10 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
                 batch_buckets=(bucket.max_batch,), token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine:
         tail = TailMarks(engine, copy.inner) if timeline else None   # before warmup: a graph variant of its own
         engine.warmup()
-        phases = None
-        if settings.profile:
-            phases = PhaseTimer()
-            phases.attach(engine)
+        phases = phase_timer(engine, settings)
         for index, seq_len in enumerate(settings.seq_lens):
             progress.set_postfix_str(f"{seq_len} tokens, layerwise {'on' if config.enable_layerwise else 'off'}")
-            users = [index * settings.batch_size + b for b in range(settings.batch_size)]
-            workload = Workload.build(users, seq_len, settings.append_len, settings.num_candidates,
-                                      settings.model, settings.seed)
+            workload = workload_of(settings, index, seq_len)
             copy.skip_offloads = False
             workload.load(engine)
             reference = as_scores(engine.score(workload.requests))

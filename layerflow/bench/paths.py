@@ -22,13 +22,12 @@ import torch
 from tqdm import tqdm
 
 from layerflow.bench.environment import results_header
-from layerflow.bench.measure import device_tools, transfer_config
-from layerflow.bench.phases import PhaseTimer
+from layerflow.bench.measure import device_tools, phase_timer, transfer_config, workload_of
 from layerflow.bench.recording import BenchCopyEngine
 from layerflow.bench.scenarios import Context, CpuHitLayerwise, GpuHit, Measured, Scenario
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths
 from layerflow.bench.stats import Summary, lower_bound
-from layerflow.bench.workload import Workload, as_scores
+from layerflow.bench.workload import as_scores
 from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.deferred import RELEASES
@@ -117,13 +116,9 @@ def run_dtype(settings: Settings, variants: list[str], blocks: int, device: torc
                 tqdm(total=len(settings.seq_lens) * per_length, desc=f"paths {config.kv_cache_dtype}",
                      file=sys.stderr, mininterval=2.0) as bar:
             engine.warmup()
-            phases = None
-            if settings.profile:
-                phases = PhaseTimer()
-                phases.attach(engine)
+            phases = phase_timer(engine, settings)
             for index, seq_len in enumerate(settings.seq_lens):
-                workload = Workload.build([index], seq_len, settings.append_len, settings.num_candidates,
-                                          settings.model, settings.seed)
+                workload = workload_of(settings, index, seq_len)
                 workload.load(engine)
                 reference = as_scores(engine.score(workload.requests))
                 ctx = Context(engine, copy, clock, timer, workload, bucket, settings.warmup_iters,

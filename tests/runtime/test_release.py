@@ -1,13 +1,14 @@
 """The early release of an in-process onboarding (Engine._release_early) on the CPU path: a host hit gives its
 onboarding (host pins, signal counter) back in collect, before the fetch, so the KV manager's commit no longer finishes
-it; the host hit scores bit for bit like the same visit served as a GPU hit, and a failed onboarding released early
-fails its request alone."""
+it; the host hit scores bit for bit like the same visit served as a GPU hit, and a failed onboarding (under either release,
+runtime/deferred.py) fails its request alone."""
 
 import random
 
 import pytest
 import torch
 
+from layerflow.runtime.deferred import RELEASE_ENV, RELEASES
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
@@ -50,7 +51,10 @@ def test_a_host_hit_is_released_before_commit_and_scores_bitwise_like_a_gpu_hit(
     assert torch.allclose(results[Tier.HOST], reference(weights, history + visit.items, visit.candidates), atol=TOL)
 
 
-def test_a_failed_onboarding_released_early_fails_its_request_alone_then_the_engine_serves(weights):
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_failed_onboarding_fails_its_request_alone_then_the_engine_serves(weights, monkeypatch, release):
+    """Under either release (runtime/deferred.py): a failed onboarding is never kept."""
+    monkeypatch.setenv(RELEASE_ENV, release)
     copier = FaultyThreadCopyEngine()
     history = list(range(60))
     with make_engine(weights, copy_engine=copier) as engine:
@@ -59,7 +63,7 @@ def test_a_failed_onboarding_released_early_fails_its_request_alone_then_the_eng
         copier.fail_at_layer = 1
         with pytest.raises(TransferError, match="injected failure at layer 1"):
             engine.score([Request(5, [1], [2, 3])])
-        assert engine.kv.tier(5) is Tier.HOST and engine.kv.gpu.num_pinned == 0
+        assert engine.kv.tier(5) is Tier.HOST and engine.kv.gpu.num_pinned == 0 and len(engine.kv.deferred) == 0
         engine.kv.wait_offloads()
         assert engine.kv.below.usage().pinned_users == 0   # the failed onboarding's host pins went back
         assert engine.kv.users[5].history == history
