@@ -40,12 +40,13 @@ class Transfer(ABC):
 class LayerAddresses:
     """The addresses of one checked layout, taken with its check (`CopyEngine._layout`), so a transfer does not ask
     every layer tensor for its pointer: each GPU layer's base, each layer's first byte in the host block tensor, the
-    bytes of one layer's page and the host pitch from one block to the next."""
+    bytes of one layer's page, the host pitch from one block to the next and the GPU pages every layer has."""
 
     gpu_bases: tuple[int, ...]
     host_layers: tuple[int, ...]
     page_bytes: int
     block_pitch: int
+    gpu_pages: int
 
     @classmethod
     def of(cls, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor) -> LayerAddresses:
@@ -54,7 +55,7 @@ class LayerAddresses:
         page = layer.stride(0) * layer.element_size()
         host_base = host.data_ptr()
         return cls(tuple(t.data_ptr() for t in gpu_layers), tuple(host_base + i * page for i in range(len(gpu_layers))),
-                   page, len(gpu_layers) * page)
+                   page, len(gpu_layers) * page, min(t.shape[0] for t in gpu_layers))
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses
     plan = plan_runs(gpu_pages, host_blocks)
     if plan.num_pages:
         # Every check works on the runs, not the pages: a contiguous user is one run, so this is O(1) for it.
-        num_pages = min(layer.shape[0] for layer in gpu_layers)
+        num_pages = addresses.gpu_pages
         gpu_max, host_max = _last_index(plan.run_gpu, plan.run_len), _last_index(plan.run_host, plan.run_len)
         if gpu_max >= num_pages:
             raise ValueError(f"gpu_pages: index {gpu_max} out of range [0, {num_pages})")
