@@ -35,7 +35,6 @@ from layerflow.runtime.staging import StagedBatch, stage_items
 from layerflow.runtime.tiers import build_kv, check_config, in_process_tier, uses_server
 from layerflow.runtime.waits import LayerWait, NoWait, make_layer_wait
 from layerflow.tier.base import NotResident
-from layerflow.tier.in_process import InProcessTier
 from layerflow.tier.layout import KVLayout
 from layerflow.tier.remote_manifest import model_key
 from layerflow.transfer.copy_engine import CopyEngine
@@ -260,7 +259,6 @@ class Engine:
             if self._flight is not flight:
                 raise ValueError("collect: this batch is not the one in flight")
             try:
-                self._release_early(flight.plan)
                 results = flight.bufs.fetch()
                 flight.wait.check()
             except BaseException:
@@ -335,17 +333,6 @@ class Engine:
         """A staged batch's slab back to its bucket (the batch was collected, failed or given up)."""
         if isinstance(plan.batch, StagedBatch):
             self._buffers[plan.batch.bucket].give_slab(plan.batch.slab)
-
-    def _release_early(self, plan: BatchPlan) -> None:
-        """An in-process onboarding (host pins, signal counter) given back before the fetch, as soon as its copies
-        landed, while the last layer still runs: its cost leaves the request's tail (on the H200 fp8 16K layerwise
-        5.54 vs 5.63 ms); commit then skips it. Safe: no batch acquires a signal counter while collect holds the
-        engine's lock, and the block has ended when collect returns. A transfer server's onboarding is released by
-        commit, after the block (its copies are the server's); so is every one under the `deferred` release
-        (runtime/deferred.py: commit keeps it for after the next launch)."""
-        if plan.onboarding is not None and isinstance(self.kv.below, InProcessTier) and not self.kv.deferred.enabled:
-            plan.onboarding.finish(wait=True)
-            plan.onboarding = None
 
     def _launch(self, plan: BatchPlan) -> Flight:
         batch = plan.batch

@@ -48,7 +48,7 @@ class KVManager:
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
         self.quarantine = Quarantine(gpu)
         self.chains = PlanChains()
-        self.deferred = DeferredReleases()   # committed onboardings given back after the next launch (`deferred`)
+        self.deferred = DeferredReleases()   # committed onboardings given back after the next launch
 
     def tier(self, user: int) -> Tier:
         entry = self.users.get(user)

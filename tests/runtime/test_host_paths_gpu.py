@@ -1,4 +1,4 @@
-"""The engine's host paths on the H200: a host hit, its onboarding released early (before the fetch), gives the
+"""The engine's host paths on the H200: a host hit, its onboarding kept until the next launch, gives the
 GPU hit's scores bit for bit (graph and eager, every signal kind), with the bucket buffers' cudart fill copy on a
 stream handle of theirs. Every host pin goes back: an onboarding's by its release, an offload's when it is reaped.
 A failed onboarding on them: test_engine_gpu.py's failing-transfer test."""
@@ -24,14 +24,13 @@ def weights():
     return HSTUWeights.init(MODEL, seed=3)
 
 
-def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="early") -> list[torch.Tensor]:
-    """Two users scored, moved to `tier`, visited twice (the second visit reads what the first offloaded) under the
-    onboarding's `release` (runtime/deferred.py)."""
+def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True) -> list[torch.Tensor]:
+    """Two users scored, moved to `tier`, visited twice (the second visit reads what the first offloaded); a host
+    hit's onboarding is kept until the next launch (runtime/deferred.py)."""
     gen = torch.Generator().manual_seed(0)
     config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, transfer_timeout_s=5.0)
     with Engine(weights, config, use_cuda_graph=graph, token_buckets=(128,), batch_buckets=(2,)) as engine:
         engine.warmup()
-        engine.kv.deferred.enabled = release == "deferred"
         engine.score([Request(u, torch.randint(0, 5000, (n,), generator=gen).tolist(), []) for u, n in HISTORY.items()])
         out = []
         for _ in range(2):
@@ -43,7 +42,7 @@ def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, release="early
                              torch.randint(0, 5000, (40,), generator=gen).tolist()) for u in HISTORY]
             out += [s.clone() for s in engine.score(visit)]
         engine.kv.wait_offloads()   # the last visit's offloads hold their host pins until reaped
-        assert len(engine.kv.deferred) == (release == "deferred" and tier is Tier.HOST)
+        assert len(engine.kv.deferred) == (tier is Tier.HOST)
         engine.kv.deferred.release()   # a kept onboarding holds its host pins until given back
         assert engine.kv.gpu.num_pinned == 0 and engine.kv.below.usage().pinned_users == 0
         assert all(b._raw_stream is not None for b in engine._buffers.values())
@@ -57,12 +56,6 @@ def gpu_hit(weights):
 
 @pytest.mark.parametrize("signal,graph", [(SignalMode.WAITVALUE, True), (SignalMode.EVENTFD, True),
                                           (SignalMode.EVENT, True), (SignalMode.WAITVALUE, False)])
-def test_host_hit_released_early_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
+def test_host_hit_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
     got = serve(weights, Tier.HOST, signal=signal, graph=graph)
-    assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
-
-
-@pytest.mark.parametrize("signal", [SignalMode.WAITVALUE, SignalMode.EVENTFD])
-def test_host_hit_released_after_the_next_launch_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal):
-    got = serve(weights, Tier.HOST, signal=signal, release="deferred")
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
