@@ -36,12 +36,12 @@ from benchmarks.kernels import Case, graph_of, median_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, SILU_ENV  # noqa: E402
+from layerflow.kernels.gluon_fp8 import DECODE_ENV, QK_ENV, SILU_ENV  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-SETTINGS = (DECODE_ENV, SILU_ENV)
+SETTINGS = (DECODE_ENV, SILU_ENV, QK_ENV)
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,13 @@ VARIANTS = {
     "bf16": Variant(False),
     "fp8 main": Variant(True),
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
+    "fp8 qk": Variant(True, ((QK_ENV, "fp8"),)),
+    "fp8 qk2": Variant(True, ((QK_ENV, "fp8x2"),)),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 cvt", *(f"fp8 {name}" for name in ABLATIONS))
-ENGINE_VARIANTS = ("bf16", "fp8 main")
-BASES = ("fp8 main", "fp8 cvt")      # what every fp8 row's output is compared with
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 qk", "fp8 qk2", *(f"fp8 {name}" for name in ABLATIONS))
+ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 qk2")
+BASES = ("fp8 main", "bf16")      # what every fp8 row's output is compared with
 
 
 @contextlib.contextmanager
