@@ -12,7 +12,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
-from layerflow.kernels.gluon_fp8_tiles import _row_scales, _scale_of
+from layerflow.kernels.gluon_fp8_tiles import _row_scales, _scale_of, _self_rows
 
 QUERY_CHUNK = gl.constexpr(32)    # query rows quantised per step (bounds the registers it takes)
 
@@ -60,12 +60,10 @@ def _fill_key_codes(k_dst, k_dot_scales, k_codes, k_scales, tile, num_hist, k_pt
             k_dst.slice(c * FILL_ROWS, FILL_ROWS).store(raw.to(gl.float8e4nv, bitcast=True))
         k_dot_scales.store(_row_scales(k_scales, BLOCK_N, ASYNC_SCALES, layout))
     else:
-        rows = gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
-        head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            j = row0 + (tile - num_hist) * BLOCK_N + c * FILL_ROWS + rows
-            token = (q_start + j).to(gl.int64)[:, None]
-            keys = gl.load(k_ptr + token * k_stride + head_cols, mask=(j < q_len)[:, None], other=0.0)
+            token, head_cols, row_ok = _self_rows(q_start, q_len, head, row0, tile - num_hist, c, D, BLOCK_N,
+                                                  FILL_ROWS, layout)
+            keys = gl.load(k_ptr + token * k_stride + head_cols, mask=row_ok, other=0.0)
             codes, scales = _e4m3_rows(keys.to(gl.float32))
             k_dst.slice(c * FILL_ROWS, FILL_ROWS).store(codes)
             k_dot_scales.slice(c * FILL_ROWS, FILL_ROWS).store(scales)

@@ -140,6 +140,17 @@ def _decode_rows(dst, codes, scales, ROWS_N: gl.constexpr, FP8: gl.constexpr, AS
 
 
 @gluon.jit
+def _self_rows(q_start, q_len, head, row0, self_tile, c, D: gl.constexpr, BLOCK_N: gl.constexpr,
+               FILL_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Rows c * FILL_ROWS .. of the block's self tile `self_tile` (its own K/V rows, [tokens, H * D] tensors): their
+    tokens [FILL_ROWS, 1] (int64, times the tensor's row stride by the caller), the head's columns [1, D] and which
+    rows exist (before q_len)."""
+    j = row0 + self_tile * BLOCK_N + c * FILL_ROWS + gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
+    head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
+    return (q_start + j).to(gl.int64)[:, None], head_cols, (j < q_len)[:, None]
+
+
+@gluon.jit
 def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, tile, num_hist, k_ptr,
                v_ptr, k_stride, v_stride, q_start, q_len, head, row0, D: gl.constexpr, BLOCK_N: gl.constexpr,
                FILL_ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, DOT_SCALES: gl.constexpr,
@@ -162,12 +173,9 @@ def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_sca
             k_dot_scales.store(_row_scales(k_scales, BLOCK_N, ASYNC_SCALES, layout))
             v_dot_scales.store(_row_scales(v_scales, BLOCK_N, ASYNC_SCALES, layout))
     else:
-        rows = gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
-        head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            j = row0 + (tile - num_hist) * BLOCK_N + c * FILL_ROWS + rows
-            token = (q_start + j).to(gl.int64)[:, None]
-            row_ok = (j < q_len)[:, None]
+            token, head_cols, row_ok = _self_rows(q_start, q_len, head, row0, tile - num_hist, c, D, BLOCK_N,
+                                                  FILL_ROWS, layout)
             if KEYS:
                 k_dst.slice(c * FILL_ROWS, FILL_ROWS).store(gl.load(k_ptr + token * k_stride + head_cols,
                                                                     mask=row_ok, other=0.0))
