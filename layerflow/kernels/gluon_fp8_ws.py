@@ -31,15 +31,15 @@ def _fp8_consumer(q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, 
     else:  # unused: every tile is masked
         whole = 0
     if QK_TERMS > 0:
-        first_scale, second_scale = _query_scales(q_scales, QK_TERMS, s_layout)
+        first_scale, ratio = _query_scales(q_scales, QK_TERMS, s_layout)
     else:  # unused: the queries are in the model's dtype
-        first_scale, second_scale = alpha, alpha
+        first_scale, ratio = alpha, alpha
     for tile in range(num_tiles):
         slot = tile % STAGES
         mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
         fence_async_shared()
         if QK_TERMS > 0:
-            raw = _fp8_scores(q_smem, k_ring.index(slot), first_scale, second_scale, s_zero, QK_TERMS)
+            raw = _fp8_scores(q_smem, k_ring.index(slot), first_scale, ratio, s_zero, QK_TERMS)
         else:
             raw = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False)
         acc = _tile_dots(raw, v_ring.index(slot), k_dot_scales.index(slot), v_dot_scales.index(slot), acc, alpha,
