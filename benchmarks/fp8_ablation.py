@@ -26,9 +26,10 @@ def _no_decode(dst, codes, scales, ROWS_N, FP8, ASYNC_SCALES, DOT_SCALES, DECODE
 
 
 @gluon.jit
-def _no_dots(q_smem, k_tile, v_tile, k_dot_scales, v_dot_scales, acc, s_zero, alpha, tile, whole, num_hist, lo, r,
-             self_end, hist_end, key_cols, BLOCK_N, DOT_SCALES, TANH, WHOLE, s_layout, p_layout):
-    """In place of gluon_fp8_tiles._tile_dots: no wgmma and no SiLU, the accumulator as it was."""
+def _no_dots(raw, v_tile, k_dot_scales, v_dot_scales, acc, alpha, tile, whole, num_hist, lo, r, self_end, hist_end,
+             key_cols, BLOCK_N, K_DOT_SCALES, V_DOT_SCALES, TANH, WHOLE, s_layout, p_layout):
+    """In place of gluon_fp8_tiles._tile_dots: no SiLU and no V dot, the accumulator as it was; Q K^T (`raw`, the
+    caller's wgmma) is left unused, so the compiler drops it."""
     return acc
 
 

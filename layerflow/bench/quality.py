@@ -141,11 +141,17 @@ def compare(settings: QualitySettings, device: torch.device) -> QualityResults:
     visits = workload(settings)
     reference = run_engine(weights, settings, "auto", visits, device)
     fp8 = run_engine(weights, settings, settings.kv_cache_dtype, visits, device)
+    return results_of(settings, device, visits, fp8, reference)
+
+
+def results_of(settings: QualitySettings, device: torch.device, visits: list[Visits], scores: list[torch.Tensor],
+               reference: list[torch.Tensor]) -> QualityResults:
+    """The agreement of `scores` with `reference` (one per visit of the workload), overall and per history length."""
     per_length = {}
     for length in settings.history_lens:
         users = [i for i, v in enumerate(visits) if v.history_len == length]
-        per_length[length] = Agreement.of([fp8[i] for i in users], [reference[i] for i in users])
-    return QualityResults(settings, device, Agreement.of(fp8, reference), per_length)
+        per_length[length] = Agreement.of([scores[i] for i in users], [reference[i] for i in users])
+    return QualityResults(settings, device, Agreement.of(scores, reference), per_length)
 
 
 def markdown(results: QualityResults, where: str) -> str:

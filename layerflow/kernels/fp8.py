@@ -122,6 +122,24 @@ def dequantise(codes: torch.Tensor, scales: torch.Tensor, kv_dtype: torch.dtype,
     return (values * _power_of_two(scales.to(torch.int32) - SCALE_BIAS).unsqueeze(-1)).to(dtype)
 
 
+QUERY_DTYPE = torch.float8_e4m3fn     # the queries' format when q.k runs on fp8 MMAs
+
+
+def query_terms(q: torch.Tensor, terms: int) -> list[torch.Tensor]:
+    """q [..., D] as `terms` e4m3 terms (fp32 values; their sum approximates q) for q.k on fp8 MMAs: the first is q
+    quantised by the module's rule (a power-of-two scale per row), each next one what the terms before it missed,
+    quantised the same way. One term keeps e4m3's 4 significant bits of q, two about 8 (bf16 has 8). The fp8 Gluon
+    kernel forms the same terms (the differences are exact in fp32)."""
+    if terms < 1:
+        raise ValueError(f"terms={terms}: expected at least 1")
+    rest, out = q.float(), []
+    for _ in range(terms):
+        term = dequantise(*quantise(rest, QUERY_DTYPE), QUERY_DTYPE, torch.float32)
+        out.append(term)
+        rest = rest - term
+    return out
+
+
 def page_views(kv_cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of an fp8 cache `[pages, 2, rows, H, D]` (uint8): the codes `[pages, 2, page_size, H, D]` and the scale
     bytes `[pages, 2, H, page_size]` (layerflow.tier.layout). Writes through them land in the cache."""

@@ -29,6 +29,9 @@ quantiser writes.
 The split count and the self tiles as in the bf16 kernel: it reads the "rows" rule's table (layerflow.kernels.splits:
 the count of the launch's real query blocks, so a bucket larger than the batch still fills whole waves) and the
 candidates' self tiles are dealt with the history and run by the last split (gluon_tiles._balanced_range).
+How Q K^T runs (Fp8Tiling.qk, else $LAYERFLOW_FP8_QK): "bf16" over the decoded keys as above, or "fp8" / "fp8x2" on
+fp8 MMAs over the key codes themselves, the queries as one or two e4m3 terms (layerflow.kernels.gluon_fp8_qk); V is
+decoded either way.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from layerflow.kernels.gluon_fp8_qk import _scores_layout, _store_query_terms
 from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout
 from layerflow.kernels.gluon_fp8_ws import _fp8_consumer, _fp8_one_slot_producer, _fp8_producer
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
@@ -72,6 +76,13 @@ DECODE_ENV = "LAYERFLOW_FP8_DECODE"
 # against 948.3 at 16K (393.3 against 415.1 at 2K).
 DEFAULT_DECODE = "cvt"
 BF16_DECODE = "bits"
+# Q K^T over decoded keys, or on fp8 MMAs with one or two e4m3 query terms (gluon_fp8_qk). CPU emulation of the
+# quality run (docs/fp8.md): top-10 0.9917 / 0.9792 / 0.9875, one term misses the gate (0.98). "bf16" until the H200
+# shows an fp8 path faster.
+QKS = ("bf16", "fp8", "fp8x2")
+QK_ENV = "LAYERFLOW_FP8_QK"
+DEFAULT_QK = "bf16"
+QK_TERMS = {"bf16": 0, "fp8": 1, "fp8x2": 2}
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 # The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
@@ -95,8 +106,8 @@ class Fp8Tiling:
     while the loader waits for a free bf16 slot, which lets 64-key tiles fit beside a 128 x 256 query block), how the
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
     each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
-    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles) and how the loader decodes
-    (DECODES)."""
+    on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
+    (DECODES) and how Q K^T runs (QKS: with "fp8"/"fp8x2" the K slots hold e4m3 codes and only V is decoded)."""
 
     block_n: int = 32
     stages: int = 2
@@ -108,6 +119,7 @@ class Fp8Tiling:
     silu: str = DEFAULT_SILU
     unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
     decode: str = DEFAULT_DECODE
+    qk: str = DEFAULT_QK
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -132,11 +144,12 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
     """64-key tiles: in four code slots at D <= 128, at D=256 in WIDE_CODE_STAGES[block_m] where those fit beside
     the query block (the "async" scale copy, the "decode" scale site), else 32-key tiles in four; the scale copy,
     scale site, SiLU, whole-tile mask and decode of $LAYERFLOW_FP8_SCALE_COPY, $LAYERFLOW_FP8_SCALE_SITE,
-    $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE and the flag (0 or 1) $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES, else the
+    $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE, $LAYERFLOW_FP8_QK and the flag (0 or 1)
+    $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES, else the
     defaults: the "async" scale copy where `page_size` is a multiple of 4 (None: assumed to), else "load";
     SILU_AT_M64 with 64-key tiles beside 64-row blocks at D=256, else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps
     beside 64-row blocks; BF16_DECODE for a bf16 model (`dtype`), else DEFAULT_DECODE (the "bits" decode writes bf16
-    tiles only; None: the model's dtype not known)."""
+    tiles only; None: the model's dtype not known), DEFAULT_QK."""
     copy = DEFAULT_SCALE_COPY if page_size is None or page_size % 4 == 0 else "load"
     tiling = Fp8Tiling(block_n=64 if head_dim <= 128 else 32,
                        scale_copy=_env_choice(SCALE_COPY_ENV, SCALE_COPIES, copy),
@@ -144,7 +157,8 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
                        scale_site=_env_choice(SCALE_SITE_ENV, SCALE_SITES, DEFAULT_SCALE_SITE),
                        unmasked_whole_tiles=_env_flag(WHOLE_TILES_ENV, DEFAULT_UNMASKED_WHOLE_TILES),
                        decode=_env_choice(DECODE_ENV, DECODES,
-                                          BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE))
+                                          BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE),
+                       qk=_env_choice(QK_ENV, QKS, DEFAULT_QK))
     wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
     if head_dim > 128 and fp8_tiling_reason(wide) is None and \
             fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
@@ -154,13 +168,20 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
 
 
 def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, itemsize: int = 2) -> int:
-    """Query block, bf16 K/V slots (with the "dots" scale site their keys' fp32 scales), K/V code slots and their
-    4-byte scales, plus 2 KiB for the mbarriers and what the compiler adds (the sm_90 build of the default tiling at
-    D=256 asked for 0.3 KiB beyond the buffers)."""
-    tile_elements = 2 * tiling.block_n * head_dim
-    dot_scales = 2 * tiling.block_n * 4 if tiling.scale_site == "dots" else 0
-    return (block_m * head_dim * itemsize + tiling.stages * (tile_elements * itemsize + dot_scales)
-            + tiling.code_stages * (tile_elements + 2 * tiling.block_n * 4) + 2 * 1024)
+    """Query block (with fp8 q.k its e4m3 terms and their row scales), K/V slots in the dots' dtypes (with the
+    "dots" scale site, or fp8 q.k for K, their keys' fp32 scales), K/V code slots and their 4-byte scales, plus 2 KiB
+    for the mbarriers and what the compiler adds (the sm_90 build of the default tiling at D=256 asked for 0.3 KiB
+    beyond the buffers)."""
+    tile_bytes = tiling.block_n * head_dim
+    terms = QK_TERMS.get(tiling.qk, 0)
+    if terms:
+        queries = terms * block_m * (head_dim + 4)
+        slot = tile_bytes * (1 + itemsize) + tiling.block_n * 4
+    else:
+        queries = block_m * head_dim * itemsize
+        slot = 2 * tile_bytes * itemsize + (2 * tiling.block_n * 4 if tiling.scale_site == "dots" else 0)
+    return (queries + tiling.stages * slot + tiling.code_stages * (2 * tile_bytes + 2 * tiling.block_n * 4)
+            + 2 * 1024)
 
 
 def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
@@ -185,6 +206,11 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: unmasked_whole_tiles must be a bool (field, or ${WHOLE_TILES_ENV} 0 or 1)"
     if tiling.decode not in DECODES:
         return f"{tiling}: decode must be one of {DECODES} (field or ${DECODE_ENV})"
+    if tiling.qk not in QKS:
+        return f"{tiling}: qk must be one of {QKS} (field or ${QK_ENV})"
+    if tiling.qk != "bf16" and tiling.scale_site == "dots":
+        return (f"{tiling}: qk={tiling.qk!r} applies the key scales to S and decodes V with its scales "
+                "(scale_site 'decode' only)")
     return None
 
 
@@ -200,6 +226,8 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
         return reason
     if tiling.decode == "bits" and dtype != torch.bfloat16:
         return f"{tiling} for a {dtype} model: decode='bits' writes bf16 tiles (a bf16 model only)"
+    if tiling.qk != "bf16" and kv_dtype != torch.float8_e4m3fn:
+        return f"{tiling} over {kv_dtype} pages: qk={tiling.qk!r} feeds the key codes to e4m3 MMAs (e4m3 pages only)"
     if tiling.scale_copy == "async" and page_size is not None and page_size % 4:
         return (f"{tiling} at page_size={page_size}: scale_copy='async' copies 4-byte words of scales, so pages must "
                 "hold a multiple of 4 tokens")
@@ -221,7 +249,7 @@ def _gluon_fp8_kernel(
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
     DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, DECODE_BITS: gl.constexpr,
-    num_warps: gl.constexpr,
+    QK_TERMS: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -238,9 +266,7 @@ def _gluon_fp8_kernel(
     layout: gl.constexpr = _code_layout(D, num_warps)
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     code_smem: gl.constexpr = _code_smem_layout(D)
-    scale_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = _scores_layout(num_warps, BLOCK_N, QK_TERMS)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -249,12 +275,19 @@ def _gluon_fp8_kernel(
         q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
         True)
 
-    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    q_token = (q_start + row0 + q_rows).to(gl.int64)
-    d_cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    q_tile = gl.load(q_ptr + q_token[:, None] * q_stride + head * D + d_cols[None, :],
-                     mask=(row0 + q_rows < q_len)[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
+    scale_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if QK_TERMS > 0:   # Q K^T on fp8 MMAs (gluon_fp8_qk): e4m3 query terms, K slots of e4m3 codes
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [QK_TERMS, BLOCK_M, D], code_smem)
+        q_scales = gl.allocate_shared_memory(gl.float32, [QK_TERMS, BLOCK_M], scale_smem)
+        _store_query_terms(q_smem, q_scales, q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M, QK_TERMS,
+                           layout)
+    else:
+        q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        q_token = (q_start + row0 + q_rows).to(gl.int64)
+        d_cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        q_tile = gl.load(q_ptr + q_token[:, None] * q_stride + head * D + d_cols[None, :],
+                         mask=(row0 + q_rows < q_len)[:, None], other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
     k_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
     v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
     # "async": each key's slot holds the int32 word its scale byte lies in; "load": the fp32 scale itself.
@@ -271,13 +304,21 @@ def _gluon_fp8_kernel(
         inv_n = gl.load(inv_n_ptr + user)
     else:
         inv_n = gl.load(inv_n_ptr)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    if QK_TERMS > 0:
+        k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], code_smem)
+    else:
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     if DOT_SCALES:
         k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
         v_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
+    elif QK_TERMS > 0:  # the keys' scales apply to S, the values' in the decode
+        k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
+        v_dot_scales = v_scales
     else:  # unused: the decode applies the scales
         k_dot_scales, v_dot_scales = k_scales, v_scales
+    if QK_TERMS == 0:  # unused: the queries are in the model's dtype
+        q_scales = k_dot_scales
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for t in gl.static_range(STAGES):
@@ -287,25 +328,26 @@ def _gluon_fp8_kernel(
     gl.thread_barrier()
     if CODE_STAGES == 1:
         gl.warp_specialize([
-            (_fp8_consumer, (q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist,
-                             lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start,
-                             row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE, s_layout,
-                             o_layout, p_layout)),
+            (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
+                             num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
+                             q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
+                             QK_TERMS, s_layout, o_layout, p_layout)),
             (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
                                       v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
                                       scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS)),
+                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
+                                      QK_TERMS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([
-            (_fp8_consumer, (q_smem, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles, num_hist,
-                             lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride, q_start,
-                             row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE, s_layout,
-                             o_layout, p_layout)),
+            (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
+                             num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
+                             q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
+                             QK_TERMS, s_layout, o_layout, p_layout)),
             (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
                              empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
                              v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
-                             FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, DECODE_BITS)),
+                             FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, DECODE_BITS, QK_TERMS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
@@ -316,7 +358,8 @@ def fill_rows(block_n: int, head_dim: int, warps: int) -> int:
 
 class GluonFp8Attention(GluonLauncher):
     """The fp8 Gluon kernel behind the `tl` kernel's launch interface; it ignores the `tl`-only knobs (its tiling, and
-    the fp16 MMA choice of layerflow.kernels.fp8: this kernel always runs the dots in the model's dtype)."""
+    the fp16 MMA choice of layerflow.kernels.fp8: this kernel runs the V dot in the model's dtype and Q K^T as its
+    tiling's `qk` says)."""
 
     tiling_reason = staticmethod(fp8_tiling_reason)
     row_splits = True
@@ -341,7 +384,8 @@ class GluonFp8Attention(GluonLauncher):
                                 FILL_ROWS=fill_rows(t.block_n, D, t.producer_warps),
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
                                 DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
-                                WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits", num_warps=num_warps)
+                                WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits",
+                                QK_TERMS=QK_TERMS[t.qk], num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,

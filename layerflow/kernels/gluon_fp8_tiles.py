@@ -1,11 +1,11 @@
 """The per-tile pieces of the fp8 Gluon attention kernel (layerflow.kernels.gluon_fp8): the code slots' layouts,
 the async copies of a tile's fp8 codes, its scale bytes, the decode of a landed tile into the dots' dtype (scaled, or
 the codes alone with their scales beside them; by the native conversion or by bit moves), the code pipeline's
-prologue and step, and the two dots over a decoded tile."""
+prologue and step, and the SiLU and V dot of a filled tile."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
 
 from layerflow.kernels.gluon_tiles import _masked_silu, _tile_pages, _tile_silu
 
@@ -140,19 +140,32 @@ def _decode_rows(dst, codes, scales, ROWS_N: gl.constexpr, FP8: gl.constexpr, AS
 
 
 @gluon.jit
+def _self_rows(q_start, q_len, head, row0, self_tile, c, D: gl.constexpr, BLOCK_N: gl.constexpr,
+               FILL_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Rows c * FILL_ROWS .. of the block's self tile `self_tile` (its own K/V rows, [tokens, H * D] tensors): their
+    tokens [FILL_ROWS, 1] (int64, times the tensor's row stride by the caller), the head's columns [1, D] and which
+    rows exist (before q_len)."""
+    j = row0 + self_tile * BLOCK_N + c * FILL_ROWS + gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
+    head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
+    return (q_start + j).to(gl.int64)[:, None], head_cols, (j < q_len)[:, None]
+
+
+@gluon.jit
 def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, tile, num_hist, k_ptr,
                v_ptr, k_stride, v_stride, q_start, q_len, head, row0, D: gl.constexpr, BLOCK_N: gl.constexpr,
                FILL_ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr, DOT_SCALES: gl.constexpr,
-               DECODE_BITS: gl.constexpr, layout: gl.constexpr):
+               DECODE_BITS: gl.constexpr, layout: gl.constexpr, KEYS: gl.constexpr):
     """Tile `tile`'s K and V in the dots' dtype into (k_dst, v_dst), FILL_ROWS rows at a time (bounding the
     registers it takes): a history tile decoded from its landed code slot and scale slot, a self tile (past the
     history) the block's own K/V rows, zero past q_len. With DOT_SCALES the history tile holds the codes alone and
-    its keys' scales go to (k_dot_scales, v_dot_scales), ones for a self tile."""
+    its keys' scales go to (k_dot_scales, v_dot_scales), ones for a self tile. Without KEYS only V (the caller
+    stages the keys: gluon_fp8_qk._fill_key_codes)."""
     if tile < num_hist:
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            _decode_rows(k_dst.slice(c * FILL_ROWS, FILL_ROWS), k_codes.slice(c * FILL_ROWS, FILL_ROWS),
-                         k_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES,
-                         DECODE_BITS, layout)
+            if KEYS:
+                _decode_rows(k_dst.slice(c * FILL_ROWS, FILL_ROWS), k_codes.slice(c * FILL_ROWS, FILL_ROWS),
+                             k_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES,
+                             DECODE_BITS, layout)
             _decode_rows(v_dst.slice(c * FILL_ROWS, FILL_ROWS), v_codes.slice(c * FILL_ROWS, FILL_ROWS),
                          v_scales.slice(c * FILL_ROWS, FILL_ROWS), FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES,
                          DECODE_BITS, layout)
@@ -160,14 +173,12 @@ def _fill_tile(k_dst, v_dst, k_dot_scales, v_dot_scales, k_codes, v_codes, k_sca
             k_dot_scales.store(_row_scales(k_scales, BLOCK_N, ASYNC_SCALES, layout))
             v_dot_scales.store(_row_scales(v_scales, BLOCK_N, ASYNC_SCALES, layout))
     else:
-        rows = gl.arange(0, FILL_ROWS, layout=gl.SliceLayout(1, layout))
-        head_cols = head * D + gl.arange(0, D, layout=gl.SliceLayout(0, layout))[None, :]
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            j = row0 + (tile - num_hist) * BLOCK_N + c * FILL_ROWS + rows
-            token = (q_start + j).to(gl.int64)[:, None]
-            row_ok = (j < q_len)[:, None]
-            k_dst.slice(c * FILL_ROWS, FILL_ROWS).store(gl.load(k_ptr + token * k_stride + head_cols, mask=row_ok,
-                                                                other=0.0))
+            token, head_cols, row_ok = _self_rows(q_start, q_len, head, row0, tile - num_hist, c, D, BLOCK_N,
+                                                  FILL_ROWS, layout)
+            if KEYS:
+                k_dst.slice(c * FILL_ROWS, FILL_ROWS).store(gl.load(k_ptr + token * k_stride + head_cols,
+                                                                    mask=row_ok, other=0.0))
             v_dst.slice(c * FILL_ROWS, FILL_ROWS).store(gl.load(v_ptr + token * v_stride + head_cols, mask=row_ok,
                                                                 other=0.0))
         if DOT_SCALES:
@@ -236,16 +247,14 @@ def _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_
 
 
 @gluon.jit
-def _tile_dots(q_smem, k_tile, v_tile, k_dot_scales, v_dot_scales, acc, s_zero, alpha, tile, whole, num_hist, lo, r,
-               self_end, hist_end, key_cols, BLOCK_N: gl.constexpr, DOT_SCALES: gl.constexpr, TANH: gl.constexpr,
-               WHOLE: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
-    """acc + SiLU(alpha Q K^T) V over one filled tile, masked to the keys each row sees, with WHOLE unless the tile
-    is one of the first `whole` (gluon_tiles._tile_silu: the same values without the mask); with DOT_SCALES the tile
-    holds codes and each key's scales multiply its column of Q K^T (folded into its alpha) and of the weights (exact:
-    powers of two)."""
-    fence_async_shared()
-    raw = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False)
-    if DOT_SCALES:
+def _tile_dots(raw, v_tile, k_dot_scales, v_dot_scales, acc, alpha, tile, whole, num_hist, lo, r, self_end, hist_end,
+               key_cols, BLOCK_N: gl.constexpr, K_DOT_SCALES: gl.constexpr, V_DOT_SCALES: gl.constexpr,
+               TANH: gl.constexpr, WHOLE: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """acc + SiLU(alpha raw) V over one filled tile (raw: its Q K^T), masked to the keys each row sees, with WHOLE
+    unless the tile is one of the first `whole` (gluon_tiles._tile_silu: the same values without the mask); with
+    K_DOT_SCALES each key's scale multiplies its column of raw (folded into its alpha), with V_DOT_SCALES each
+    value's its column of the weights (exact: powers of two)."""
+    if K_DOT_SCALES:
         col_alpha = (alpha * k_dot_scales.load(gl.SliceLayout(0, s_layout)))[None, :]
     else:
         col_alpha = alpha
@@ -253,6 +262,6 @@ def _tile_dots(q_smem, k_tile, v_tile, k_dot_scales, v_dot_scales, acc, s_zero, 
         p = _tile_silu(raw, col_alpha, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
     else:
         p = _masked_silu(raw * col_alpha, tile, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH)
-    if DOT_SCALES:
+    if V_DOT_SCALES:
         p = p * v_dot_scales.load(gl.SliceLayout(0, s_layout))[None, :]
-    return warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_tile, acc)
+    return warpgroup_mma(gl.convert_layout(p.to(v_tile.dtype), p_layout), v_tile, acc)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from layerflow.kernels.fp8 import dequantise, page_views, quantise
+from layerflow.kernels.fp8 import QUERY_DTYPE, dequantise, page_views, quantise, query_terms
 from layerflow.model.mask import MaskRule, attention_mask
 from layerflow.model.reference import hstu_attention
 from layerflow.tier.layout import fp8_page_size
@@ -41,12 +41,20 @@ def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               page_table: torch.Tensor, q_offsets: torch.Tensor, history_lens: torch.Tensor,
                               appended_lens: torch.Tensor, out: torch.Tensor, *, alpha: float,
                               max_seq_len: int | None = None, inv_n: torch.Tensor | None = None,
-                              mask: MaskRule = MaskRule(), kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+                              mask: MaskRule = MaskRule(), kv_dtype: torch.dtype | None = None,
+                              q_terms: int = 0) -> torch.Tensor:
     """Same contract as `PagedAttention.run` (1/N from `inv_n`, [1] or per user, else 1/max_seq_len; `kv_dtype`: an
     fp8 cache, dequantised as it is read); rows of `out` outside the batch are left untouched. Like the kernel it
-    reads only the history the mask lets the batch see."""
+    reads only the history the mask lets the batch see. `q_terms` > 0 (an e4m3 cache): q.k on fp8 MMAs as the fp8
+    Gluon kernel's `qk` choice runs it, the queries as the sum of their `q_terms` e4m3 terms (fp8.query_terms) and
+    the candidates' own keys quantised like cached ones (the kernel's K tiles are all codes)."""
     if (max_seq_len is None) == (inv_n is None):
         raise ValueError("pass exactly one of max_seq_len and inv_n")
+    if q_terms and kv_dtype != QUERY_DTYPE:
+        raise ValueError(f"q_terms={q_terms} over kv_dtype={kv_dtype}: fp8 q.k needs an {QUERY_DTYPE} cache")
+    if q_terms:
+        q = sum(query_terms(q, q_terms))
+        k = dequantise(*quantise(k, kv_dtype), kv_dtype, torch.float32)
     offsets, hist, appended = q_offsets.tolist(), history_lens.tolist(), appended_lens.tolist()
     scales = [1.0 / max_seq_len] if inv_n is None else inv_n.tolist()
     for b in range(len(offsets) - 1):

@@ -7,8 +7,8 @@ import torch
 
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
-from layerflow.kernels.gluon_fp8 import (DECODE_ENV, DEFAULT_DECODE, DEFAULT_SCALE_SITE, DEFAULT_SILU,
-                                         DEFAULT_UNMASKED_WHOLE_TILES, SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV,
+from layerflow.kernels.gluon_fp8 import (DECODE_ENV, DEFAULT_DECODE, DEFAULT_QK, DEFAULT_SCALE_SITE, DEFAULT_SILU,
+                                         DEFAULT_UNMASKED_WHOLE_TILES, QK_ENV, SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV,
                                          WHOLE_TILES_ENV, Fp8Tiling, GluonFp8Attention,
                                          default_fp8_tiling, fill_rows, fp8_shared_memory_bytes, fp8_unsupported_reason,
                                          select_fp8_kernel)
@@ -36,6 +36,9 @@ E4M3 = torch.float8_e4m3fn
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(unmasked_whole_tiles=1), "unmasked_whole_tiles"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="lut"), "decode must be one of"),
     (torch.float16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="bits"), "decode='bits' writes bf16 tiles"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(qk="fp16"), "qk must be one of"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(qk="fp8", scale_site="dots"), "scale_site 'decode' only"),
+    (torch.bfloat16, torch.float8_e5m2, 256, 128, 0, 0, Fp8Tiling(qk="fp8x2"), "e4m3 pages only"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
@@ -219,3 +222,25 @@ def test_a_bf16_model_decodes_by_bit_moves_and_an_fp16_one_by_the_conversion(mon
         assert reason is not None and "sm_90" in reason
     monkeypatch.setenv(DECODE_ENV, "cvt")
     assert default_fp8_tiling(256, 128, dtype=torch.bfloat16).decode == "cvt"
+
+
+def test_fp8_qk_drops_the_bf16_query_block_and_k_slots_for_e4m3_terms_and_codes():
+    # qk "fp8": one e4m3 term of 128 x 256 with 128 row scales; per slot 64 x 256 K codes, bf16 V and 64 key scales
+    base = Fp8Tiling(block_n=64, code_stages=1)
+    codes = 32768 + 512
+    expected = 128 * 260 + 2 * (16384 + 32768 + 256) + codes + 2048
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(**{**base.__dict__, "qk": "fp8"})) == expected
+    expected = 2 * 128 * 260 + 2 * (16384 + 32768 + 256) + codes + 2048
+    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(**{**base.__dict__, "qk": "fp8x2"})) == expected
+    assert fp8_shared_memory_bytes(128, 256, base) == 65536 + 2 * 65536 + codes + 2048
+
+
+def test_qk_comes_from_the_environment_and_defaults_to_the_models_dtype(monkeypatch):
+    monkeypatch.delenv(QK_ENV, raising=False)
+    assert DEFAULT_QK == "bf16" and default_fp8_tiling(256, 128, 32, torch.bfloat16).qk == "bf16"
+    monkeypatch.setenv(QK_ENV, "fp8x2")
+    tiling = default_fp8_tiling(256, 128, 32, torch.bfloat16)
+    assert tiling.qk == "fp8x2" and (tiling.block_n, tiling.code_stages) == (64, 1)
+    monkeypatch.setenv(QK_ENV, "int8")
+    with pytest.raises(ValueError, match="LAYERFLOW_FP8_QK='int8'"):
+        default_fp8_tiling(256, 128, 32, torch.bfloat16)
