@@ -76,9 +76,8 @@ DECODE_ENV = "LAYERFLOW_FP8_DECODE"
 # against 948.3 at 16K (393.3 against 415.1 at 2K).
 DEFAULT_DECODE = "cvt"
 BF16_DECODE = "bits"
-# Q K^T over decoded keys, or on fp8 MMAs with one or two e4m3 query terms (gluon_fp8_qk). CPU emulation of the
-# quality run (docs/fp8.md): top-10 0.9917 / 0.9792 / 0.9875, one term misses the gate (0.98). "bf16" until the H200
-# shows an fp8 path faster.
+# Q K^T over decoded keys, or on fp8 MMAs with one or two e4m3 query terms (gluon_fp8_qk); "bf16" until the default
+# flips (docs/fp8.md: fp8x2 meets the quality gate and is faster on the H200; one term misses the gate).
 QKS = ("bf16", "fp8", "fp8x2")
 QK_ENV = "LAYERFLOW_FP8_QK"
 DEFAULT_QK = "bf16"
