@@ -50,6 +50,7 @@ class HostSlab:
         self.ramp = np.arange(max(max_position, len(self.views["ids"])) + 1, dtype=np.int32)
         self.tokens_written = self.candidates_written = 0
         self.taken = False   # handed to a staged batch (BatchBuffers.take_slab / give_slab)
+        self.packer: object | None = None   # the native packer's state for this slab (native_staging.py), if used
 
     def write_pages(self, page_rows: Sequence[Sequence[int]]) -> None:
         """Each user's GPU pages at the front of its page-table row, zeros after them and in the rows past the batch
