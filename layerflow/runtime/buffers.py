@@ -9,7 +9,7 @@ copy that looked the stream up per call was slower, docs/performance.md). The CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,9 +35,10 @@ def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]
     return (*sizes, largest)
 
 
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """Capacity of one captured graph: users, query tokens (appended + candidates) and candidates."""
+class Bucket(NamedTuple):
+    """Capacity of one captured graph: users and query tokens (appended + candidates). A named tuple: a request
+    hashes and compares its bucket several times (buffers, graphs, the staged batch's check), and a tuple's hash and
+    equality run in C where a dataclass's are Python calls, each a few microseconds when the host's caches are cold."""
 
     max_batch: int
     max_tokens: int
