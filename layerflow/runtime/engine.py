@@ -252,7 +252,8 @@ class Engine:
     def launch(self, plan: BatchPlan) -> Flight:
         """Run a prepared batch on the device (waiting for the batch in flight to be collected first)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._flight is None)
+            while self._flight is not None:   # Condition.wait_for's frames and a lambda cost microseconds per launch
+                self._cond.wait()
             try:
                 self._check_open()
                 self.kv.chains.check_launch(plan)
@@ -314,9 +315,11 @@ class Engine:
     # ---- one batch ----------------------------------------------------------------------------
 
     def _bufs(self, bucket: Bucket) -> BatchBuffers:
-        if bucket not in self._buffers:
-            self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device, self.weights.config)
-        return self._buffers[bucket]
+        """The bucket's buffers, made on its first batch (one dict lookup per request otherwise)."""
+        found = self._buffers.get(bucket)
+        if found is None:
+            found = self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device, self.weights.config)
+        return found
 
     def _bucket(self, batch_size: int, num_tokens: int) -> Bucket:
         """The smallest captured bucket that fits (the buckets are every batch size with every token size, so that is
