@@ -7,6 +7,7 @@ phases of `layerflow bench --profile` (layerflow/bench/phases.py) over many requ
 cProfile of the same loop. GPU hits replay one request on a constant history; CPU hits evict the user first.
 
     python benchmarks/host_phases.py --preset dlrmv3 --layers 1 --seq-len 512 --iters 200
+    LAYERFLOW_PACK=native python benchmarks/host_phases.py --seq-len 2048 --iters 150   # the native slab packer
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from layerflow.bench.phases import PhaseTimer, row_names, rows
-from layerflow.bench.stats import Summary
-from layerflow.bench.workload import Workload
-from layerflow.config import Config
-from layerflow.model import HSTUWeights
-from layerflow.model.config import PRESETS
-from layerflow.runtime.engine import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's layerflow, not an installed one
+
+from layerflow.bench.phases import PhaseTimer, row_names, rows  # noqa: E402
+from layerflow.bench.stats import Summary  # noqa: E402
+from layerflow.bench.workload import Workload  # noqa: E402
+from layerflow.config import Config  # noqa: E402
+from layerflow.model import HSTUWeights  # noqa: E402
+from layerflow.model.config import PRESETS  # noqa: E402
+from layerflow.runtime.engine import Engine  # noqa: E402
 
 
 def main() -> None:

@@ -132,9 +132,9 @@ class Engine:
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "slab") is one of
-    STAGING_MODES, `pack` (default: $LAYERFLOW_PACK, else "numpy") one of PACKERS, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES. The captured shapes are every
-    size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%);
-    a batch runs in the smallest that fits.
+    STAGING_MODES, `pack` (default: $LAYERFLOW_PACK, else "numpy") one of PACKERS, `reap` (default: $LAYERFLOW_REAP,
+    else "after") one of REAP_MODES. The captured shapes are every size of `batch_buckets` with every size of
+    `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,

@@ -1,8 +1,8 @@
 """Build a C source of runtime/csrc/ into a shared library on first use, cached by its source and flags.
 
-The runtime's native helpers (the eventfd wait node, the slab packer) are single C files with no dependency beyond
-libc (and, for a function called through `ctypes.PyDLL`, the interpreter's own exported C API): compiling them with the
-system C compiler on first use keeps the package free of a build step. The library lands in the cache dir under a name
+The runtime's native helpers (the eventfd wait node, loaded with ctypes; the slab packer, an extension module built
+against the running interpreter's headers) are single C files needing nothing beyond libc and Python: compiling them
+with the system C compiler on first use keeps the package free of a build step. The library lands in the cache dir under a name
 keyed by the source and the flags, so an edited source is rebuilt and concurrent builders never see a partial file.
 """
 

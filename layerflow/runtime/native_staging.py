@@ -36,9 +36,9 @@ FIELDS = ("q_offsets", "history_lens", "appended_lens", "page_table", "ids", "po
 
 
 class PackStatus(enum.IntEnum):
-    """What the C packer returns; the values are csrc/pack_slab.c's."""
+    """Why a call of the C packer failed (it returns this int instead of the batch's record); csrc/pack_slab.c's
+    values."""
 
-    OK = 0
     BAD_ID = 1
     BAD_INPUT = 2
     TOO_LARGE = 3
@@ -67,6 +67,7 @@ def library() -> ModuleType:
     include = _python_include()
     if not os.path.exists(os.path.join(include, "Python.h")):
         raise RuntimeError(f"the native packer needs Python's C headers; {include}/Python.h is missing")
+    # The define keys the cached build to this interpreter: a module built for another Python does not load.
     path = build_library(SOURCE, (*CFLAGS, f"-I{include}", f"-DLAYERFLOW_PYTHON={sys.implementation.cache_tag}"))
     spec = importlib.util.spec_from_file_location(MODULE, path,
                                                   loader=importlib.machinery.ExtensionFileLoader(MODULE, str(path)))
@@ -108,9 +109,9 @@ class NativePacker:
     def pack(self, users: list[int], cached_lens: list[int], appended: list[list[int]],
              candidates: list[list[int]], page_rows: list[tuple[int, ...]]) -> tuple:
         """Write the batch into the slab (what `staging.stage_items` writes, byte for byte); returns the batch's
-        record: (a copy of cached_lens, appended lengths, candidate lengths, query tokens, candidates). Lists must be lists of plain ints and the page rows tuples (what the KV manager passes). A bad
-        id raises ValueError naming the user and the id; a batch past the slab's bucket, a bad type or length
-        ValueError naming it."""
+        record: (a copy of cached_lens, appended lengths, candidate lengths, query tokens, candidates). The lists
+        must be lists of ints and the page rows tuples (what the KV manager passes). A bad id raises ValueError
+        naming the user and the id; a batch past the slab's bucket, a bad type or length ValueError naming it."""
         record = self._pack(self._address, cached_lens, appended, candidates, page_rows, self.slab.held)
         if type(record) is int:
             self._raise(PackStatus(record), users, cached_lens, appended, candidates, page_rows)
@@ -137,7 +138,8 @@ class NativePacker:
 def stage_items_native(slab: HostSlab, model: HSTUConfig, users: list[int], cached_lens: list[int],
                        appended: list[list[int]], candidates: list[list[int]], page_rows: Sequence[tuple[int, ...]],
                        bucket: Hashable) -> StagedBatch:
-    """`staging.stage_items` by the native packer: the same slab bytes, the same StagedBatch, the same errors."""
+    """`staging.stage_items` by the native packer: the same slab bytes, the same StagedBatch, the same errors for
+    ids out of the vocabulary or not numbers (an id that is a float is refused by name, where numpy truncates it)."""
     cached, appended_lens, candidate_lens, tokens, num_candidates = \
         NativePacker.for_slab(slab, model).pack(users, cached_lens, appended, candidates, page_rows)
     return StagedBatch(cached, appended_lens, candidate_lens, bucket, slab, tokens, num_candidates)

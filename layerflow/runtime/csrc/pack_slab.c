@@ -4,8 +4,9 @@
  * positions, candidate rows and ids, 1/N) from the request's own Python lists.
  *
  * Per request the host's caches are cold, and each small Python or numpy step costs a fixed few microseconds there;
- * one call that walks the lists costs less than converting them to arrays first. It runs with the GIL held (loaded
- * by ctypes.PyDLL) and uses only functions of CPython's stable C API, declared here, so no Python headers are needed.
+ * one call that walks the lists costs less than converting them to arrays first. It is an extension module's
+ * METH_FASTCALL function (run with the GIL held): cold, such a call costs a fraction of a ctypes call's libffi and
+ * argument conversions (measured ~6 vs ~29 us on the development CPU with its caches flushed).
  *
  * The slab's layout and the packer's memory of the last batch live in a `layerflow_slab` the Python side fills once
  * per slab. A page-table row remembers the tuple it was written from (`held`, a Python list owning those tuples): a
@@ -33,7 +34,7 @@ typedef struct {
     int32_t batch_n;          /* nonzero: write 1/N (N = longest cached + longest query) as float32 bits */
     /* each field's first int32 in the slab (runtime/staging.py's slab_fields) */
     int32_t q_offsets, history_lens, appended_lens, page_table, ids, positions, candidate_rows, candidate_ids, inv_n;
-    int32_t tokens_written, candidates_written;   /* entries the last batch wrote: cleared by the next if it is smaller */
+    int32_t tokens_written, candidates_written;   /* entries the last batch wrote: a smaller next batch clears them */
 } layerflow_slab;
 
 static int fail(int status)
