@@ -41,6 +41,7 @@ class HostSlab:
     def __init__(self, fields: dict[str, slice], max_batch: int, max_pages: int, max_position: int, pin: bool):
         total = max(s.stop for s in fields.values())
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.address = self.host.data_ptr()   # taken once: Tensor.data_ptr is a torch call per request otherwise
         whole = self.host.numpy()
         self.views = {name: whole[s] for name, s in fields.items()}
         self.table = self.views["page_table"].reshape(max_batch, max_pages)
