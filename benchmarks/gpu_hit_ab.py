@@ -1,8 +1,7 @@
 """A/B of the engine's launch choices on GPU hits, in one process: an engine per variant, timed in alternated blocks.
 
-A variant is a token bucket, the attention's split rule and self-tile split (PagedAttention's `splits`,
-GluonTiling's `self_last`: the new defaults "rows" and "last", main's before them "bucket" and "first") and the slab
-packer (Engine's `pack`: "numpy" or "native"). Every engine
+A variant is a token bucket and the attention's split rule and self-tile split (PagedAttention's `splits`,
+GluonTiling's `self_last`: the new defaults "rows" and "last", main's before them "bucket" and "first"). Every engine
 serves the same users (hstu-bench, BS=1, 64 appended + 256 candidates, as `layerflow bench` stages a GPU hit); each
 block runs `--requests` GPU hits back to back on every engine in turn (the order rotating), the host clock around
 `Engine.score` as `bench` times it. Then torch.profiler records `--profiled` requests per engine: attention and
@@ -17,8 +16,7 @@ from the start, so every wall of that run pays the same wrappers).
 
     python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant main=512:bucket:first --variant new=320 \
         --ladders 4,1 --sweep-splits 2,4,8,11 --out ab.json
-    python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant numpy=320 --variant native=320:rows:last:native \
-        --phases --out pack.json
+    python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant new=320 --phases --out phases.json
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ from layerflow.kernels.tiling import default_tiling  # noqa: E402
 from layerflow.model import HSTUConfig, HSTUWeights, full_forward  # noqa: E402
 from layerflow.model.layer import LayerWeights  # noqa: E402
 from layerflow.runtime.buffers import token_ladder  # noqa: E402
-from layerflow.runtime.engine import PACKERS, TOKEN_BUCKETS, Engine  # noqa: E402
+from layerflow.runtime.engine import TOKEN_BUCKETS, Engine  # noqa: E402
 from layerflow.bench.phases import PhaseTimer, row_names, rows as phase_rows  # noqa: E402
 
 SELF_TILES = ("last", "first")
@@ -62,21 +60,20 @@ class Variant:
     tokens: int
     splits: str = SPLIT_RULES[0]
     self_tiles: str = SELF_TILES[0]
-    pack: str = PACKERS[0]
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """'NAME=TOKENS[:SPLIT_RULE[:first|last[:PACKER]]]'."""
-        form = "NAME=TOKENS[:SPLIT_RULE[:first|last[:PACKER]]]"
+        """'NAME=TOKENS[:SPLIT_RULE[:first|last]]'."""
+        form = "NAME=TOKENS[:SPLIT_RULE[:first|last]]"
         try:
             name, rest = text.split("=", 1)
             tokens, *options = rest.split(":")
             variant = cls(name, int(tokens), *options)
         except (ValueError, TypeError):
             raise argparse.ArgumentTypeError(f"variant {text!r}: expected {form}") from None
-        if variant.splits not in SPLIT_RULES or variant.self_tiles not in SELF_TILES or variant.pack not in PACKERS:
+        if variant.splits not in SPLIT_RULES or variant.self_tiles not in SELF_TILES:
             raise argparse.ArgumentTypeError(f"variant {text!r}: split rule in {SPLIT_RULES}, self tiles in "
-                                             f"{SELF_TILES}, packer in {PACKERS}")
+                                             f"{SELF_TILES}")
         return variant
 
 
@@ -259,7 +256,7 @@ def build_engines(variants: list[Variant], weights: HSTUWeights, config, device:
         try:
             with launch_settings(v):
                 engine = stack.enter_context(Engine(weights, config, device=device, batch_buckets=(1,),
-                                                    token_buckets=(v.tokens,), pack=v.pack))
+                                                    token_buckets=(v.tokens,)))
                 engine.warmup()
         except Exception as error:      # a variant that does not build is reported, the others still run
             print(f"# {v}: FAILED to build: {error!r}"[:2000], flush=True)

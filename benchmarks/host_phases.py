@@ -7,7 +7,6 @@ phases of `layerflow bench --profile` (layerflow/bench/phases.py) over many requ
 cProfile of the same loop. GPU hits replay one request on a constant history; CPU hits evict the user first.
 
     python benchmarks/host_phases.py --preset dlrmv3 --layers 1 --seq-len 512 --iters 200
-    LAYERFLOW_PACK=native python benchmarks/host_phases.py --seq-len 2048 --iters 150   # the native slab packer
 """
 
 from __future__ import annotations

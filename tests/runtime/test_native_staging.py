@@ -1,6 +1,6 @@
 """The native slab packer writes the numpy packer's bytes byte for byte (ragged batches, 0-history users, shrinking and
 growing fields, returning hits' page rows, either N rule), refuses the same bad ids with the same errors, and an
-engine scores the same with either packer."""
+engine packs with it (where it builds) and scores like the JaggedBatch staging."""
 
 import random
 
@@ -9,7 +9,6 @@ import torch
 
 from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import BatchBuffers, Bucket
-from layerflow.runtime.engine import PACK_ENV
 from layerflow.runtime.native_staging import native_available, stage_items_native
 from layerflow.runtime.request import Request
 from layerflow.runtime.staging import stage_items
@@ -103,26 +102,15 @@ def test_a_batch_past_the_slab_or_of_the_wrong_types_is_refused_by_name():
         stage_items_native(_slab_pair(BATCH_N)[2], BATCH_N, [0], [0], [[]], [[]], [()], bufs.bucket)
 
 
-def test_the_engine_scores_bitwise_the_same_with_either_packer(monkeypatch):
+def test_the_engine_packs_natively_and_scores_bitwise_like_the_jagged_batch_staging():
     weights = HSTUWeights.init(CONFIG, seed=3)
     visits = _visits(random.Random(2))
     results = {}
-    for pack in ("numpy", "native"):
-        monkeypatch.setenv(PACK_ENV, pack)
-        with _engine(weights, "slab") as engine:
-            assert engine.pack == pack
-            results[pack] = [[s.clone() for s in engine.score(visit)] for visit in visits]
+    for staging in ("slab", "batch"):
+        with _engine(weights, staging) as engine:
+            assert engine.pack == "native"
+            results[staging] = [[s.clone() for s in engine.score(visit)] for visit in visits]
             with pytest.raises(ValueError, match="user 3: candidate item id 300"):
                 engine.score([Request(3, [1], [300])])
-    for a, b in zip(results["numpy"], results["native"]):
+    for a, b in zip(results["slab"], results["batch"]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def test_the_packer_defaults_to_numpy_and_an_unknown_one_is_refused_by_name(monkeypatch):
-    weights = HSTUWeights.init(CONFIG, seed=3)
-    monkeypatch.delenv(PACK_ENV, raising=False)
-    with _engine(weights, "slab") as engine:
-        assert engine.pack == "numpy"
-    monkeypatch.setenv(PACK_ENV, "fortran")
-    with pytest.raises(ValueError, match=f"pack='fortran' \\({PACK_ENV}\\)"):
-        _engine(weights, "slab")
