@@ -8,12 +8,15 @@ block runs `--requests` GPU hits back to back on every engine in turn (the order
 output-gate device time per layer, the device span of a request's graph kernels (first start to last end, copies left
 out) and the split count each attention launched. Each variant's scores are compared with the float64 recompute of
 the same request on the GPU (full_forward over history + appended + candidates): max |diff| / max |reference| and the
-top-10 overlap.
+top-10 overlap. `--phases` times every engine's host phases (`layerflow bench --profile`'s, bench/phases.py) in
+`--phase-blocks` more alternated blocks after the walls, and prints each variant's medians (its timers are attached
+from the start, so every wall of that run pays the same wrappers).
 `--ladders` then builds engines over the token ladders of those steps (every batch bucket) and times their warm-up.
 `--sweep-splits` then times the attention and its gate alone per fixed split count (8 layers' pages in one graph).
 
     python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant main=512:bucket:first --variant new=320 \
         --ladders 4,1 --sweep-splits 2,4,8,11 --out ab.json
+    python3 benchmarks/gpu_hit_ab.py --seq-lens 16K,2K --variant new=320 --phases --out phases.json
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from layerflow.model import HSTUConfig, HSTUWeights, full_forward  # noqa: E402
 from layerflow.model.layer import LayerWeights  # noqa: E402
 from layerflow.runtime.buffers import token_ladder  # noqa: E402
 from layerflow.runtime.engine import TOKEN_BUCKETS, Engine  # noqa: E402
+from layerflow.bench.phases import PhaseTimer, row_names, rows as phase_rows  # noqa: E402
 
 SELF_TILES = ("last", "first")
 
@@ -60,13 +64,13 @@ class Variant:
     @classmethod
     def parse(cls, text: str) -> "Variant":
         """'NAME=TOKENS[:SPLIT_RULE[:first|last]]'."""
+        form = "NAME=TOKENS[:SPLIT_RULE[:first|last]]"
         try:
             name, rest = text.split("=", 1)
             tokens, *options = rest.split(":")
             variant = cls(name, int(tokens), *options)
         except (ValueError, TypeError):
-            raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=TOKENS[:SPLIT_RULE[:first|last]]") \
-                from None
+            raise argparse.ArgumentTypeError(f"variant {text!r}: expected {form}") from None
         if variant.splits not in SPLIT_RULES or variant.self_tiles not in SELF_TILES:
             raise argparse.ArgumentTypeError(f"variant {text!r}: split rule in {SPLIT_RULES}, self tiles in "
                                              f"{SELF_TILES}")
@@ -128,14 +132,31 @@ def top10_overlap(scores: list[torch.Tensor], reference: list[torch.Tensor]) -> 
                for s, r in zip(scores, reference))
 
 
-def gpu_hit(engine: Engine, workload: Workload) -> tuple[float, list[torch.Tensor]]:
-    """One GPU hit: the history truncated back (untimed), then the host-clock ms of `score` and its scores."""
+def gpu_hit(engine: Engine, workload: Workload, timer: PhaseTimer | None = None) -> tuple[float, list[torch.Tensor]]:
+    """One GPU hit: the history truncated back (untimed), then the host-clock ms of `score` and its scores; with a
+    `timer` (attached to `engine`), its phases recorded for this request."""
     engine.kv.wait_offloads()
     for r in workload.requests:
         engine.kv.truncate(r.user_id, workload.seq_len)
+    if timer is not None:
+        timer.start()
     start = time.perf_counter()
     scores = engine.score(workload.requests)
     return (time.perf_counter() - start) * 1e3, scores
+
+
+def alternated_phases(engines: dict[str, Engine], timers: dict[str, PhaseTimer], workloads: dict[str, Workload],
+                      blocks: int, requests: int) -> dict[str, dict[str, float]]:
+    """Median host ms of every phase row per engine over `blocks` alternated blocks of `requests` timed GPU hits."""
+    names = list(engines)
+    samples = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names[block % len(names):] + names[:block % len(names)]:
+            for _ in range(requests):
+                wall = gpu_hit(engines[name], workloads[name], timers[name])[0]
+                samples[name].append(phase_rows(timers[name].stop(), wall))
+    return {name: {row: statistics.median(s[row] for s in samples[name]) for row in row_names()}
+            for name in names}
 
 
 def loaded_workloads(engines: dict[str, Engine], settings: Settings, index: int,
@@ -309,6 +330,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--requests", type=int, default=20, help="GPU hits per engine per block")
     parser.add_argument("--profiled", type=int, default=10, help="profiled GPU hits per engine per length")
+    parser.add_argument("--phases", action="store_true", help="time each engine's host phases after the walls")
+    parser.add_argument("--phase-blocks", type=int, default=4, help="alternated blocks of --requests for --phases")
     parser.add_argument("--ladders", type=lambda t: [int(s) for s in t.split(",") if s.strip()], default=[],
                         help="token ladder steps whose engines' warm-up to time afterwards, e.g. 1,4,4")
     parser.add_argument("--sweep-splits", type=lambda t: [int(s) for s in t.split(",") if s.strip()], default=[],
@@ -326,6 +349,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         engines = build_engines(args.variant, weights, config, device, stack, out)
         names = list(engines)
+        timers = {name: PhaseTimer() for name in names} if args.phases else {}
+        for name, timer in timers.items():   # attached before any wall is timed: every wall pays the same wrappers
+            timer.attach(engines[name])
         for index, seq_len in enumerate(settings.seq_lens):
             workloads = loaded_workloads(engines, settings, index, seq_len)
             walls = alternated_walls(engines, workloads, args.blocks, args.requests)
@@ -342,6 +368,8 @@ def main() -> None:
                 print(f"| {name} | {r['wall_ms_median']:.3f} ({r['wall_ms_p10']:.3f} / {r['wall_ms_p90']:.3f}) | "
                       f"{r['attention_us_per_layer']:.1f} | {r['norm_us_per_layer']:.1f} | {r['kernels_us']:.1f} | "
                       f"{r['span_us_median']:.1f} | {r['splits']} |", flush=True)
+            if args.phases:
+                phase_table(engines, timers, workloads, args, rows)
             write(args.out, out)
             reference = reference_scores(weights64, workloads[names[0]])
             first = gpu_hit(engines[names[0]], workloads[names[0]])[1]
@@ -374,6 +402,22 @@ def main() -> None:
         print("# ladder " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in cost.items()), flush=True)
         write(args.out, out)
+
+
+# The phase rows --phases prints (every row goes to the JSON).
+PRINTED_PHASES = ("prepare", "prepare.pack", "prepare.other", "launch.fill", "launch.forward", "launch.offload",
+                  "collect.fetch", "collect.commit", "outside", "wall")
+
+
+def phase_table(engines: dict[str, Engine], timers: dict[str, PhaseTimer], workloads: dict[str, Workload],
+                args: argparse.Namespace, rows: dict[str, dict]) -> None:
+    """Time the engines' phases (`timers`, attached to them) in alternated blocks, print the medians and add them to
+    each variant's row."""
+    phases = alternated_phases(engines, timers, workloads, args.phase_blocks, args.requests)
+    print("| host ms (phases on) | " + " | ".join(PRINTED_PHASES) + " |\n|---|" + "---|" * len(PRINTED_PHASES))
+    for name, medians in phases.items():
+        rows[name]["phases_ms_median"] = medians
+        print(f"| {name} | " + " | ".join(f"{medians[p]:.3f}" for p in PRINTED_PHASES) + " |", flush=True)
 
 
 def write(path: str | None, out: dict) -> None:

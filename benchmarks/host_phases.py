@@ -14,18 +14,22 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from layerflow.bench.phases import PhaseTimer, row_names, rows
-from layerflow.bench.stats import Summary
-from layerflow.bench.workload import Workload
-from layerflow.config import Config
-from layerflow.model import HSTUWeights
-from layerflow.model.config import PRESETS
-from layerflow.runtime.engine import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's layerflow, not an installed one
+
+from layerflow.bench.phases import PhaseTimer, row_names, rows  # noqa: E402
+from layerflow.bench.stats import Summary  # noqa: E402
+from layerflow.bench.workload import Workload  # noqa: E402
+from layerflow.config import Config  # noqa: E402
+from layerflow.model import HSTUWeights  # noqa: E402
+from layerflow.model.config import PRESETS  # noqa: E402
+from layerflow.runtime.engine import Engine  # noqa: E402
 
 
 def main() -> None:

@@ -51,9 +51,11 @@ def _sm_count(sms: int | None) -> Iterator[None]:
         attention.sm_count = real
 
 
-def _tensor_bytes(owner: object) -> int:
-    """Bytes of the tensors `owner` holds that own their storage (views of a slab are counted once, in the slab)."""
-    return sum(t.nbytes for t in vars(owner).values() if isinstance(t, torch.Tensor) and t._base is None)
+def _tensor_bytes(bufs: BatchBuffers) -> int:
+    """Bytes of the tensors a bucket's buffers hold that own their storage, their own host slab's among them (views
+    of a slab are counted once, in the slab)."""
+    held = [*vars(bufs).values(), bufs._slab.host]
+    return sum(t.nbytes for t in held if isinstance(t, torch.Tensor) and t._base is None)
 
 
 def ladder_cost(model: HSTUConfig, page_size: int, batch_buckets: tuple[int, ...], steps: int, smallest: int,

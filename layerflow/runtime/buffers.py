@@ -9,7 +9,7 @@ copy that looked the stream up per call was slower, docs/performance.md). The CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,9 +35,10 @@ def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]
     return (*sizes, largest)
 
 
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """Capacity of one captured graph: users, query tokens (appended + candidates) and candidates."""
+class Bucket(NamedTuple):
+    """Capacity of one captured graph: users and query tokens (appended + candidates). A named tuple: a request
+    hashes and compares its bucket several times (buffers, graphs, the staged batch's check), and a tuple's hash and
+    equality run in C where a dataclass's are Python calls, each a few microseconds when the host's caches are cold."""
 
     max_batch: int
     max_tokens: int
@@ -56,7 +57,6 @@ class BatchBuffers:
         slices = slab_fields(b, t, max_pages)
         self._pin = device.type == "cuda"
         self._slab = HostSlab(slices, b, max_pages, model.max_seq_len, self._pin)   # the one a JaggedBatch fills
-        self._host = self._slab.host
         self._spare: list[HostSlab] = []   # slabs for staged batches, given back after their batch
         self._device = torch.zeros(len(self._slab.host), dtype=torch.int32, device=device)
         self._device_address, self._slab_bytes = self._device.data_ptr(), self._device.nbytes
@@ -96,14 +96,14 @@ class BatchBuffers:
         """The whole of `host` into `device` (same shape), ordered on the current stream."""
         device.copy_(host, non_blocking=True)
 
-    def _slab_to_device(self, host: torch.Tensor) -> None:
+    def _slab_to_device(self, slab: HostSlab) -> None:
         """A whole host slab into the device slab: on CUDA one cudart copy on the buffers' stream (the current one when
-        a batch is issued), else torch's copy."""
+        a batch is issued) from the slab's address taken once, else torch's copy."""
         if self._raw_stream is not None:
-            cudart.memcpy_async(self._device_address, host.data_ptr(), self._slab_bytes, cudart.MEMCPY_HOST_TO_DEVICE,
+            cudart.memcpy_async(self._device_address, slab.address, self._slab_bytes, cudart.MEMCPY_HOST_TO_DEVICE,
                                 self._raw_stream)
         else:
-            self._to_device(self._device, host)
+            self._to_device(self._device, slab.host)
 
     def take_slab(self) -> HostSlab:
         """A host slab of this bucket for a staged batch (`stage_items`), its own until `give_slab`."""
@@ -129,7 +129,7 @@ class BatchBuffers:
             if batch.bucket != self.bucket:
                 raise ValueError(f"a batch staged for {batch.bucket} filled into the buffers of {self.bucket}")
             self.num_tokens, self.num_candidates = batch.num_tokens, batch.num_candidates
-            self._slab_to_device(batch.slab.host)
+            self._slab_to_device(batch.slab)
             return
         slab = self._slab
         slab.write_lengths(self.model, batch.cached_lens, batch.appended_lens, batch.query_lens)
@@ -149,7 +149,7 @@ class BatchBuffers:
             else:   # one thread's memcpy: torch's copy of a request's rows wakes its CPU thread pool
                 self._x_bits[:self.num_tokens] = rows
             self._to_device(self.x, self._x_host)
-        self._slab_to_device(self._host)
+        self._slab_to_device(slab)
 
     def send_results(self) -> None:
         """Queue the bucket's whole result buffer to the host on the current stream: the block's last step (inside

@@ -29,6 +29,7 @@ from layerflow.runtime.buffers import BatchBuffers, Bucket, token_ladder
 from layerflow.runtime.failover import ServerFailover
 from layerflow.runtime.graphs import GraphRunner
 from layerflow.runtime.kv_manager import BatchPlan, KVManager
+from layerflow.runtime.native_staging import native_available, stage_items_native
 from layerflow.runtime.pipeline import LayerPipeline, ReferenceKernels, TritonKernels
 from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.runtime.staging import StagedBatch, stage_items
@@ -126,9 +127,10 @@ class Engine:
     holds the engine's lock, so the engine is safe to call from several threads; `score` calls from other threads wait
     their turn. `copy_engine` replaces the in-process tier's copy engine (e.g. a wrapper that times or breaks copies);
     the engine closes it at `close()`; `staging` (default: $LAYERFLOW_STAGING, else "slab") is one of
-    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES. The captured shapes are every
-    size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%);
-    a batch runs in the smallest that fits.
+    STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES. Under "slab" staging a request
+    is packed by the native packer (`pack` "native": one C call, H200 2K GPU hit prepare 0.055 -> 0.033 ms) where it
+    builds, else by the numpy packer ("numpy": the same bytes; no C compiler or Python headers). The captured shapes
+    are every size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,
@@ -137,6 +139,9 @@ class Engine:
                  copy_engine: CopyEngine | None = None, staging: str | None = None, reap: str | None = None):
         self.config = config or Config()
         self.staging = _mode("staging", staging, STAGING_ENV, STAGING_MODES)
+        # Built and loaded here (native_available), never by a request.
+        self.pack = "native" if native_available() else "numpy"
+        self._stage = stage_items_native if self.pack == "native" else stage_items
         self.reap = _mode("reap", reap, REAP_ENV, REAP_MODES)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cuda = self.device.type == "cuda"
@@ -241,7 +246,8 @@ class Engine:
     def launch(self, plan: BatchPlan) -> Flight:
         """Run a prepared batch on the device (waiting for the batch in flight to be collected first)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._flight is None)
+            while self._flight is not None:   # Condition.wait_for's frames and a lambda cost microseconds per launch
+                self._cond.wait()
             try:
                 self._check_open()
                 self.kv.chains.check_launch(plan)
@@ -303,9 +309,11 @@ class Engine:
     # ---- one batch ----------------------------------------------------------------------------
 
     def _bufs(self, bucket: Bucket) -> BatchBuffers:
-        if bucket not in self._buffers:
-            self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device, self.weights.config)
-        return self._buffers[bucket]
+        """The bucket's buffers, made on its first batch (one dict lookup per request otherwise)."""
+        found = self._buffers.get(bucket)
+        if found is None:
+            found = self._buffers[bucket] = BatchBuffers(bucket, self.max_pages, self.device, self.weights.config)
+        return found
 
     def _bucket(self, batch_size: int, num_tokens: int) -> Bucket:
         """The smallest captured bucket that fits (the buckets are every batch size with every token size, so that is
@@ -323,7 +331,7 @@ class Engine:
         bufs = self._bufs(self._bucket(len(users), tokens))
         slab = bufs.take_slab()
         try:
-            return stage_items(slab, self.weights.config, users, cached_lens, appended, candidates, page_rows,
+            return self._stage(slab, self.weights.config, users, cached_lens, appended, candidates, page_rows,
                                bufs.bucket)
         except BaseException:
             bufs.give_slab(slab)

@@ -16,21 +16,13 @@ from __future__ import annotations
 import ctypes
 import enum
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from layerflow.runtime.native_build import CSRC, build_library
 from layerflow.transfer import cudart
 
-SOURCE = Path(__file__).parent / "csrc" / "eventfd_wait.c"
-CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror")
-
-_build_lock = threading.Lock()
+SOURCE = CSRC / "eventfd_wait.c"
 
 
 class WaitStatus(enum.IntEnum):
@@ -56,48 +48,9 @@ class WaitSlot(ctypes.Structure):
     ]
 
 
-def cache_dir() -> Path:
-    """Where compiled shims live: $LAYERFLOW_CACHE_DIR, else ~/.cache/layerflow."""
-    configured = os.environ.get("LAYERFLOW_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "layerflow"
-
-
-def find_compiler() -> str:
-    """The C compiler to use: $CC, else cc, else gcc; RuntimeError naming what was tried."""
-    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
-    for name in candidates:
-        path = shutil.which(name)
-        if path:
-            return path
-    raise RuntimeError(
-        f"layerflow needs a C compiler to build its eventfd wait node; none of {candidates} was found "
-        "on PATH (install gcc or set CC)"
-    )
-
-
 def build_shim() -> Path:
-    """Compile the shim into the cache dir, keyed by the source and flags, unless already there."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"eventfd_wait-{key}.so"
-    if target.exists():
-        return target
-    compiler = find_compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock:
-        if target.exists():
-            return target
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} with {compiler} failed:\n{done.stderr}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
+    """The compiled shim in the cache dir (built on first use, runtime/native_build.py)."""
+    return build_library(SOURCE)
 
 
 @functools.cache

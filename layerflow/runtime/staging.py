@@ -41,6 +41,7 @@ class HostSlab:
     def __init__(self, fields: dict[str, slice], max_batch: int, max_pages: int, max_position: int, pin: bool):
         total = max(s.stop for s in fields.values())
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.address = self.host.data_ptr()   # taken once: Tensor.data_ptr is a torch call per request otherwise
         whole = self.host.numpy()
         self.views = {name: whole[s] for name, s in fields.items()}
         self.table = self.views["page_table"].reshape(max_batch, max_pages)
@@ -50,6 +51,7 @@ class HostSlab:
         self.ramp = np.arange(max(max_position, len(self.views["ids"])) + 1, dtype=np.int32)
         self.tokens_written = self.candidates_written = 0
         self.taken = False   # handed to a staged batch (BatchBuffers.take_slab / give_slab)
+        self.packer: object | None = None   # the native packer's state for this slab (native_staging.py), if used
 
     def write_pages(self, page_rows: Sequence[Sequence[int]]) -> None:
         """Each user's GPU pages at the front of its page-table row, zeros after them and in the rows past the batch

@@ -65,7 +65,8 @@ def test_a_batch_staged_for_another_bucket_is_refused():
 
 def _engine(weights, staging, reap=None):
     config = Config(cpu_cache_gb=0.02, gpu_cache_gb=0.01, page_size=16, transfer_timeout_s=2.0)
-    return Engine(weights, config, staging=staging, reap=reap, batch_buckets=(1, 4), token_buckets=(64, 128))
+    return Engine(weights, config, device="cpu", staging=staging, reap=reap, batch_buckets=(1, 4),
+                  token_buckets=(64, 128))
 
 
 def _visits(rng):

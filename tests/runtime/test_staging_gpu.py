@@ -1,5 +1,5 @@
-"""Slab staging and the reap after the launch (the engine's defaults) on the H200: graph replays score bitwise like the
-JaggedBatch staging with the reap before, for GPU and host hits."""
+"""Slab staging with the native packer and the reap after the launch (the engine's defaults) on the H200: graph
+replays score bitwise like the JaggedBatch staging with the reap before, for GPU and host hits."""
 
 import pytest
 import torch
@@ -25,7 +25,9 @@ def _visit(seed):
 
 def _scores(weights, staging, reap):
     config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, transfer_timeout_s=5.0)
-    with Engine(weights, config, staging=staging, reap=reap, token_buckets=(64, 256), batch_buckets=(1, 4)) as engine:
+    with Engine(weights, config, staging=staging, reap=reap, token_buckets=(64, 256), batch_buckets=(1, 4)) \
+            as engine:
+        assert engine.pack == "native"
         engine.warmup()
         gen = torch.Generator().manual_seed(0)
         engine.score([Request(u, torch.randint(0, 5000, (n,), generator=gen).tolist(), [])
@@ -50,9 +52,8 @@ def proven(weights):
     return _scores(weights, "batch", "before")
 
 
-@pytest.mark.parametrize("staging,reap", [("slab", "after")])   # both defaults at once (each alone: the CPU tests)
-def test_new_paths_score_bitwise_like_batch_staging_with_reap_before(weights, proven, staging, reap):
-    new = _scores(weights, staging, reap)
+def test_the_defaults_score_bitwise_like_batch_staging_with_reap_before(weights, proven):
+    new = _scores(weights, "slab", "after")   # both defaults at once (each alone: the CPU tests)
     assert len(proven) == len(new) == 7
     for a, b in zip(proven, new):
         assert a.device.type == "cpu" and torch.equal(a, b)
