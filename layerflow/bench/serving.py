@@ -6,16 +6,18 @@ client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: pr
 guarded), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
-Every (policy, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
+Every (policy, answer mode, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
 drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
 (layerflow.transfer.cuda_copy.CopyPath), its copy engine timing each transfer's issue on the host
-(layerflow.bench.serving_issue).
+(layerflow.bench.serving_issue). With several `answers` modes (layerflow.serving.answers) every policy runs under
+each.
 
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
 onboarded byte at the bulk pinned memcpy rate, each batch at the measured GPU-hit time of its size (no hardware
 counters are read). The bound is the rate at which either saturates, whichever is lower: the copy engine at the bulk
-rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits.
+rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits. Beside it, per run, the cap the
+hottest user sets: one request of it per batch, so req/s <= batches/s over its share of the stream.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
+from layerflow.serving.answers import ANSWER_MODES
 from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
@@ -54,7 +57,8 @@ CALIBRATION_ITERS = 5
 @dataclass(frozen=True)
 class ServingSettings:
     """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
-    rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, whether
+    rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, the answer
+    modes compared (layerflow.serving.answers.ANSWER_MODES), whether
     each run also sums the engine's host time per phase (layerflow.bench.phases), the copy paths compared (CopyPath
     names, CUDA only; empty: the engine's own path, untimed), and how many alternated blocks repeat every run;
     `unloaded`: how many requests of the stream are first served
@@ -65,6 +69,7 @@ class ServingSettings:
     transports: tuple[str, ...] = TRANSPORTS
     max_wait_ms: float = 2.0
     policies: tuple[str, ...] = ("off", "guarded")
+    answers: tuple[str, ...] = ("inline",)
     profile: bool = False
     copy_paths: tuple[str, ...] = ()
     blocks: int = 1
@@ -77,6 +82,8 @@ class ServingSettings:
             raise ValueError(f"transports={self.transports!r}: expected some of {TRANSPORTS}")
         if not self.policies or any(p not in POLICIES for p in self.policies):
             raise ValueError(f"policies={self.policies!r}: expected some of {POLICIES}")
+        if not self.answers or any(a not in ANSWER_MODES for a in self.answers):
+            raise ValueError(f"answers={self.answers!r}: expected some of {ANSWER_MODES}")
         paths = [name.lower() for name in CopyPath.__members__]
         if any(p not in paths for p in self.copy_paths):
             raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
@@ -94,7 +101,8 @@ class ServingSettings:
         workload = asdict(self.workload) | {"signal": None if self.workload.signal is None
                                             else self.workload.signal.value}
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
-                "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
+                "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "answers": list(self.answers),
+                "profile": self.profile,
                 "copy_paths": list(self.copy_paths), "blocks": self.blocks,
                 "unloaded": self.unloaded}
 
@@ -150,15 +158,21 @@ def onboard_bytes(record: Record, layout: KVLayout) -> int:
     return layout.pages_for_tokens(record.cached_tokens) * layout.page_bytes
 
 
+def hottest_share(arrivals: list[tuple[float, Request]]) -> float:
+    """The hottest user's share of a run's requests."""
+    return max(Counter(r.user_id for _, r in arrivals).values()) / len(arrivals)
+
+
 def summarize(records: list[Record], rate: float, transport: str, policy: str, layout: KVLayout,
-              calibration: Calibration) -> dict:
-    """One run's figures (see the module docstring)."""
+              calibration: Calibration, hot_share: float = 1.0) -> dict:
+    """One run's figures (see the module docstring); `hot_share`: the hottest user's share of the requests."""
     ok = [r for r in records if r.error is None]
     elapsed = max(r.answered_s for r in records) - min(r.arrival_s for r in records)
     onboarded = sum(onboard_bytes(r, layout) for r in ok)
     largest = max(calibration.gpu_hit_ms)
     gpu_s = sum(calibration.gpu_hit_ms[min(r.batch_size, largest)] / r.batch_size for r in ok) / 1e3
     latencies = [r.latency_ms for r in ok]
+    batches_per_s = sum(1 / r.batch_size for r in ok) / elapsed if elapsed > 0 else 0.0
     return {"transport": transport, "policy": policy, "prefetch": policy != "off", "offered_rate": rate,
             "num_requests": len(records),
             "answered": len(ok), "throughput": len(ok) / elapsed if elapsed > 0 else 0.0,
@@ -166,7 +180,8 @@ def summarize(records: list[Record], rate: float, transport: str, policy: str, l
             "tiers": dict(Counter(r.tier for r in ok)), "errors": dict(Counter(r.error for r in records if r.error)),
             "mean_batch": len(ok) / sum(1 / r.batch_size for r in ok) if ok else 0.0,
             "onboard_bytes": onboarded, "copy_busy": onboarded / calibration.bulk_bytes_per_s / elapsed,
-            "sm_busy": gpu_s / elapsed}
+            "sm_busy": gpu_s / elapsed, "batches_per_s": batches_per_s, "hot_user_share": hot_share,
+            "hot_user_cap": batches_per_s / hot_share}
 
 
 def bound(runs: list[dict], calibration: Calibration, batch_size: int) -> dict:
@@ -236,8 +251,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
         timer = PhaseTimer() if settings.profile else None
         if timer is not None:
             timer.attach(engine)
-        for block, policy in itertools.product(range(settings.blocks), settings.policies):
-            serving = TimedAsyncEngine(engine, policy=policy)
+        for block, policy, answers in itertools.product(range(settings.blocks), settings.policies, settings.answers):
+            serving = TimedAsyncEngine(engine, policy=policy, answers=answers)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
@@ -251,12 +266,13 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
                         else in_process(serving, arrivals)
-                    extra = {"block": block}
+                    extra = {"block": block, "answers": answers}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
                     if copies is not None:
                         extra |= {"copy_path": path, "issue": summarize_issue(copies.records)}
-                    runs.append(summarize(records, rate, transport, policy, engine.layout, calibration)
+                    runs.append(summarize(records, rate, transport, policy, engine.layout, calibration,
+                                          hottest_share(arrivals))
                                 | {"scheduler": serving.timeline()} | extra)
                     _progress(runs[-1])
                     for u in visits:

@@ -11,7 +11,8 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `launch`: `Engine.launch` (buffer fill, graph replay issue, early offload);
 - `poll`: a batch in flight, nothing ready to prepare: paused for an arrival or the next completion poll;
 - `collect`: `Engine.collect` (waits for the device when the batch has not computed yet: counted in `collect_waits`);
-- `answer`: answering the batch's requests (their futures' callbacks run here);
+- `answer`: answering a collected batch's requests (their futures' callbacks run here), or with an answering
+  thread (serving.answers) handing them to it;
 - `retry`: requests retried alone after a failed batch.
 With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept too, outside the
 timed steps: `timeline()["user_runs"]` is the histogram of their runs.
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from layerflow.bench.serving_issue import histogram, placement_runs
-from layerflow.serving.async_engine import AsyncEngine, Scored
+from layerflow.serving.async_engine import AsyncEngine
 from layerflow.runtime.kv_manager import BELOW_GPU
 from layerflow.serving.flights import Prepared
 from layerflow.serving.queue import Pending
@@ -105,8 +106,8 @@ class TimedAsyncEngine(AsyncEngine):
             self._collect_waits += 1
         return self._timed("collect", super()._collect)
 
-    def _deliver(self, pending: Pending, scored: Scored) -> None:
-        return self._timed("answer", super()._deliver, pending, scored)
+    def _answer(self, prepared: Prepared, scores: list, seconds: float) -> None:
+        return self._timed("answer", super()._answer, prepared, scores, seconds)
 
     def _retry_alone(self, batch: list[Pending]) -> None:
         return self._timed("retry", super()._retry_alone, batch)

@@ -24,6 +24,8 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   fails other than for a bad request or a full pool, has each request retried alone once (`Engine.score`); what fails
   again is that request's error. A bad request (ValueError) or a batch the GPU cannot hold with nothing in flight is
   split in halves until the culprit is alone, which gets the error.
+- Answers: on the scheduler thread, or on an answering thread (`answers`, $LAYERFLOW_SERVE_ANSWERS; serving.answers),
+  in the order the scheduler gives them either way.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
+from layerflow.serving.answers import Answers, answer_mode
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingError, error_kind
 from layerflow.serving.flights import DeviceMark, InFlight, Prepared
 from layerflow.serving.guard import pin_guarded
@@ -78,12 +81,15 @@ class AsyncEngine:
     """Serves `engine` from a scheduler thread (see the module docstring for its rules); `close()` drains and stops
     it. The engine stays the caller's to close."""
 
-    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None) -> None:
-        """`policy`: one of POLICIES (the module docstring); None: "guarded" if `serve_prefetch`, else "off"."""
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None,
+                 answers: str | None = None) -> None:
+        """`policy`: one of POLICIES (the module docstring); None: "guarded" if `serve_prefetch`, else "off".
+        `answers`: one of serving.answers.ANSWER_MODES; None: $LAYERFLOW_SERVE_ANSWERS, else "inline"."""
         config = engine.config
         policy = ("guarded" if config.serve_prefetch else "off") if policy is None else policy
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
+        self.answers = Answers(answer_mode(answers))
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
         self.prefetch = policy != "off"
@@ -135,6 +141,7 @@ class AsyncEngine:
         with self._close_lock:
             self.queue.close()
             self._thread.join()
+            self.answers.close()
 
     def __enter__(self) -> "AsyncEngine":
         return self
@@ -288,11 +295,19 @@ class AsyncEngine:
             self._retry.extend(prepared.batch)
             return
         now = time.monotonic()
-        self.metrics.batch_collected(len(prepared.batch), prepared.onboard_bytes, now - prepared.started)
         self._sample_pools(now)
-        cached = prepared.plan.batch.cached_lens
-        for b, p in enumerate(prepared.batch):
-            self._deliver(p, Scored(scores[b], prepared.plan.tiers[b], 0.0, len(prepared.batch), cached[b]))
+        self._answer(prepared, scores, now - prepared.started)
+
+    def _answer(self, prepared: Prepared, scores: list[torch.Tensor], seconds: float) -> None:
+        """Answer a collected batch (`seconds`: prepare to collect), through `self.answers`."""
+        self.answers.post(self._answer_now, prepared.batch, scores, prepared.plan.tiers, prepared.plan.batch.cached_lens,
+                          prepared.onboard_bytes, seconds)
+
+    def _answer_now(self, batch: list[Pending], scores: list[torch.Tensor], tiers: list[Tier], cached: list[int],
+                    onboard_bytes: int, seconds: float) -> None:
+        self.metrics.batch_collected(len(batch), onboard_bytes, seconds)
+        for p, score, tier, tokens in zip(batch, scores, tiers, cached):
+            self._deliver_now(p, score, tier, len(batch), tokens)
 
     def _retry_alone(self, batch: list[Pending]) -> None:
         for p in batch:
@@ -310,7 +325,7 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - this request's own error
                 self._fail(p, e)
             else:
-                self._deliver(p, Scored(scores, tier, 0.0, 1, cached))
+                self._deliver(p, scores, tier, 1, cached)
 
     def _sample_pools(self, now: float) -> None:
         if now - self._sampled < POOL_SAMPLE_S:
@@ -327,15 +342,21 @@ class AsyncEngine:
 
     # ---- answers ------------------------------------------------------------------------------
 
-    def _deliver(self, pending: Pending, scored: Scored) -> None:
+    def _deliver(self, pending: Pending, scores: torch.Tensor, tier: Tier, batch_size: int, cached: int) -> None:
+        self.answers.post(self._deliver_now, pending, scores, tier, batch_size, cached)
+
+    def _deliver_now(self, pending: Pending, scores: torch.Tensor, tier: Tier, batch_size: int, cached: int) -> None:
         latency = time.monotonic() - pending.arrived
-        self.metrics.request_done(scored.tier, latency)
+        self.metrics.request_done(tier, latency)
         try:
-            pending.future.set_result(replace(scored, latency_ms=latency * 1e3))
+            pending.future.set_result(Scored(scores, tier, latency * 1e3, batch_size, cached))
         except InvalidStateError:   # the caller cancelled it
             pass
 
     def _fail(self, pending: Pending, error: BaseException) -> None:
+        self.answers.post(self._fail_now, pending, error)
+
+    def _fail_now(self, pending: Pending, error: BaseException) -> None:
         self.metrics.request_failed(error_kind(error))
         try:
             pending.future.set_exception(error)
