@@ -25,9 +25,11 @@ def _errors(run: dict) -> str:
 
 
 def _policy(run: dict) -> str:
-    """The run's policy, its answer mode where not inline, and its copy path where runs compare them."""
-    answers = run.get("answers", "inline")
+    """The run's policy, its answer and ahead modes where not the defaults, and its copy path where runs compare
+    them."""
+    answers, ahead = run.get("answers", "inline"), run.get("ahead", "computed")
     return (run["policy"] + ("" if answers == "inline" else f" / answers {answers}")
+            + ("" if ahead == "computed" else f" / ahead {ahead}")
             + (f" / {run['copy_path']}" if "copy_path" in run else ""))
 
 

@@ -11,10 +11,11 @@ through one FIFO in the order the scheduler posts it, so a user's answers keep i
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
+
+from layerflow.serving.modes import selected
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +25,7 @@ ANSWERS_ENV = "LAYERFLOW_SERVE_ANSWERS"
 
 def answer_mode(value: str | None) -> str:
     """`value`, else $LAYERFLOW_SERVE_ANSWERS, else "inline"; ValueError naming a mode not in ANSWER_MODES."""
-    chosen = value or os.environ.get(ANSWERS_ENV) or ANSWER_MODES[0]
-    if chosen not in ANSWER_MODES:
-        source = "answers" if value else ANSWERS_ENV
-        raise ValueError(f"{source}={chosen!r}: expected one of {ANSWER_MODES}")
-    return chosen
+    return selected("answers", value, ANSWERS_ENV, ANSWER_MODES)
 
 
 class Answers:

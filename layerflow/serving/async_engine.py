@@ -7,7 +7,9 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   "off" at 720-800 req/s offered): while batch N computes, the scheduler keeps admitting requests and prepares batch
   N+1 (its KV placed, its onboarding issued on the copy engine) as soon as the queue holds a full batch, or at once
   when N onboards nothing (the copy engine is free), or when N has computed (polled, never waited for): so batches
-  grow with the load and N+1's copies run while N computes. N+1's placement evicts no resident user of the next two
+  grow with the load and N+1's copies run while N computes. With `ahead="launched"` ($LAYERFLOW_SERVE_AHEAD; the
+  default "computed" is the rule just given) a partial N+1 is prepared as soon as N is launched, so its copies queue
+  behind N's and the GPU need not wait for N+1's prepare after N computed, at the price of smaller batches. N+1's placement evicts no resident user of the next two
   batches' requests (serving.guard). N+1 is launched once N is collected. If the GPU pool cannot hold N+1 beside N
   (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at most one batch is
   prepared ahead, and only when the pool holds it.
@@ -46,6 +48,7 @@ from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingErro
 from layerflow.serving.flights import DeviceMark, InFlight, Prepared
 from layerflow.serving.guard import pin_guarded
 from layerflow.serving.metrics import ServingMetrics
+from layerflow.serving.modes import selected
 from layerflow.serving.queue import Pending, RequestQueue
 from layerflow.serving.validation import check_deadline_s
 from layerflow.tier.allocator import PoolExhausted
@@ -56,6 +59,8 @@ log = logging.getLogger(__name__)
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
 POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
 POLICIES = ("off", "guarded")   # prefetch across batches (module docstring)
+AHEAD_MODES = ("computed", "launched")   # when a partial batch is prepared behind the one in flight (module docstring)
+AHEAD_ENV = "LAYERFLOW_SERVE_AHEAD"
 
 
 @dataclass(frozen=True)
@@ -82,13 +87,15 @@ class AsyncEngine:
     it. The engine stays the caller's to close."""
 
     def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None,
-                 answers: str | None = None) -> None:
+                 answers: str | None = None, ahead: str | None = None) -> None:
         """`policy`: one of POLICIES (the module docstring); None: "guarded" if `serve_prefetch`, else "off".
-        `answers`: one of serving.answers.ANSWER_MODES; None: $LAYERFLOW_SERVE_ANSWERS, else "inline"."""
+        `answers`: one of serving.answers.ANSWER_MODES; None: $LAYERFLOW_SERVE_ANSWERS, else "inline". `ahead`: one
+        of AHEAD_MODES; None: $LAYERFLOW_SERVE_AHEAD, else "computed"."""
         config = engine.config
         policy = ("guarded" if config.serve_prefetch else "off") if policy is None else policy
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
+        self.ahead = selected("ahead", ahead, AHEAD_ENV, AHEAD_MODES)
         self.answers = Answers(answer_mode(answers))
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
@@ -190,9 +197,9 @@ class AsyncEngine:
             self._pause()
 
     def _next_is_due(self, in_flight: InFlight) -> bool:
-        """Prepare a partial next batch now? Only while waiting for more requests would idle the copy engine or the
-        GPU: the batch in flight onboards nothing, or has computed."""
-        return not in_flight.prepared.onboards() or in_flight.computed()
+        """Prepare a partial next batch now? Under "launched" at once; under "computed" only while waiting for more
+        requests would idle the copy engine or the GPU: the batch in flight onboards nothing, or has computed."""
+        return self.ahead == "launched" or not in_flight.prepared.onboards() or in_flight.computed()
 
     def _pause(self) -> None:
         self.queue.wait_for_put(POLL_S)
