@@ -6,8 +6,8 @@ client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: pr
 guarded), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
-Every (policy, answer mode, ahead mode, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
-drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
+Every (policy, answer mode, ahead mode, copy path) run is repeated in `blocks` blocks, each block running them all
+in turn (so slow drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
 (layerflow.transfer.cuda_copy.CopyPath), its copy engine timing each transfer's issue on the host
 (layerflow.bench.serving_issue). With several `answers` modes (layerflow.serving.answers) or `aheads` modes
 (layerflow.serving.async_engine.AHEAD_MODES) every policy runs under each.
@@ -234,9 +234,9 @@ def unloaded_latency(engine: Engine, requests: list[Request]) -> dict:
 
 
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (block, policy, copy path, transport, rate) run on one engine, its users loaded first; the
-    calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are truncated back after each run (the
-    engine is idle then)."""
+    """Every (block, policy, answer mode, ahead mode, copy path, transport, rate) run on one engine, its users loaded
+    first; the calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are
+    truncated back after each run (the engine is idle then)."""
     workload = settings.workload
     weights = HSTUWeights.init(PRESETS[workload.preset], seed=workload.seed)
     rng = random.Random(workload.seed + 1)

@@ -9,10 +9,10 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   when N onboards nothing (the copy engine is free), or when N has computed (polled, never waited for): so batches
   grow with the load and N+1's copies run while N computes. With `ahead="launched"` ($LAYERFLOW_SERVE_AHEAD; the
   default "computed" is the rule just given) a partial N+1 is prepared as soon as N is launched, so its copies queue
-  behind N's and the GPU need not wait for N+1's prepare after N computed, at the price of smaller batches. N+1's placement evicts no resident user of the next two
-  batches' requests (serving.guard). N+1 is launched once N is collected. If the GPU pool cannot hold N+1 beside N
-  (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at most one batch is
-  prepared ahead, and only when the pool holds it.
+  behind N's and the GPU need not wait for N+1's prepare after N computed, at the price of smaller batches. N+1's
+  placement evicts no resident user of the next two batches' requests (serving.guard). N+1 is launched once N is
+  collected. If the GPU pool cannot hold N+1 beside N (PoolExhausted), it goes back to the head of the queue and is
+  prepared after N is collected: at most one batch is prepared ahead, and only when the pool holds it.
 - Policy "off" (`serve_prefetch: false`, or the constructor's `policy`): every batch is prepared after the previous
   one is collected. A user's requests are served in arrival order under both.
 - Chaining: the batch prepared ahead may hold a user of the batch in flight, built on the history that batch
@@ -307,7 +307,8 @@ class AsyncEngine:
 
     def _answer(self, prepared: Prepared, scores: list[torch.Tensor], seconds: float) -> None:
         """Answer a collected batch (`seconds`: prepare to collect), through `self.answers`."""
-        self.answers.post(self._answer_now, prepared.batch, scores, prepared.plan.tiers, prepared.plan.batch.cached_lens,
+        plan = prepared.plan
+        self.answers.post(self._answer_now, prepared.batch, scores, plan.tiers, plan.batch.cached_lens,
                           prepared.onboard_bytes, seconds)
 
     def _answer_now(self, batch: list[Pending], scores: list[torch.Tensor], tiers: list[Tier], cached: list[int],
