@@ -2,6 +2,7 @@
 
 Modules, each importing only those above it:
 - `errors`: the serving layer's refusals (QueueFull, DeadlineExceeded, ShuttingDown, BadField) and `error_kind`.
+- `modes`: a scheduler option from its argument, its environment variable or its default.
 - `queue`: the bounded request queue and the rule that forms batches (per-user order, caps, max wait).
 - `metrics`: the Prometheus metrics, in a registry per server.
 - `flights`: a prepared batch and a launched one (its completion polled through a CUDA event).
