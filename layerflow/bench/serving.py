@@ -34,6 +34,7 @@ import torch
 
 from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
+from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
 from layerflow.bench.serving_timeline import TimedAsyncEngine
@@ -60,9 +61,10 @@ class ServingSettings:
     rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, the answer
     modes compared (layerflow.serving.answers.ANSWER_MODES), the ahead modes compared (AHEAD_MODES), whether
     each run also sums the engine's host time per phase (layerflow.bench.phases), the copy paths compared (CopyPath
-    names, CUDA only; empty: the engine's own path, untimed), and how many alternated blocks repeat every run;
-    `unloaded`: how many requests of the stream are first served
-    one at a time (each sent once the last was answered) for the unloaded latency (0: none)."""
+    names, CUDA only; empty: the engine's own path, untimed), whether each run times every onboarding on the device
+    and attributes the copy engine's idle time (`copy_timeline`, CUDA only; layerflow.bench.serving_copies), and how
+    many alternated blocks repeat every run; `unloaded`: how many requests of the stream are first served one at a
+    time (each sent once the last was answered) for the unloaded latency (0: none)."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
@@ -73,6 +75,7 @@ class ServingSettings:
     aheads: tuple[str, ...] = ("computed",)
     profile: bool = False
     copy_paths: tuple[str, ...] = ()
+    copy_timeline: bool = False
     blocks: int = 1
     unloaded: int = 0
 
@@ -90,6 +93,8 @@ class ServingSettings:
         paths = [name.lower() for name in CopyPath.__members__]
         if any(p not in paths for p in self.copy_paths):
             raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
+        if self.copy_timeline and self.copy_paths:
+            raise ValueError(f"copy_timeline with copy_paths={self.copy_paths!r}: one timed copy engine per run")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
@@ -107,7 +112,7 @@ class ServingSettings:
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "answers": list(self.answers),
                 "aheads": list(self.aheads),
                 "profile": self.profile,
-                "copy_paths": list(self.copy_paths), "blocks": self.blocks,
+                "copy_paths": list(self.copy_paths), "copy_timeline": self.copy_timeline, "blocks": self.blocks,
                 "unloaded": self.unloaded}
 
 
@@ -241,7 +246,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
     weights = HSTUWeights.init(PRESETS[workload.preset], seed=workload.seed)
     rng = random.Random(workload.seed + 1)
     visits = returning_visits(workload, weights.config.item_vocab_size, rng)
-    copies = IssueTimedCopyEngine(device=device.index or 0) if settings.copy_paths else None
+    copies = IssueTimedCopyEngine(device=device.index or 0) if settings.copy_paths \
+        else TimelineCopyEngine(device=device.index or 0) if settings.copy_timeline else None
     runs = []
     with stream_engine(workload, weights, serving_config(settings), device, copy_engine=copies) as engine:
         load_users(engine, workload, visits, rng)
@@ -264,9 +270,11 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                                                                settings.rates):
                     arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
                     serving.reset()
-                    if copies is not None:
+                    if settings.copy_paths:
                         copies.path = CopyPath[path.upper()]
                         copies.records.clear()
+                    elif copies is not None:
+                        copies.begin()
                     if timer is not None:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
@@ -274,8 +282,10 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                     extra = {"block": block, "answers": answers, "ahead": ahead}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
-                    if copies is not None:
+                    if settings.copy_paths:
                         extra |= {"copy_path": path, "issue": summarize_issue(copies.records)}
+                    elif copies is not None:
+                        extra["copy_idle"] = idle_attribution(copies.spans(), serving.intervals)
                     runs.append(summarize(records, rate, transport, policy, engine.layout, calibration,
                                           hottest_share(arrivals))
                                 | {"scheduler": serving.timeline()} | extra)

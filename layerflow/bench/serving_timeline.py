@@ -14,8 +14,9 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `answer`: answering a collected batch's requests (their futures' callbacks run here), or with an answering
   thread (serving.answers) handing them to it;
 - `retry`: requests retried alone after a failed batch.
-With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept too, outside the
-timed steps: `timeline()["user_runs"]` is the histogram of their runs.
+`intervals` keeps every step as (phase, start, end) on the host clock (serving_copies attributes the copy engine's
+idle time with it). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
+too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._sizes: dict[str, list[int]] = {"prepare": [], "prepare ahead": []}
         self._collect_waits = 0
         self._placements: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.intervals: list[tuple[str, float, float]] = []
         self._since = time.perf_counter()
         super().__init__(*args, **kwargs)
 
@@ -48,6 +50,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._sizes = {"prepare": [], "prepare ahead": []}
         self._collect_waits = 0
         self._placements = []
+        self.intervals = []
         self._since = time.perf_counter()
 
     def timeline(self) -> dict:
@@ -65,7 +68,9 @@ class TimedAsyncEngine(AsyncEngine):
         try:
             return step(*args)
         finally:
-            spent = time.perf_counter() - max(start, self._since)   # a wait begun before `reset` counts from it
+            end = time.perf_counter()
+            self.intervals.append((phase, start, end))
+            spent = end - max(start, self._since)   # a wait begun before `reset` counts from it
             inner = self._children.pop()
             if self._children:
                 self._children[-1] += spent
