@@ -6,11 +6,10 @@ client, under each scheduler policy (layerflow.serving.async_engine.POLICIES: pr
 guarded), all on one engine. Each visit appends `append_len` items (histories grow during a run and are
 truncated back to `history_len` between runs).
 
-Every (policy, answer mode, ahead mode, copy path) run is repeated in `blocks` blocks, each block running them all
-in turn (so slow drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
+Every (policy, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
+drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
 (layerflow.transfer.cuda_copy.CopyPath), its copy engine timing each transfer's issue on the host
-(layerflow.bench.serving_issue). With several `answers` modes (layerflow.serving.answers) or `aheads` modes
-(layerflow.serving.async_engine.AHEAD_MODES) every policy runs under each.
+(layerflow.bench.serving_issue).
 
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
@@ -46,8 +45,7 @@ from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
-from layerflow.serving.answers import ANSWER_MODES
-from layerflow.serving.async_engine import AHEAD_MODES, POLICIES, AsyncEngine
+from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.cuda_copy import CopyPath
@@ -58,8 +56,7 @@ CALIBRATION_ITERS = 5
 @dataclass(frozen=True)
 class ServingSettings:
     """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
-    rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, the answer
-    modes compared (layerflow.serving.answers.ANSWER_MODES), the ahead modes compared (AHEAD_MODES), whether
+    rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, whether
     each run also sums the engine's host time per phase (layerflow.bench.phases), the copy paths compared (CopyPath
     names, CUDA only; empty: the engine's own path, untimed), whether each run times every onboarding on the device
     and attributes the copy engine's idle time (`copy_timeline`, CUDA only; layerflow.bench.serving_copies), and how
@@ -71,8 +68,6 @@ class ServingSettings:
     transports: tuple[str, ...] = TRANSPORTS
     max_wait_ms: float = 2.0
     policies: tuple[str, ...] = ("off", "guarded")
-    answers: tuple[str, ...] = ("inline",)
-    aheads: tuple[str, ...] = ("computed",)
     profile: bool = False
     copy_paths: tuple[str, ...] = ()
     copy_timeline: bool = False
@@ -86,10 +81,6 @@ class ServingSettings:
             raise ValueError(f"transports={self.transports!r}: expected some of {TRANSPORTS}")
         if not self.policies or any(p not in POLICIES for p in self.policies):
             raise ValueError(f"policies={self.policies!r}: expected some of {POLICIES}")
-        if not self.answers or any(a not in ANSWER_MODES for a in self.answers):
-            raise ValueError(f"answers={self.answers!r}: expected some of {ANSWER_MODES}")
-        if not self.aheads or any(a not in AHEAD_MODES for a in self.aheads):
-            raise ValueError(f"aheads={self.aheads!r}: expected some of {AHEAD_MODES}")
         paths = [name.lower() for name in CopyPath.__members__]
         if any(p not in paths for p in self.copy_paths):
             raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
@@ -109,9 +100,7 @@ class ServingSettings:
         workload = asdict(self.workload) | {"signal": None if self.workload.signal is None
                                             else self.workload.signal.value}
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
-                "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "answers": list(self.answers),
-                "aheads": list(self.aheads),
-                "profile": self.profile,
+                "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
                 "copy_paths": list(self.copy_paths), "copy_timeline": self.copy_timeline, "blocks": self.blocks,
                 "unloaded": self.unloaded}
 
@@ -239,7 +228,7 @@ def unloaded_latency(engine: Engine, requests: list[Request]) -> dict:
 
 
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (block, policy, answer mode, ahead mode, copy path, transport, rate) run on one engine, its users loaded
+    """Every (block, policy, copy path, transport, rate) run on one engine, its users loaded
     first; the calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are
     truncated back after each run (the engine is idle then)."""
     workload = settings.workload
@@ -261,9 +250,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
         timer = PhaseTimer() if settings.profile else None
         if timer is not None:
             timer.attach(engine)
-        for block, policy, answers, ahead in itertools.product(range(settings.blocks), settings.policies,
-                                                               settings.answers, settings.aheads):
-            serving = TimedAsyncEngine(engine, policy=policy, answers=answers, ahead=ahead)
+        for block, policy in itertools.product(range(settings.blocks), settings.policies):
+            serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
@@ -279,7 +267,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
                         else in_process(serving, arrivals)
-                    extra = {"block": block, "answers": answers, "ahead": ahead}
+                    extra = {"block": block}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
                     if settings.copy_paths:

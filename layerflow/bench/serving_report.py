@@ -25,12 +25,8 @@ def _errors(run: dict) -> str:
 
 
 def _policy(run: dict) -> str:
-    """The run's policy, its answer and ahead modes where not the defaults, and its copy path where runs compare
-    them."""
-    answers, ahead = run.get("answers", "inline"), run.get("ahead", "computed")
-    return (run["policy"] + ("" if answers == "inline" else f" / answers {answers}")
-            + ("" if ahead == "computed" else f" / ahead {ahead}")
-            + (f" / {run['copy_path']}" if "copy_path" in run else ""))
+    """The run's policy, and its copy path where runs compare them."""
+    return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "")
 
 
 PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")

@@ -11,8 +11,7 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `launch`: `Engine.launch` (buffer fill, graph replay issue, early offload);
 - `poll`: a batch in flight, nothing ready to prepare: paused for an arrival or the next completion poll;
 - `collect`: `Engine.collect` (waits for the device when the batch has not computed yet: counted in `collect_waits`);
-- `answer`: answering a collected batch's requests (their futures' callbacks run here), or with an answering
-  thread (serving.answers) handing them to it;
+- `answer`: answering a collected batch's requests (their futures' callbacks run here);
 - `retry`: requests retried alone after a failed batch.
 `intervals` keeps every step as (phase, start, end) on the host clock (serving_copies attributes the copy engine's
 idle time with it). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept

@@ -2,11 +2,9 @@
 
 Modules, each importing only those above it:
 - `errors`: the serving layer's refusals (QueueFull, DeadlineExceeded, ShuttingDown, BadField) and `error_kind`.
-- `modes`: a scheduler option from its argument, its environment variable or its default.
 - `queue`: the bounded request queue and the rule that forms batches (per-user order, caps, max wait).
 - `metrics`: the Prometheus metrics, in a registry per server.
 - `flights`: a prepared batch and a launched one (its completion polled through a CUDA event).
-- `answers`: who answers served requests: the scheduler thread, or an answering thread.
 - `async_engine`: `AsyncEngine` (submit / await score) and its scheduler thread: prefetch, deadlines, failures.
 - `validation`: the JSON body of `POST /v1/score`, checked field by field.
 - `http`: the aiohttp routes (score, healthz, metrics) and the HTTP status of each error kind.

@@ -7,12 +7,10 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   "off" at 720-800 req/s offered): while batch N computes, the scheduler keeps admitting requests and prepares batch
   N+1 (its KV placed, its onboarding issued on the copy engine) as soon as the queue holds a full batch, or at once
   when N onboards nothing (the copy engine is free), or when N has computed (polled, never waited for): so batches
-  grow with the load and N+1's copies run while N computes. With `ahead="launched"` ($LAYERFLOW_SERVE_AHEAD; the
-  default "computed" is the rule just given) a partial N+1 is prepared as soon as N is launched, so its copies queue
-  behind N's and the GPU need not wait for N+1's prepare after N computed, at the price of smaller batches. N+1's
-  placement evicts no resident user of the next two batches' requests (serving.guard). N+1 is launched once N is
-  collected. If the GPU pool cannot hold N+1 beside N (PoolExhausted), it goes back to the head of the queue and is
-  prepared after N is collected: at most one batch is prepared ahead, and only when the pool holds it.
+  grow with the load and N+1's copies run while N computes. N+1's placement evicts no resident user of the next two
+  batches' requests (serving.guard). N+1 is launched once N is collected. If the GPU pool cannot hold N+1 beside N
+  (PoolExhausted), it goes back to the head of the queue and is prepared after N is collected: at most one batch is
+  prepared ahead, and only when the pool holds it.
 - Policy "off" (`serve_prefetch: false`, or the constructor's `policy`): every batch is prepared after the previous
   one is collected. A user's requests are served in arrival order under both.
 - Chaining: the batch prepared ahead may hold a user of the batch in flight, built on the history that batch
@@ -26,8 +24,6 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
   fails other than for a bad request or a full pool, has each request retried alone once (`Engine.score`); what fails
   again is that request's error. A bad request (ValueError) or a batch the GPU cannot hold with nothing in flight is
   split in halves until the culprit is alone, which gets the error.
-- Answers: on the scheduler thread, or on an answering thread (`answers`, $LAYERFLOW_SERVE_ANSWERS; serving.answers),
-  in the order the scheduler gives them either way.
 """
 
 from __future__ import annotations
@@ -43,12 +39,10 @@ import torch
 
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
-from layerflow.serving.answers import Answers, answer_mode
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingError, error_kind
 from layerflow.serving.flights import DeviceMark, InFlight, Prepared
 from layerflow.serving.guard import pin_guarded
 from layerflow.serving.metrics import ServingMetrics
-from layerflow.serving.modes import selected
 from layerflow.serving.queue import Pending, RequestQueue
 from layerflow.serving.validation import check_deadline_s
 from layerflow.tier.allocator import PoolExhausted
@@ -59,8 +53,6 @@ log = logging.getLogger(__name__)
 POOL_SAMPLE_S = 0.2   # pool occupancy is read at most this often (a remote tier answers it over its socket)
 POLL_S = 0.0002       # while a batch computes and nothing is ready to prepare, its completion is polled this often
 POLICIES = ("off", "guarded")   # prefetch across batches (module docstring)
-AHEAD_MODES = ("computed", "launched")   # when a partial batch is prepared behind the one in flight (module docstring)
-AHEAD_ENV = "LAYERFLOW_SERVE_AHEAD"
 
 
 @dataclass(frozen=True)
@@ -86,17 +78,12 @@ class AsyncEngine:
     """Serves `engine` from a scheduler thread (see the module docstring for its rules); `close()` drains and stops
     it. The engine stays the caller's to close."""
 
-    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None,
-                 answers: str | None = None, ahead: str | None = None) -> None:
-        """`policy`: one of POLICIES (the module docstring); None: "guarded" if `serve_prefetch`, else "off".
-        `answers`: one of serving.answers.ANSWER_MODES; None: $LAYERFLOW_SERVE_ANSWERS, else "inline". `ahead`: one
-        of AHEAD_MODES; None: $LAYERFLOW_SERVE_AHEAD, else "computed"."""
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None) -> None:
+        """`policy`: one of POLICIES (the module docstring); None: "guarded" if `serve_prefetch`, else "off"."""
         config = engine.config
         policy = ("guarded" if config.serve_prefetch else "off") if policy is None else policy
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
-        self.ahead = selected("ahead", ahead, AHEAD_ENV, AHEAD_MODES)
-        self.answers = Answers(answer_mode(answers))
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
         self.prefetch = policy != "off"
@@ -148,7 +135,6 @@ class AsyncEngine:
         with self._close_lock:
             self.queue.close()
             self._thread.join()
-            self.answers.close()
 
     def __enter__(self) -> "AsyncEngine":
         return self
@@ -197,9 +183,9 @@ class AsyncEngine:
             self._pause()
 
     def _next_is_due(self, in_flight: InFlight) -> bool:
-        """Prepare a partial next batch now? Under "launched" at once; under "computed" only while waiting for more
-        requests would idle the copy engine or the GPU: the batch in flight onboards nothing, or has computed."""
-        return self.ahead == "launched" or not in_flight.prepared.onboards() or in_flight.computed()
+        """Prepare a partial next batch now? Only while waiting for more requests would idle the copy engine or the
+        GPU: the batch in flight onboards nothing, or has computed."""
+        return not in_flight.prepared.onboards() or in_flight.computed()
 
     def _pause(self) -> None:
         self.queue.wait_for_put(POLL_S)
@@ -306,16 +292,11 @@ class AsyncEngine:
         self._answer(prepared, scores, now - prepared.started)
 
     def _answer(self, prepared: Prepared, scores: list[torch.Tensor], seconds: float) -> None:
-        """Answer a collected batch (`seconds`: prepare to collect), through `self.answers`."""
-        plan = prepared.plan
-        self.answers.post(self._answer_now, prepared.batch, scores, plan.tiers, plan.batch.cached_lens,
-                          prepared.onboard_bytes, seconds)
-
-    def _answer_now(self, batch: list[Pending], scores: list[torch.Tensor], tiers: list[Tier], cached: list[int],
-                    onboard_bytes: int, seconds: float) -> None:
-        self.metrics.batch_collected(len(batch), onboard_bytes, seconds)
-        for p, score, tier, tokens in zip(batch, scores, tiers, cached):
-            self._deliver_now(p, score, tier, len(batch), tokens)
+        """Answer a collected batch's requests (`seconds`: prepare to collect) and count the batch."""
+        batch, plan = prepared.batch, prepared.plan
+        self.metrics.batch_collected(len(batch), prepared.onboard_bytes, seconds)
+        for p, score, tier, tokens in zip(batch, scores, plan.tiers, plan.batch.cached_lens):
+            self._deliver(p, score, tier, len(batch), tokens)
 
     def _retry_alone(self, batch: list[Pending]) -> None:
         for p in batch:
@@ -351,9 +332,6 @@ class AsyncEngine:
     # ---- answers ------------------------------------------------------------------------------
 
     def _deliver(self, pending: Pending, scores: torch.Tensor, tier: Tier, batch_size: int, cached: int) -> None:
-        self.answers.post(self._deliver_now, pending, scores, tier, batch_size, cached)
-
-    def _deliver_now(self, pending: Pending, scores: torch.Tensor, tier: Tier, batch_size: int, cached: int) -> None:
         latency = time.monotonic() - pending.arrived
         self.metrics.request_done(tier, latency)
         try:
@@ -362,9 +340,6 @@ class AsyncEngine:
             pass
 
     def _fail(self, pending: Pending, error: BaseException) -> None:
-        self.answers.post(self._fail_now, pending, error)
-
-    def _fail_now(self, pending: Pending, error: BaseException) -> None:
         self.metrics.request_failed(error_kind(error))
         try:
             pending.future.set_exception(error)

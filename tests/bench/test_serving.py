@@ -52,10 +52,8 @@ def test_bad_serving_settings_are_refused():
         ServingSettings(workload(), (1.0,), ("grpc",))
     with pytest.raises(ValueError, match="policies=\\('eager',\\)"):
         ServingSettings(workload(), (1.0,), policies=("eager",))
-    with pytest.raises(ValueError, match="answers=\\('later',\\)"):
-        ServingSettings(workload(), (1.0,), answers=("later",))
-    with pytest.raises(ValueError, match="aheads=\\('soon',\\)"):
-        ServingSettings(workload(), (1.0,), aheads=("soon",))
+    with pytest.raises(ValueError, match="copy_timeline with copy_paths=\\('runs',\\)"):
+        ServingSettings(workload(), (1.0,), copy_timeline=True, copy_paths=("runs",))
     with pytest.raises(ValueError, match="gpu_users=2 < batch_size=4"):
         ServingSettings(workload(batch_size=4), (1.0,))
 
@@ -138,17 +136,15 @@ def test_policies_alternate_in_blocks_and_serve_the_whole_stream_after_the_unloa
     assert "p99 " in markdown(settings, data, "cpu").split("Unloaded")[1]
 
 
-def test_answer_and_ahead_modes_alternate_under_each_policy_and_each_run_reports_the_hot_users_cap():
+def test_each_run_reports_its_batches_per_second_and_the_hot_users_cap():
     settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
-                               ("inprocess",), policies=("guarded",), answers=("inline", "thread"),
-                               aheads=("computed", "launched"))
+                               ("inprocess",), policies=("guarded",), blocks=2)
     data = run_serving(settings, CPU)
-    assert [(r["answers"], r["ahead"]) for r in data["runs"]] == [
-        ("inline", "computed"), ("inline", "launched"), ("thread", "computed"), ("thread", "launched")]
+    assert len(data["runs"]) == 2
     for r in data["runs"]:
         assert r["answered"] == 12 and not r["errors"]
         assert 1 / 8 <= r["hot_user_share"] <= 1 and r["batches_per_s"] > 0
         assert r["hot_user_cap"] == pytest.approx(r["batches_per_s"] / r["hot_user_share"])
         assert r["batches_per_s"] * r["mean_batch"] == pytest.approx(r["throughput"])
     table = markdown(settings, data, "cpu")
-    assert "guarded / answers thread / ahead launched" in table and "Hot-user cap: the hottest user (share" in table
+    assert "| batches/s | hot-user cap |" in table and "Hot-user cap: the hottest user (share" in table

@@ -10,7 +10,7 @@ import torch
 
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
-from layerflow.serving.async_engine import AHEAD_ENV, AHEAD_MODES, POLICIES, AsyncEngine
+from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
@@ -462,30 +462,17 @@ class ComputesOnRequest(AsyncEngine):
         super().close()
 
 
-@pytest.mark.parametrize("ahead", AHEAD_MODES)
-def test_behind_an_onboarding_batch_a_partial_one_is_prepared_at_launch_or_once_it_computed(weights, ahead):
-    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, \
-            ComputesOnRequest(engine, ahead=ahead) as serving:
+def test_behind_an_onboarding_batch_a_partial_one_is_prepared_only_once_it_computed(weights):
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, ComputesOnRequest(engine) as serving:
         on_host(engine, {1: 40})
         setup = len(engine.launched)
         first = serving.submit(Request(1, [3], [4]))                # onboards: its copies occupy the copy engine
         wait_until(lambda: len(engine.launched) == setup + 1, "the onboarding batch launched")
         second = serving.submit(Request(2, [5], [6]))
-        if ahead == "launched":
-            wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the partial batch prepared at once")
-        else:
-            time.sleep(0.05)
-            assert serving.metrics.prefetched._value.get() == 0 and len(serving.queue) == 1
+        time.sleep(0.05)
+        assert serving.metrics.prefetched._value.get() == 0 and len(serving.queue) == 1
         serving.computed.set()
         assert first.result(WAIT_S).tier is Tier.HOST and second.result(WAIT_S).batch_size == 1
         assert serving.metrics.prefetched._value.get() == 1
         assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
 
-
-def test_an_unknown_ahead_mode_is_refused(weights, monkeypatch):
-    with Engine(weights, config()) as engine:
-        with pytest.raises(ValueError, match="ahead='soon'"):
-            AsyncEngine(engine, ahead="soon")
-        monkeypatch.setenv(AHEAD_ENV, "later")
-        with pytest.raises(ValueError, match="LAYERFLOW_SERVE_AHEAD='later'"):
-            AsyncEngine(engine)

@@ -1,8 +1,6 @@
 """The serving layer on the H200: batches prepared while another computes (their KV onboarded under CUDA graphs with
 layer waits, beside the batch in flight) score like a full recompute, prefetch off and on (chained on the batch in
-flight; the old scheduler, or the new one: answers on their own thread, a partial batch prepared ahead as soon as
-the one in flight is launched); a chained batch scores bitwise as if prepared after the collect of
-the batch it was chained on."""
+flight); a chained batch scores bitwise as if prepared after the collect of the batch it was chained on."""
 
 import random
 
@@ -27,9 +25,8 @@ CONFIG = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.05, page_size=32, transfer_time
                 serve_deadline_ms=0.0)
 
 
-@pytest.mark.parametrize("modes", [("inline", "computed"), ("thread", "launched")], ids="-".join)
 @pytest.mark.parametrize("policies", [("off",), ("guarded",)], ids="+".join)
-def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies, modes):
+def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies):
     """Each policy in turn serves every user's visits (from the host) on one engine; histories grow across them."""
     weights = HSTUWeights.init(FP32, seed=0)
     rng = random.Random(0)
@@ -45,7 +42,7 @@ def test_prefetched_batches_on_the_gpu_score_like_a_full_recompute(policies, mod
             for u in histories:
                 if u in engine.kv.gpu:
                     engine.kv.evict_from_gpu(u)
-            with AsyncEngine(engine, policy=policy, answers=modes[0], ahead=modes[1]) as serving:
+            with AsyncEngine(engine, policy=policy) as serving:
                 results = [f.result(60) for f in [serving.submit(r) for r in visits]]
             assert sum(r.tier is Tier.HOST for r in results) >= len(histories), policy
             metrics = serving.metrics   # a guarded prefetch may be deferred every time: it was tried, though
