@@ -15,7 +15,8 @@ Per run: achieved throughput (answered requests over first arrival to last answe
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
 onboarded byte at the bulk pinned memcpy rate, each batch at the measured GPU-hit time of its size (no hardware
 counters are read). The bound is the rate at which either saturates, whichever is lower: the copy engine at the bulk
-rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits.
+rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits. Beside it, per run, the cap the
+hottest user sets: one request of it per batch, so req/s <= batches/s over its share of the stream.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
+from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
 from layerflow.bench.serving_timeline import TimedAsyncEngine
@@ -56,9 +58,10 @@ class ServingSettings:
     """The stream (`workload`; its `rate` is unused, its `batch_size` is the most requests per batch), the offered
     rates, the transports, the scheduler's wait for a batch to fill, the scheduler policies compared, whether
     each run also sums the engine's host time per phase (layerflow.bench.phases), the copy paths compared (CopyPath
-    names, CUDA only; empty: the engine's own path, untimed), and how many alternated blocks repeat every run;
-    `unloaded`: how many requests of the stream are first served
-    one at a time (each sent once the last was answered) for the unloaded latency (0: none)."""
+    names, CUDA only; empty: the engine's own path, untimed), whether each run times every onboarding on the device
+    and attributes the copy engine's idle time (`copy_timeline`, CUDA only; layerflow.bench.serving_copies), and how
+    many alternated blocks repeat every run; `unloaded`: how many requests of the stream are first served one at a
+    time (each sent once the last was answered) for the unloaded latency (0: none)."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
@@ -67,6 +70,7 @@ class ServingSettings:
     policies: tuple[str, ...] = ("off", "guarded")
     profile: bool = False
     copy_paths: tuple[str, ...] = ()
+    copy_timeline: bool = False
     blocks: int = 1
     unloaded: int = 0
 
@@ -80,6 +84,8 @@ class ServingSettings:
         paths = [name.lower() for name in CopyPath.__members__]
         if any(p not in paths for p in self.copy_paths):
             raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
+        if self.copy_timeline and self.copy_paths:
+            raise ValueError(f"copy_timeline with copy_paths={self.copy_paths!r}: one timed copy engine per run")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
@@ -95,7 +101,7 @@ class ServingSettings:
                                             else self.workload.signal.value}
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
-                "copy_paths": list(self.copy_paths), "blocks": self.blocks,
+                "copy_paths": list(self.copy_paths), "copy_timeline": self.copy_timeline, "blocks": self.blocks,
                 "unloaded": self.unloaded}
 
 
@@ -150,15 +156,21 @@ def onboard_bytes(record: Record, layout: KVLayout) -> int:
     return layout.pages_for_tokens(record.cached_tokens) * layout.page_bytes
 
 
+def hottest_share(arrivals: list[tuple[float, Request]]) -> float:
+    """The hottest user's share of a run's requests."""
+    return max(Counter(r.user_id for _, r in arrivals).values()) / len(arrivals)
+
+
 def summarize(records: list[Record], rate: float, transport: str, policy: str, layout: KVLayout,
-              calibration: Calibration) -> dict:
-    """One run's figures (see the module docstring)."""
+              calibration: Calibration, hot_share: float = 1.0) -> dict:
+    """One run's figures (see the module docstring); `hot_share`: the hottest user's share of the requests."""
     ok = [r for r in records if r.error is None]
     elapsed = max(r.answered_s for r in records) - min(r.arrival_s for r in records)
     onboarded = sum(onboard_bytes(r, layout) for r in ok)
     largest = max(calibration.gpu_hit_ms)
     gpu_s = sum(calibration.gpu_hit_ms[min(r.batch_size, largest)] / r.batch_size for r in ok) / 1e3
     latencies = [r.latency_ms for r in ok]
+    batches_per_s = sum(1 / r.batch_size for r in ok) / elapsed if elapsed > 0 else 0.0
     return {"transport": transport, "policy": policy, "prefetch": policy != "off", "offered_rate": rate,
             "num_requests": len(records),
             "answered": len(ok), "throughput": len(ok) / elapsed if elapsed > 0 else 0.0,
@@ -166,7 +178,8 @@ def summarize(records: list[Record], rate: float, transport: str, policy: str, l
             "tiers": dict(Counter(r.tier for r in ok)), "errors": dict(Counter(r.error for r in records if r.error)),
             "mean_batch": len(ok) / sum(1 / r.batch_size for r in ok) if ok else 0.0,
             "onboard_bytes": onboarded, "copy_busy": onboarded / calibration.bulk_bytes_per_s / elapsed,
-            "sm_busy": gpu_s / elapsed}
+            "sm_busy": gpu_s / elapsed, "batches_per_s": batches_per_s, "hot_user_share": hot_share,
+            "hot_user_cap": batches_per_s / hot_share}
 
 
 def bound(runs: list[dict], calibration: Calibration, batch_size: int) -> dict:
@@ -215,14 +228,15 @@ def unloaded_latency(engine: Engine, requests: list[Request]) -> dict:
 
 
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (block, policy, copy path, transport, rate) run on one engine, its users loaded first; the
-    calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are truncated back after each run (the
-    engine is idle then)."""
+    """Every (block, policy, copy path, transport, rate) run on one engine, its users loaded
+    first; the calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are
+    truncated back after each run (the engine is idle then)."""
     workload = settings.workload
     weights = HSTUWeights.init(PRESETS[workload.preset], seed=workload.seed)
     rng = random.Random(workload.seed + 1)
     visits = returning_visits(workload, weights.config.item_vocab_size, rng)
-    copies = IssueTimedCopyEngine(device=device.index or 0) if settings.copy_paths else None
+    copies = IssueTimedCopyEngine(device=device.index or 0) if settings.copy_paths \
+        else TimelineCopyEngine(device=device.index or 0) if settings.copy_timeline else None
     runs = []
     with stream_engine(workload, weights, serving_config(settings), device, copy_engine=copies) as engine:
         load_users(engine, workload, visits, rng)
@@ -244,9 +258,11 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                                                                settings.rates):
                     arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
                     serving.reset()
-                    if copies is not None:
+                    if settings.copy_paths:
                         copies.path = CopyPath[path.upper()]
                         copies.records.clear()
+                    elif copies is not None:
+                        copies.begin()
                     if timer is not None:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
@@ -254,9 +270,12 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                     extra = {"block": block}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
-                    if copies is not None:
+                    if settings.copy_paths:
                         extra |= {"copy_path": path, "issue": summarize_issue(copies.records)}
-                    runs.append(summarize(records, rate, transport, policy, engine.layout, calibration)
+                    elif copies is not None:
+                        extra["copy_idle"] = idle_attribution(copies.spans(), serving.intervals)
+                    runs.append(summarize(records, rate, transport, policy, engine.layout, calibration,
+                                          hottest_share(arrivals))
                                 | {"scheduler": serving.timeline()} | extra)
                     _progress(runs[-1])
                     for u in visits:

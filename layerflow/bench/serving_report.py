@@ -91,18 +91,21 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
             f"{w.gpu_users}, {w.history_len} cached + {w.append_len} appended per visit, {w.num_candidates} "
             f"candidates, batches up to {w.batch_size}, {w.num_requests} Poisson arrivals per rate")
     rows = ["| transport | policy | offered/s | req/s | p50 ms | p99 ms | gpu/host/ssd/none | errors | mean batch | "
-            "copy busy | GPU busy |", "|---" * 11 + "|"]
+            "copy busy | GPU busy | batches/s | hot-user cap |", "|---" * 13 + "|"]
     for r in results["runs"]:
         rows.append(f"| {r['transport']} | {_policy(r)} | {r['offered_rate']:g} | "
                     f"{r['throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | {_errors(r)} | "
-                    f"{r['mean_batch']:.2f} | {r['copy_busy']:.2f} | {r['sm_busy']:.2f} |")
+                    f"{r['mean_batch']:.2f} | {r['copy_busy']:.2f} | {r['sm_busy']:.2f} | {r['batches_per_s']:.1f} | "
+                    f"{r['hot_user_cap']:.1f} |")
     gpu_ms = ", ".join(f"{size}: {ms:.2f}" for size, ms in sorted(cal.gpu_hit_ms.items()))
     copy = "-" if b["copy_engine_rate"] is None else f"{b['copy_engine_rate']:.1f}"
     foot = (f"Bound: {b['rate']:.1f} req/s, set by the {b['limited_by']} (copy engine: "
             f"{b['onboard_bytes_per_request'] / 1e6:.2f} MB onboarded per request at {cal.bulk_bytes_per_s / 1e9:.2f} "
             f"GB/s bulk = {copy} req/s; GPU: batches of {b['full_batch']} GPU hits = "
             f"{b['gpu_rate']:.1f} req/s). GPU-hit batch ms by size: {gpu_ms}. Busy fractions are estimates from "
-            f"these measured figures, not hardware counters.")
+            f"these measured figures, not hardware counters. Hot-user cap: the hottest user (share "
+            f"{max(r['hot_user_share'] for r in results['runs']):.3f} of a run's requests) has one request per batch, "
+            f"so req/s <= batches/s / its share.")
     unloaded = results.get("unloaded")
     if unloaded:
         foot += (f" Unloaded ({unloaded['requests']} requests one at a time): p50 {unloaded['p50_ms']:.2f} ms, "

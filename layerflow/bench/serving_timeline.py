@@ -11,10 +11,11 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `launch`: `Engine.launch` (buffer fill, graph replay issue, early offload);
 - `poll`: a batch in flight, nothing ready to prepare: paused for an arrival or the next completion poll;
 - `collect`: `Engine.collect` (waits for the device when the batch has not computed yet: counted in `collect_waits`);
-- `answer`: answering the batch's requests (their futures' callbacks run here);
+- `answer`: answering a collected batch's requests (their futures' callbacks run here);
 - `retry`: requests retried alone after a failed batch.
-With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept too, outside the
-timed steps: `timeline()["user_runs"]` is the histogram of their runs.
+`intervals` keeps every step as (phase, start, end) on the host clock (serving_copies attributes the copy engine's
+idle time with it). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
+too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from layerflow.bench.serving_issue import histogram, placement_runs
-from layerflow.serving.async_engine import AsyncEngine, Scored
+from layerflow.serving.async_engine import AsyncEngine
 from layerflow.runtime.kv_manager import BELOW_GPU
 from layerflow.serving.flights import Prepared
 from layerflow.serving.queue import Pending
@@ -39,6 +40,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._sizes: dict[str, list[int]] = {"prepare": [], "prepare ahead": []}
         self._collect_waits = 0
         self._placements: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.intervals: list[tuple[str, float, float]] = []
         self._since = time.perf_counter()
         super().__init__(*args, **kwargs)
 
@@ -47,6 +49,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._sizes = {"prepare": [], "prepare ahead": []}
         self._collect_waits = 0
         self._placements = []
+        self.intervals = []
         self._since = time.perf_counter()
 
     def timeline(self) -> dict:
@@ -64,7 +67,9 @@ class TimedAsyncEngine(AsyncEngine):
         try:
             return step(*args)
         finally:
-            spent = time.perf_counter() - max(start, self._since)   # a wait begun before `reset` counts from it
+            end = time.perf_counter()
+            self.intervals.append((phase, start, end))
+            spent = end - max(start, self._since)   # a wait begun before `reset` counts from it
             inner = self._children.pop()
             if self._children:
                 self._children[-1] += spent
@@ -105,8 +110,8 @@ class TimedAsyncEngine(AsyncEngine):
             self._collect_waits += 1
         return self._timed("collect", super()._collect)
 
-    def _deliver(self, pending: Pending, scored: Scored) -> None:
-        return self._timed("answer", super()._deliver, pending, scored)
+    def _answer(self, prepared: Prepared, scores: list, seconds: float) -> None:
+        return self._timed("answer", super()._answer, prepared, scores, seconds)
 
     def _retry_alone(self, batch: list[Pending]) -> None:
         return self._timed("retry", super()._retry_alone, batch)

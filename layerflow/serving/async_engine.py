@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -288,11 +288,15 @@ class AsyncEngine:
             self._retry.extend(prepared.batch)
             return
         now = time.monotonic()
-        self.metrics.batch_collected(len(prepared.batch), prepared.onboard_bytes, now - prepared.started)
         self._sample_pools(now)
-        cached = prepared.plan.batch.cached_lens
-        for b, p in enumerate(prepared.batch):
-            self._deliver(p, Scored(scores[b], prepared.plan.tiers[b], 0.0, len(prepared.batch), cached[b]))
+        self._answer(prepared, scores, now - prepared.started)
+
+    def _answer(self, prepared: Prepared, scores: list[torch.Tensor], seconds: float) -> None:
+        """Answer a collected batch's requests (`seconds`: prepare to collect) and count the batch."""
+        batch, plan = prepared.batch, prepared.plan
+        self.metrics.batch_collected(len(batch), prepared.onboard_bytes, seconds)
+        for p, score, tier, tokens in zip(batch, scores, plan.tiers, plan.batch.cached_lens):
+            self._deliver(p, score, tier, len(batch), tokens)
 
     def _retry_alone(self, batch: list[Pending]) -> None:
         for p in batch:
@@ -310,7 +314,7 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - this request's own error
                 self._fail(p, e)
             else:
-                self._deliver(p, Scored(scores, tier, 0.0, 1, cached))
+                self._deliver(p, scores, tier, 1, cached)
 
     def _sample_pools(self, now: float) -> None:
         if now - self._sampled < POOL_SAMPLE_S:
@@ -327,11 +331,11 @@ class AsyncEngine:
 
     # ---- answers ------------------------------------------------------------------------------
 
-    def _deliver(self, pending: Pending, scored: Scored) -> None:
+    def _deliver(self, pending: Pending, scores: torch.Tensor, tier: Tier, batch_size: int, cached: int) -> None:
         latency = time.monotonic() - pending.arrived
-        self.metrics.request_done(scored.tier, latency)
+        self.metrics.request_done(tier, latency)
         try:
-            pending.future.set_result(replace(scored, latency_ms=latency * 1e3))
+            pending.future.set_result(Scored(scores, tier, latency * 1e3, batch_size, cached))
         except InvalidStateError:   # the caller cancelled it
             pass
 

@@ -43,18 +43,17 @@ class ServingMetrics:
         self.gpu_pages = Gauge("layerflow_gpu_pool_pages", "GPU KV pool pages", ["state"], registry=r)
         self.host_blocks = Gauge("layerflow_host_pool_blocks", "Host KV pool blocks", ["state"], registry=r)
         self.pool_users = Gauge("layerflow_pool_users", "Users resident in a pool", ["pool"], registry=r)
-        for tier in Tier:
-            self.latency.labels(tier.value)
-        for kind in ERROR_KINDS:
-            self.errors.labels(kind)
+        # each label's child looked up once: `labels()` takes a lock and builds a key on every call
+        self._latency_by_tier = {tier: self.latency.labels(tier.value) for tier in Tier}
+        self._errors_by_kind = {kind: self.errors.labels(kind) for kind in ERROR_KINDS}
 
     def request_done(self, tier: Tier, latency_s: float) -> None:
-        self.latency.labels(tier.value).observe(latency_s)
+        self._latency_by_tier[tier].observe(latency_s)
 
     def request_failed(self, kind: str) -> None:
         if kind not in ERROR_KINDS:
             raise ValueError(f"kind={kind!r}: expected one of {ERROR_KINDS}")
-        self.errors.labels(kind).inc()
+        self._errors_by_kind[kind].inc()
 
     def batch_prepared(self, prefetched: bool, onboard_bytes: int, evictions: int) -> None:
         if prefetched:

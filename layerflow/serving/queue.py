@@ -5,11 +5,16 @@ request, skipping users that are busy (the scheduler's choice: in a prepared bat
 it chains): so two requests of one user are served in arrival order and never share a batch. A batch
 is capped in requests and in query tokens (appended items + candidates: the engine's largest graph bucket). With
 `wait`, `take` holds the batch back until it is full or its oldest request has waited `max_wait_s`.
+
+`take` runs for every batch and every poll of the scheduler, so it looks only at what it must: the queue is scanned
+for expired requests only once the earliest queued deadline has passed, and a request cancelled by its caller leaves
+when a batch reaches it (or when the queue is full), not on every take.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -65,6 +70,7 @@ class RequestQueue:
             raise ValueError(f"max_wait_s={max_wait_s!r}: must be >= 0")
         self.max_size, self.max_batch, self.max_tokens, self.max_wait_s = max_size, max_batch, max_tokens, max_wait_s
         self._items: deque[Pending] = deque()
+        self._next_deadline = math.inf   # no queued request expires before this (a lower bound of the earliest)
         self._cond = threading.Condition()
         self._closed = False
 
@@ -84,17 +90,21 @@ class RequestQueue:
                 raise ShuttingDown("the server is shutting down: no new requests")
             expired = []
             if len(self._items) >= self.max_size:
-                expired = self._remove_expired(time.monotonic())
+                expired = self._remove_expired(time.monotonic(), cancelled=True)
             if len(self._items) >= self.max_size:
                 raise QueueFull(f"{len(self._items)} requests queued (serve_max_queue={self.max_size}): retry later")
             self._items.append(pending)
+            self._note_deadline(pending)
             self._cond.notify_all()
             return expired
 
     def requeue(self, pendings: Iterable[Pending]) -> None:
         """Put requests taken earlier back at the head, in their order (they are older than what is queued)."""
         with self._cond:
-            self._items.extendleft(reversed(list(pendings)))
+            pendings = list(pendings)
+            self._items.extendleft(reversed(pendings))
+            for p in pendings:
+                self._note_deadline(p)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -147,31 +157,50 @@ class RequestQueue:
             self._cond.wait(timeout_s)
 
     def _eligible(self, busy: set[int]) -> tuple[list[Pending], bool]:
-        """The batch that can be formed now, and whether it is full (in requests, or the next one's tokens)."""
+        """The batch that can be formed now, and whether it is full (in requests, or the next one's tokens).
+        Cancelled requests it reaches leave the queue."""
         picked: list[Pending] = []
+        cancelled: list[Pending] = []
         blocked = set(busy)
         tokens = 0
+        full = False
         for p in self._items:
             if p.user in blocked:
                 continue
+            if p.future.cancelled():
+                cancelled.append(p)
+                continue
             blocked.add(p.user)
             if picked and tokens + p.tokens > self.max_tokens:
-                return picked, True
+                full = True
+                break
             picked.append(p)
             tokens += p.tokens
             if len(picked) == self.max_batch:
-                return picked, True
-        return picked, False
+                full = True
+                break
+        for p in cancelled:
+            self._items.remove(p)
+        return picked, full
 
-    def _remove_expired(self, now: float) -> list[Pending]:
+    def _note_deadline(self, pending: Pending) -> None:
+        if pending.deadline is not None and pending.deadline < self._next_deadline:
+            self._next_deadline = pending.deadline
+
+    def _remove_expired(self, now: float, cancelled: bool = False) -> list[Pending]:
+        """Remove the requests whose deadline passed (and, with `cancelled`, the cancelled ones) and return those
+        not cancelled. Without `cancelled`, nothing is scanned while the earliest deadline is ahead."""
+        if not cancelled and now < self._next_deadline:
+            return []
         gone = [p for p in self._items if p.expired(now) or p.future.cancelled()]
         for p in gone:
             self._items.remove(p)
+        self._next_deadline = min((p.deadline for p in self._items if p.deadline is not None), default=math.inf)
         return [p for p in gone if not p.future.cancelled()]
 
     def _wake_in(self, now: float, batch: list[Pending]) -> float | None:
         """Seconds until the batch's wait ends or the earliest deadline passes (None: until a put or close)."""
-        times = [p.deadline for p in self._items if p.deadline is not None]
+        times = [self._next_deadline] if self._next_deadline < math.inf else []
         if batch:
             times.append(batch[0].arrived + self.max_wait_s)
         return max(0.0, min(times) - now) if times else None

@@ -52,6 +52,8 @@ def test_bad_serving_settings_are_refused():
         ServingSettings(workload(), (1.0,), ("grpc",))
     with pytest.raises(ValueError, match="policies=\\('eager',\\)"):
         ServingSettings(workload(), (1.0,), policies=("eager",))
+    with pytest.raises(ValueError, match="copy_timeline with copy_paths=\\('runs',\\)"):
+        ServingSettings(workload(), (1.0,), copy_timeline=True, copy_paths=("runs",))
     with pytest.raises(ValueError, match="gpu_users=2 < batch_size=4"):
         ServingSettings(workload(batch_size=4), (1.0,))
 
@@ -132,3 +134,17 @@ def test_policies_alternate_in_blocks_and_serve_the_whole_stream_after_the_unloa
     assert [(r["block"], r["policy"]) for r in data["runs"]] == [(0, "off"), (0, "guarded"), (1, "off"), (1, "guarded")]
     assert all(r["answered"] == 12 and not r["errors"] for r in data["runs"])
     assert "p99 " in markdown(settings, data, "cpu").split("Unloaded")[1]
+
+
+def test_each_run_reports_its_batches_per_second_and_the_hot_users_cap():
+    settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
+                               ("inprocess",), policies=("guarded",), blocks=2)
+    data = run_serving(settings, CPU)
+    assert len(data["runs"]) == 2
+    for r in data["runs"]:
+        assert r["answered"] == 12 and not r["errors"]
+        assert 1 / 8 <= r["hot_user_share"] <= 1 and r["batches_per_s"] > 0
+        assert r["hot_user_cap"] == pytest.approx(r["batches_per_s"] / r["hot_user_share"])
+        assert r["batches_per_s"] * r["mean_batch"] == pytest.approx(r["throughput"])
+    table = markdown(settings, data, "cpu")
+    assert "| batches/s | hot-user cap |" in table and "Hot-user cap: the hottest user (share" in table

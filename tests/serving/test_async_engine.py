@@ -434,3 +434,45 @@ def test_a_failed_batch_in_flight_takes_the_batch_chained_on_it_back_to_the_queu
     expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(2, [2], [3]),
                                            Request(3, [3], [4]), Request(2, [7], [8])])
     assert all(close_to(s, e) for s, e in zip(scores, expected[3:]))
+
+
+class _EventMark:
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def reached(self) -> bool:
+        return self.event.is_set()
+
+
+class ComputesOnRequest(AsyncEngine):
+    """An AsyncEngine whose launched batches count as computing until `computed` is set (on the CPU every batch has
+    computed at launch), so a test sees what the scheduler prepares behind a batch that still occupies the device."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.computed = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _launch(self, prepared) -> None:
+        super()._launch(prepared)
+        if self._flight is not None:
+            self._flight.mark = _EventMark(self.computed)
+
+    def close(self) -> None:
+        self.computed.set()   # a failed test must not leave a batch computing forever
+        super().close()
+
+
+def test_behind_an_onboarding_batch_a_partial_one_is_prepared_only_once_it_computed(weights):
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, ComputesOnRequest(engine) as serving:
+        on_host(engine, {1: 40})
+        setup = len(engine.launched)
+        first = serving.submit(Request(1, [3], [4]))                # onboards: its copies occupy the copy engine
+        wait_until(lambda: len(engine.launched) == setup + 1, "the onboarding batch launched")
+        second = serving.submit(Request(2, [5], [6]))
+        time.sleep(0.05)
+        assert serving.metrics.prefetched._value.get() == 0 and len(serving.queue) == 1
+        serving.computed.set()
+        assert first.result(WAIT_S).tier is Tier.HOST and second.result(WAIT_S).batch_size == 1
+        assert serving.metrics.prefetched._value.get() == 1
+        assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
+

@@ -104,3 +104,24 @@ def test_users_names_the_users_of_the_oldest_queued_requests():
     assert q.users(oldest=10) == {5, 7, 8}
     q.requeue([pending(9)])
     assert q.users(oldest=1) == {9}
+
+
+def test_a_request_whose_deadline_passes_after_it_was_requeued_still_expires():
+    soon = time.monotonic() + 0.05
+    q = queue_of(pending(1, deadline=time.monotonic() + 60), pending(2))
+    q.requeue([pending(3, deadline=soon)])         # earlier than any deadline queued so far
+    assert users(q.take(busy={1, 2, 3}, wait=False).expired) == []
+    time.sleep(max(0.0, soon - time.monotonic()) + 0.01)
+    taken = q.take(busy={1, 2}, wait=False)
+    assert users(taken.expired) == [3] and taken.batch == []
+    assert len(q) == 2
+
+
+def test_a_cancelled_request_behind_busy_users_leaves_once_a_batch_reaches_it():
+    cancelled = pending(2)
+    q = queue_of(pending(1), cancelled, pending(3), max_batch=1)
+    assert cancelled.future.cancel()
+    assert users(q.take(busy={2}, wait=False).batch) == [1]     # user 2 busy: not reached, still queued
+    assert len(q) == 2
+    assert users(q.take(busy=set(), wait=False).batch) == [3]   # reached: it leaves, the next user goes
+    assert len(q) == 0
