@@ -28,7 +28,8 @@ class DeferredReleases:
         return len(self._held)
 
     def keep(self, onboarding: Onboarding) -> bool:
-        """Keep a committed onboarding for a later `release` (True), or refuse it (False: the caller finishes it now)."""
+        """Keep a committed onboarding for a later `release` (True), or refuse it (False: the caller finishes it
+        now)."""
         if not onboarding.local:
             return False
         self._held.append(onboarding)

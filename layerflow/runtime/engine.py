@@ -130,7 +130,8 @@ class Engine:
     STAGING_MODES, `reap` (default: $LAYERFLOW_REAP, else "after") one of REAP_MODES. Under "slab" staging a request
     is packed by the native packer (`pack` "native": one C call, H200 2K GPU hit prepare 0.055 -> 0.033 ms) where it
     builds, else by the numpy packer ("numpy": the same bytes; no C compiler or Python headers). The captured shapes
-    are every size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding to 12.5%); a batch runs in the smallest that fits.
+    are every size of `batch_buckets` with every size of `token_buckets` (`token_ladder(64, 2048)` bounds the padding
+    to 12.5%); a batch runs in the smallest that fits.
     """
 
     def __init__(self, weights: HSTUWeights, config: Config | None = None, *,

@@ -2,8 +2,9 @@
 
 The runtime's native helpers (the eventfd wait node, loaded with ctypes; the slab packer, an extension module built
 against the running interpreter's headers) are single C files needing nothing beyond libc and Python: compiling them
-with the system C compiler on first use keeps the package free of a build step. The library lands in the cache dir under a name
-keyed by the source and the flags, so an edited source is rebuilt and concurrent builders never see a partial file.
+with the system C compiler on first use keeps the package free of a build step. The library lands in the cache dir
+under a name keyed by the source and the flags, so an edited source is rebuilt and concurrent builders never see a
+partial file.
 """
 
 from __future__ import annotations

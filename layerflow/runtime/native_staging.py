@@ -7,8 +7,8 @@ boundary), so the packing costs one call of an extension module's function plus 
 built for the running interpreter with the system compiler on first use (runtime/native_build.py; Python's headers
 are needed, as Triton's launchers need them); `native_available` says whether that works here.
 
-A slab is packed by one packer for its life (an engine picks this one where `native_available`, else the numpy one): the native packer
-remembers what the last batch wrote in its own per-slab state.
+A slab is packed by one packer for its life (an engine picks this one where `native_available`, else the numpy one):
+the native packer remembers what the last batch wrote in its own per-slab state.
 """
 
 from __future__ import annotations
