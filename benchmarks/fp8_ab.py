@@ -36,7 +36,7 @@ from benchmarks.kernels import Case, graph_of, median_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, QK_ENV, SILU_ENV, GluonFp8Attention  # noqa: E402
+from layerflow.kernels.gluon_fp8 import DECODE_ENV, QK_ENV, SILU_ENV  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
 
@@ -46,25 +46,21 @@ SETTINGS = (DECODE_ENV, SILU_ENV, QK_ENV)
 
 @dataclass(frozen=True)
 class Variant:
-    """fp8 pages or the model's dtype; the LAYERFLOW_FP8_* settings it is built under; an ablation of the kernel;
-    Fp8Tiling fields set over the built tiling (attention alone only)."""
+    """fp8 pages or the model's dtype; the LAYERFLOW_FP8_* settings it is built under; an ablation of the kernel."""
 
     fp8: bool
     env: tuple[tuple[str, str], ...] = ()
     ablation: str | None = None
-    tiling: tuple[tuple[str, object], ...] = ()
 
 
 VARIANTS = {
     "bf16": Variant(False),
     "fp8 main": Variant(True),
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
-    "fp8 qk": Variant(True, ((QK_ENV, "fp8"),)),
     "fp8 qk2": Variant(True, ((QK_ENV, "fp8x2"),)),
-    "fp8 qk c2": Variant(True, ((QK_ENV, "fp8"),), tiling=(("code_stages", 2),)),   # fits beside one e4m3 term
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 qk", "fp8 qk2", *(f"fp8 {name}" for name in ABLATIONS))
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 qk2", *(f"fp8 {name}" for name in ABLATIONS))
 ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 qk2")
 BASES = ("fp8 main", "bf16")      # what every fp8 row's output is compared with
 
@@ -89,8 +85,6 @@ def attention_case(name: str, history: int, candidates: int) -> Case:
     torch.manual_seed(0)
     with built_under(variant):
         case = Case(1, history, candidates, 256, 32, None, E4M3 if variant.fp8 else None)
-    if variant.tiling:
-        case.attn.gluon = GluonFp8Attention(replace(case.attn.gluon.tiling, **dict(variant.tiling)))
     if variant.ablation is not None:
         case.attn.gluon = AblatedFp8Attention(case.attn.gluon.tiling, variant.ablation)
     return case
@@ -167,8 +161,6 @@ def engine_settings(seq_lens: tuple[int, ...]) -> tuple[Settings, HSTUWeights]:
 def build_engine(name: str, settings: Settings, weights: HSTUWeights, stack: contextlib.ExitStack) -> Engine:
     """A warmed-up BS=1 engine of variant `name` over the request's exact token bucket."""
     variant = VARIANTS[name]
-    if variant.tiling:
-        raise ValueError(f"variant {name!r}: tiling fields apply to attention alone, not to an engine")
     config = replace(transfer_config(settings, None), cpu_cache_gb=1.0, gpu_cache_gb=1.5)
     if variant.fp8:
         config = replace(config, kv_cache_dtype="fp8_e4m3")

@@ -29,9 +29,8 @@ quantiser writes.
 The split count and the self tiles as in the bf16 kernel: it reads the "rows" rule's table (layerflow.kernels.splits:
 the count of the launch's real query blocks, so a bucket larger than the batch still fills whole waves) and the
 candidates' self tiles are dealt with the history and run by the last split (gluon_tiles._balanced_range).
-How Q K^T runs (Fp8Tiling.qk, else $LAYERFLOW_FP8_QK): "bf16" over the decoded keys as above, or "fp8" / "fp8x2" on
-fp8 MMAs over the key codes themselves, the queries as one or two e4m3 terms (layerflow.kernels.gluon_fp8_qk); V is
-decoded either way.
+How Q K^T runs (Fp8Tiling.qk, else $LAYERFLOW_FP8_QK): "bf16" over the decoded keys as above, or "fp8x2" on fp8 MMAs
+over the key codes themselves, the queries as two e4m3 terms (layerflow.kernels.gluon_fp8_qk); V is decoded either way.
 """
 
 from __future__ import annotations
@@ -76,12 +75,12 @@ DECODE_ENV = "LAYERFLOW_FP8_DECODE"
 # against 948.3 at 16K (393.3 against 415.1 at 2K).
 DEFAULT_DECODE = "cvt"
 BF16_DECODE = "bits"
-# Q K^T over decoded keys, or on fp8 MMAs with one or two e4m3 query terms (gluon_fp8_qk); "bf16" until the default
-# flips (docs/fp8.md: fp8x2 meets the quality gate and is faster on the H200; one term misses the gate).
-QKS = ("bf16", "fp8", "fp8x2")
+# Q K^T over decoded keys, or on fp8 MMAs with two e4m3 query terms (gluon_fp8_qk); "bf16" until the default flips
+# (docs/fp8.md: fp8x2 meets the quality gate and is faster on the H200; one term misses the gate: not offered).
+QKS = ("bf16", "fp8x2")
 QK_ENV = "LAYERFLOW_FP8_QK"
 DEFAULT_QK = "bf16"
-QK_TERMS = {"bf16": 0, "fp8": 1, "fp8x2": 2}
+QK_TERMS = {"bf16": 0, "fp8x2": 2}
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 # The H200 showed this kernel correct and faster than the `tl` kernel's fp8 path at every shape measured.
@@ -106,7 +105,7 @@ class Fp8Tiling:
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
     each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
     on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
-    (DECODES) and how Q K^T runs (QKS: with "fp8"/"fp8x2" the K slots hold e4m3 codes and only V is decoded)."""
+    (DECODES) and how Q K^T runs (QKS: with "fp8x2" the K slots hold e4m3 codes and only V is decoded)."""
 
     block_n: int = 32
     stages: int = 2

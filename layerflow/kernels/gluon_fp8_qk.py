@@ -1,4 +1,4 @@
-"""q.k on fp8 MMAs in the fp8 Gluon kernel (layerflow.kernels.gluon_fp8, tiling `qk` "fp8" or "fp8x2"): Hopper's
+"""q.k on fp8 MMAs in the fp8 Gluon kernel (layerflow.kernels.gluon_fp8, tiling `qk` "fp8x2"): Hopper's
 wgmma takes e4m3 operands at twice the bf16 rate if both are K-major in shared memory, and a K page holds
 [tokens, D] with D contiguous, which is K-major for Q K^T: the cached K codes feed the dot as they landed, with no
 decode. The queries become e4m3 terms once per program (layerflow.kernels.fp8.query_terms: one term, or two whose sum

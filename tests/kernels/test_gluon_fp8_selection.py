@@ -37,7 +37,7 @@ E4M3 = torch.float8_e4m3fn
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="lut"), "decode must be one of"),
     (torch.float16, E4M3, 256, 128, 0, 0, Fp8Tiling(decode="bits"), "decode='bits' writes bf16 tiles"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(qk="fp16"), "qk must be one of"),
-    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(qk="fp8", scale_site="dots"), "scale_site 'decode' only"),
+    (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(qk="fp8x2", scale_site="dots"), "scale_site 'decode' only"),
     (torch.bfloat16, torch.float8_e5m2, 256, 128, 0, 0, Fp8Tiling(qk="fp8x2"), "e4m3 pages only"),
     (torch.bfloat16, E4M3, 256, 128, 0, 0, Fp8Tiling(), "sm_90"),
 ])
@@ -225,11 +225,10 @@ def test_a_bf16_model_decodes_by_bit_moves_and_an_fp16_one_by_the_conversion(mon
 
 
 def test_fp8_qk_drops_the_bf16_query_block_and_k_slots_for_e4m3_terms_and_codes():
-    # qk "fp8": one e4m3 term of 128 x 256 with 128 row scales; per slot 64 x 256 K codes, bf16 V and 64 key scales
+    # qk "fp8x2": two e4m3 terms of 128 x 256 with 128 row scales each; per slot 64 x 256 K codes, bf16 V and 64 key
+    # scales
     base = Fp8Tiling(block_n=64, code_stages=1)
     codes = 32768 + 512
-    expected = 128 * 260 + 2 * (16384 + 32768 + 256) + codes + 2048
-    assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(**{**base.__dict__, "qk": "fp8"})) == expected
     expected = 2 * 128 * 260 + 2 * (16384 + 32768 + 256) + codes + 2048
     assert fp8_shared_memory_bytes(128, 256, Fp8Tiling(**{**base.__dict__, "qk": "fp8x2"})) == expected
     assert fp8_shared_memory_bytes(128, 256, base) == 65536 + 2 * 65536 + codes + 2048
