@@ -89,8 +89,6 @@ def main() -> None:
                     "64x2:c2:async:tanh:wt:rows:last:bits:w4 m64": dict(BLOCK_N=64, CODE_STAGES=2, BLOCK_M=64,
                                                                         TANH=True, WHOLE=True, DECODE_BITS=True,
                                                                         table=True),
-                    "64x2:c1:async:wt:rows:last:bits:qk1:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True,
-                                                                        DECODE_BITS=True, QK_TERMS=1, table=True),
                     "64x2:c1:async:wt:rows:last:bits:qk2:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True,
                                                                         DECODE_BITS=True, QK_TERMS=2, table=True)}
     for label, knobs in fp8_variants.items():

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from layerflow.tier.base import Load, Onboarding, Tier
 
+
 class DeferredReleases:
     """The committed onboardings not given back yet."""
 
