@@ -140,6 +140,29 @@ def query_terms(q: torch.Tensor, terms: int) -> list[torch.Tensor]:
     return out
 
 
+WEIGHT_TILE = 64     # keys per tile of the fp8 kernel's V dot at D=256: one power-of-two scale per row and tile
+
+
+def weight_terms(weights: torch.Tensor, terms: int, tile: int = WEIGHT_TILE, running: bool = False) -> torch.Tensor:
+    """weights [..., L] (the attention weights times each key's V scale) as the sum of `terms` e4m3 terms, for the
+    V dot on fp8 MMAs over V codes. Each term is quantised by the cache's rule per row of each `tile` consecutive
+    keys (the kernel's tile), the next one quantising what the terms before it missed; `running` gives each tile
+    the largest exponent of the row's tiles so far instead of its own (an accumulator kept in one unit per row, so
+    a kernel rescales it only when that unit grows). The power-of-two scales are exact: only e4m3 rounds."""
+    if terms < 1 or tile < 1:
+        raise ValueError(f"terms={terms}, tile={tile}: expected at least 1 of each")
+    fmt, length = fp8_format(QUERY_DTYPE), weights.shape[-1]
+    rest = torch.nn.functional.pad(weights.float(), (0, -length % tile)).unflatten(-1, (-1, tile))
+    total = torch.zeros_like(rest)
+    for _ in range(terms):
+        k = scale_exponents(rest, fmt)
+        if running:
+            k = k.cummax(dim=-1).values
+        term = (rest * _power_of_two(-k).unsqueeze(-1)).to(fmt.dtype).float() * _power_of_two(k).unsqueeze(-1)
+        total, rest = total + term, rest - term
+    return total.flatten(-2)[..., :length]
+
+
 def page_views(kv_cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of an fp8 cache `[pages, 2, rows, H, D]` (uint8): the codes `[pages, 2, page_size, H, D]` and the scale
     bytes `[pages, 2, H, page_size]` (layerflow.tier.layout). Writes through them land in the cache."""

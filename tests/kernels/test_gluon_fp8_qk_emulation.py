@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layerflow.kernels import kv_append_reference, paged_attention_reference
-from layerflow.kernels.fp8 import quantise, query_terms
+from layerflow.kernels.fp8 import quantise, query_terms, weight_terms
 from tests.kernels.paged_batch import make_paged_batch, quantised_batch
 
 E4M3 = torch.float8_e4m3fn
@@ -47,8 +47,45 @@ def test_the_reference_with_query_terms_moves_the_rows_by_their_precision():
     assert 0 < error(2) < error(1) / 4
 
 
+def test_weight_terms_quantise_each_row_and_tile_by_the_caches_rule():
+    weights = torch.randn(2, 5, 150, generator=torch.Generator().manual_seed(1)) * 1e-3
+    weights[0, 0, 64:128] *= 2 ** -20                      # a tile far below the row's others
+    one = weight_terms(weights, 1, tile=64)
+    codes, scales = quantise(weights[..., 64:128], E4M3)
+    assert torch.equal(one[..., 64:128], codes.view(E4M3).float() * (scales.int() - 127).float().exp2()[..., None])
+    assert torch.equal(weight_terms(weights, 1, tile=1000), query_terms(weights, 1)[0])
+    two = weight_terms(weights, 2, tile=64)
+    assert float(((two - weights).abs() / weights.abs().amax(-1, keepdim=True)).amax()) <= 2 ** -8
+    running = weight_terms(weights, 1, tile=64, running=True)
+    assert torch.equal(running[..., :64], one[..., :64])
+    small = weights[0, 0, 64:128]
+    assert float((running[0, 0, 64:128] - small).abs().amax()) > float((one[0, 0, 64:128] - small).abs().amax())
+    with pytest.raises(ValueError, match="terms=0"):
+        weight_terms(weights, 0)
+
+
+def test_the_reference_with_weight_terms_moves_the_rows_by_their_precision():
+    exact = make_paged_batch(**LENGTHS, num_heads=2, head_dim=64, page_size=PAGE, dtype=torch.float32, device="cpu")
+    batch = quantised_batch(exact, E4M3, PAGE)
+    kv_append_reference(batch.k, batch.v, batch.kv_cache, *batch.lengths, kv_dtype=E4M3)
+
+    def attend(**terms) -> torch.Tensor:
+        out = paged_attention_reference(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths,
+                                        torch.zeros_like(batch.q), alpha=64 ** -0.5, max_seq_len=128,
+                                        kv_dtype=E4M3, q_terms=2, **terms)
+        return out[:batch.total_tokens]
+
+    plain = attend()
+
+    def error(terms: int) -> float:
+        return float((attend(p_terms=terms) - plain).norm() / plain.norm())
+
+    assert 1e-3 < error(1) < 0.05
+    assert 0 < error(2) < error(1) / 4
+
+
 def test_query_terms_need_an_e4m3_cache():
     batch = make_paged_batch(**LENGTHS, num_heads=2, head_dim=64, page_size=PAGE, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="q_terms=1 over kv_dtype=None"):
+    with pytest.raises(ValueError, match="q_terms=1, p_terms=0 over kv_dtype=None"):
         paged_attention_reference(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths,
                                   torch.zeros_like(batch.q), alpha=0.125, max_seq_len=128, q_terms=1)
