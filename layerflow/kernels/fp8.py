@@ -172,6 +172,21 @@ def page_views(kv_cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, to
     return codes, scales.view(pages, 2, heads, page_size)
 
 
+def transpose_value_codes(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A copy of an fp8 cache `[pages, 2, rows, H, D]` (uint8) whose V codes are stored transposed within their page:
+    the same bytes of the V half's code rows hold `[H, D, page_size]` instead of `[page_size, H, D]`, tokens
+    contiguous per (head, dim), which is K-major for the B operand of P V on fp8 MMAs (they take no MN-major fp8
+    operand). K, the scale rows and every page's bytes stay where they are, so the tiers copy it unchanged."""
+    pages, halves, rows, heads, dim = kv_cache.shape
+    if kv_cache.dtype != torch.uint8 or halves != 2 or not 0 < page_size <= rows:
+        raise ValueError(f"kv_cache {kv_cache.dtype} {tuple(kv_cache.shape)}, page_size={page_size}: expected "
+                         "uint8 [pages, 2, rows >= page_size, H, D]")
+    out = kv_cache.clone()
+    codes = kv_cache[:, 1, :page_size].permute(0, 2, 3, 1)                   # [pages, H, D, page_size]
+    out[:, 1, :page_size] = codes.reshape(pages, page_size, heads, dim)
+    return out
+
+
 # ---- Triton -------------------------------------------------------------------------------------------------------
 
 @triton.jit

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layerflow.kernels import kv_append_reference, paged_attention_reference
-from layerflow.kernels.fp8 import quantise, query_terms, weight_terms
+from layerflow.kernels.fp8 import page_views, quantise, query_terms, transpose_value_codes, weight_terms
 from tests.kernels.paged_batch import make_paged_batch, quantised_batch
 
 E4M3 = torch.float8_e4m3fn
@@ -82,6 +82,22 @@ def test_the_reference_with_weight_terms_moves_the_rows_by_their_precision():
 
     assert 1e-3 < error(1) < 0.05
     assert 0 < error(2) < error(1) / 4
+
+
+def test_transposed_value_codes_hold_each_heads_dims_tokens_contiguously_and_keep_the_rest():
+    batch = make_paged_batch(**LENGTHS, num_heads=2, head_dim=64, page_size=PAGE, dtype=torch.float32, device="cpu")
+    cache = quantised_batch(batch, E4M3, PAGE).kv_cache
+    moved = transpose_value_codes(cache, PAGE)
+    codes, scales = page_views(cache, PAGE)
+    moved_codes, moved_scales = page_views(moved, PAGE)
+    assert torch.equal(moved_codes[:, 0], codes[:, 0]) and torch.equal(moved_scales, scales)
+    assert torch.equal(moved[:, :, PAGE:], cache[:, :, PAGE:])
+    pages, heads, dim = cache.shape[0], cache.shape[3], cache.shape[4]
+    by_dim = moved_codes[:, 1].reshape(pages, heads, dim, PAGE)
+    assert torch.equal(by_dim[3, 1, 5], codes[3, 1, :, 1, 5])
+    assert torch.equal(by_dim.permute(0, 3, 1, 2), codes[:, 1])
+    with pytest.raises(ValueError, match="page_size=0"):
+        transpose_value_codes(cache, 0)
 
 
 def test_query_terms_need_an_e4m3_cache():
