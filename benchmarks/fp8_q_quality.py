@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
+import layerflow.kernels.reference as reference
 import layerflow.runtime.pipeline as pipeline
 from layerflow.bench.quality import QualityResults, QualitySettings, markdown, results_of, run_engine, workload
 from layerflow.bench.settings import parse_lengths
@@ -34,10 +35,12 @@ from layerflow.kernels.gluon_fp8 import QK_ENV
 from layerflow.kernels.reference import paged_attention_reference
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
+from layerflow.model.mask import attention_mask
 
 Q_TERMS = {"bf16": 0, "fp8": 1, "fp8x2": 2}
 P_TERMS = {"bf16": (0, False), "fp8": (1, False), "fp8x2": (2, False), "fp8-run": (1, True), "fp8x2-run": (2, True)}
 KERNEL_ATTEND = pipeline.TritonKernels.attend
+SHARED_MASKS = functools.lru_cache(maxsize=8)(attention_mask)   # users of one length share theirs (16K: 4 s a build)
 
 
 @contextlib.contextmanager
@@ -54,11 +57,13 @@ def fp8_choice(qk: str, pv: str, kernel: bool):
         pipeline.paged_attention_reference = functools.partial(paged_attention_reference, q_terms=Q_TERMS[qk],
                                                                p_terms=p_terms, p_running=running)
         pipeline.TritonKernels.attend = pipeline.ReferenceKernels.attend
+        reference.attention_mask = SHARED_MASKS
     try:
         yield
     finally:
         pipeline.paged_attention_reference = paged_attention_reference
         pipeline.TritonKernels.attend = KERNEL_ATTEND
+        reference.attention_mask = attention_mask
         os.environ.pop(QK_ENV, None)
         if saved is not None:
             os.environ[QK_ENV] = saved
