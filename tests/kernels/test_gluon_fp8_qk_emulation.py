@@ -1,6 +1,7 @@
-"""The torch model of the fp8 Gluon kernel's q.k on fp8 MMAs (fp8.query_terms, paged_attention_reference's q_terms;
-benchmarks/fp8_q_quality.py runs the quality gate on it): e4m3 query terms by the cache's rule, the reference with
-one or two terms against the reference on the model's queries, and the refusal of a cache it does not serve."""
+"""The torch model of the fp8 Gluon kernel's dots on fp8 MMAs (benchmarks/fp8_q_quality.py runs the quality gate on
+it): e4m3 query terms (fp8.query_terms, paged_attention_reference's q_terms) and weight terms for the V dot over V
+codes (fp8.weight_terms, p_terms) by the cache's rule, the reference with one or two terms against the reference
+without, the V codes' transposed page layout, and the refusal of a cache it does not serve."""
 
 import pytest
 import torch
@@ -27,21 +28,24 @@ def test_each_query_term_is_the_rest_quantised_by_the_caches_rule_and_two_keep_a
         query_terms(q, 0)
 
 
-def test_the_reference_with_query_terms_moves_the_rows_by_their_precision():
+@pytest.mark.parametrize("terms_of, base", [("q_terms", {}), ("p_terms", {"q_terms": 2})])
+def test_the_reference_with_e4m3_terms_moves_the_rows_by_their_precision(terms_of, base):
+    """Query terms against the model's queries; weight terms (the V dot over V codes, fp8x2 queries) against the
+    weights in full precision over the same queries."""
     exact = make_paged_batch(**LENGTHS, num_heads=2, head_dim=64, page_size=PAGE, dtype=torch.float32, device="cpu")
     batch = quantised_batch(exact, E4M3, PAGE)
     kv_append_reference(batch.k, batch.v, batch.kv_cache, *batch.lengths, kv_dtype=E4M3)
 
-    def attend(terms: int) -> torch.Tensor:
+    def attend(**terms) -> torch.Tensor:
         out = paged_attention_reference(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths,
                                         torch.zeros_like(batch.q), alpha=64 ** -0.5, max_seq_len=128,
-                                        kv_dtype=E4M3, q_terms=terms)
+                                        kv_dtype=E4M3, **base, **terms)
         return out[:batch.total_tokens]
 
-    plain = attend(0)
+    plain = attend()
 
     def error(terms: int) -> float:
-        return float((attend(terms) - plain).norm() / plain.norm())
+        return float((attend(**{terms_of: terms}) - plain).norm() / plain.norm())
 
     assert 1e-3 < error(1) < 0.05
     assert 0 < error(2) < error(1) / 4
@@ -62,26 +66,6 @@ def test_weight_terms_quantise_each_row_and_tile_by_the_caches_rule():
     assert float((running[0, 0, 64:128] - small).abs().amax()) > float((one[0, 0, 64:128] - small).abs().amax())
     with pytest.raises(ValueError, match="terms=0"):
         weight_terms(weights, 0)
-
-
-def test_the_reference_with_weight_terms_moves_the_rows_by_their_precision():
-    exact = make_paged_batch(**LENGTHS, num_heads=2, head_dim=64, page_size=PAGE, dtype=torch.float32, device="cpu")
-    batch = quantised_batch(exact, E4M3, PAGE)
-    kv_append_reference(batch.k, batch.v, batch.kv_cache, *batch.lengths, kv_dtype=E4M3)
-
-    def attend(**terms) -> torch.Tensor:
-        out = paged_attention_reference(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths,
-                                        torch.zeros_like(batch.q), alpha=64 ** -0.5, max_seq_len=128,
-                                        kv_dtype=E4M3, q_terms=2, **terms)
-        return out[:batch.total_tokens]
-
-    plain = attend()
-
-    def error(terms: int) -> float:
-        return float((attend(p_terms=terms) - plain).norm() / plain.norm())
-
-    assert 1e-3 < error(1) < 0.05
-    assert 0 < error(2) < error(1) / 4
 
 
 def test_transposed_value_codes_hold_each_heads_dims_tokens_contiguously_and_keep_the_rest():
