@@ -6,8 +6,8 @@ paths and ablations of the defaults (benchmarks/fp8_ablation.py: timing only, wr
 (benchmarks/gpu_hit_ab.py's request: hstu-bench, 64 appended + 256 candidates, one exact token bucket) of a bf16
 engine beside an fp8 engine on the defaults (`--variants` names others), with their scores against the bf16
 engine's. A variant's fp8 paths are LAYERFLOW_FP8_* settings in force while its attention or engine is built (that
-is when gluon_fp8.default_fp8_tiling reads them). `--warm NAME` builds one variant (compiling its kernels) and times
-nothing.
+is when gluon_fp8_tiling.default_fp8_tiling reads them). `--warm NAME` builds one variant (compiling its kernels)
+and times nothing.
 
     python3 benchmarks/fp8_ab.py attention --shapes 16K/256,2K/256 --out attention.json
     python3 benchmarks/fp8_ab.py engine --seq-lens 16K,2K --out engine.json
@@ -36,7 +36,7 @@ from benchmarks.kernels import Case, graph_of, median_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, QK_ENV, SILU_ENV  # noqa: E402
+from layerflow.kernels.gluon_fp8_tiling import DECODE_ENV, QK_ENV, SILU_ENV  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
 
@@ -57,11 +57,11 @@ VARIANTS = {
     "bf16": Variant(False),
     "fp8 main": Variant(True),
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
-    "fp8 qk2": Variant(True, ((QK_ENV, "fp8x2"),)),
+    "fp8 decode": Variant(True, ((QK_ENV, "bf16"),)),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 qk2", *(f"fp8 {name}" for name in ABLATIONS))
-ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 qk2")
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
+ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 decode")
 BASES = ("fp8 main", "bf16")      # what every fp8 row's output is compared with
 
 
