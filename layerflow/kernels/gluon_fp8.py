@@ -29,8 +29,10 @@ quantiser writes.
 The split count and the self tiles as in the bf16 kernel: it reads the "rows" rule's table (layerflow.kernels.splits:
 the count of the launch's real query blocks, so a bucket larger than the batch still fills whole waves) and the
 candidates' self tiles are dealt with the history and run by the last split (gluon_tiles._balanced_range).
-How Q K^T runs (Fp8Tiling.qk, else $LAYERFLOW_FP8_QK): "bf16" over the decoded keys as above, or "fp8x2" on fp8 MMAs
-over the key codes themselves, the queries as two e4m3 terms (layerflow.kernels.gluon_fp8_qk); V is decoded either way.
+How Q K^T runs (Fp8Tiling.qk, else $LAYERFLOW_FP8_QK; "fp8x2" by default over e4m3 pages): "bf16" over the decoded
+keys as above, or "fp8x2" on fp8 MMAs over the key codes themselves, the queries as two e4m3 terms
+(layerflow.kernels.gluon_fp8_qk). V is decoded either way, unless Fp8Tiling.pv is "fp8" (with "fp8x2"): the V dot on
+fp8 MMAs over pages whose V codes are stored transposed (layerflow.kernels.gluon_fp8_pv).
 """
 
 from __future__ import annotations
