@@ -51,7 +51,7 @@ def _value_code_ptrs(values_h, page_row, lo, hi, tile, D: gl.constexpr, PAGE: gl
     d = gl.arange(0, D, layout=gl.SliceLayout(1, t_layout))
     at = page.to(gl.int64)[None, :] * PAGE_BYTES + (n % PAGE)[None, :] + (d * PAGE)[:, None]
     mask = gl.max_constancy(run_ok[None, :], [1, 16])
-    return values_h + gl.max_contiguous(gl.multiple_of(at, [16, 16]), [1, 16]), mask
+    return values_h + gl.max_contiguous(gl.multiple_of(at, [1, 16]), [1, 16]), mask
 
 
 @gluon.jit
