@@ -13,8 +13,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from layerflow.kernels.gluon_fp8_qk import _e4m3_rows, _fp8_scores, _query_scales
-from layerflow.kernels.gluon_fp8_tiles import _row_scales, _self_rows, _value_code_layout
+from layerflow.kernels.gluon_fp8_qk import _e4m3_rows, _fp8_scores, _query_scales, _self_row_codes
+from layerflow.kernels.gluon_fp8_tiles import _row_scales, _value_code_layout
 from layerflow.kernels.gluon_tiles import _masked_silu, _store_partial, _tile_silu, _whole_tiles
 
 CHUNKS = gl.constexpr(4)     # column chunks of O (each D / 4 wide, its own accumulator and MMA per tile)
@@ -47,10 +47,8 @@ def _fill_value_codes(v_dst, v_dot_scales, v_codes, v_scales, tile, num_hist, lo
     else:
         keys_major = v_dst.permute((1, 0))
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            token, head_cols, row_ok = _self_rows(q_start, q_len, head, row0, tile - num_hist, c, D, BLOCK_N,
-                                                  FILL_ROWS, layout)
-            values = gl.load(v_ptr + token * v_stride + head_cols, mask=row_ok, other=0.0)
-            codes, scales = _e4m3_rows(values.to(gl.float32))
+            codes, scales = _self_row_codes(v_ptr, v_stride, q_start, q_len, head, row0, tile - num_hist, c, D,
+                                            BLOCK_N, FILL_ROWS, layout)
             keys_major.slice(c * FILL_ROWS, FILL_ROWS).store(codes)
             v_dot_scales.slice(c * FILL_ROWS, FILL_ROWS).store(scales)
 
