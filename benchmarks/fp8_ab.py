@@ -51,12 +51,13 @@ SETTINGS = (DECODE_ENV, SILU_ENV, QK_ENV)
 class Variant:
     """fp8 pages or the model's dtype; the LAYERFLOW_FP8_* settings it is built under; an ablation of the kernel;
     the V dot on fp8 MMAs (tiling `pv` "fp8", over the same pages with their V codes transposed: attention only,
-    no append writes that layout yet)."""
+    no append writes that layout yet), in `code_stages` code slots (None: the default tiling's)."""
 
     fp8: bool
     env: tuple[tuple[str, str], ...] = ()
     ablation: str | None = None
     fp8_values: bool = False
+    code_stages: int | None = None
 
 
 VARIANTS = {
@@ -65,6 +66,7 @@ VARIANTS = {
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
     "fp8 decode": Variant(True, ((QK_ENV, "bf16"),)),
     "fp8 pv8": Variant(True, fp8_values=True),
+    "fp8 pv8 c2": Variant(True, fp8_values=True, code_stages=2),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
 ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 pv8", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
@@ -95,7 +97,8 @@ def attention_case(name: str, history: int, candidates: int) -> Case:
     if variant.ablation is not None:
         case.attn.gluon = AblatedFp8Attention(case.attn.gluon.tiling, variant.ablation)
     if variant.fp8_values:
-        case.attn.gluon = GluonFp8Attention(replace(case.attn.gluon.tiling, pv="fp8"))
+        tiling = replace(case.attn.gluon.tiling, pv="fp8")
+        case.attn.gluon = GluonFp8Attention(replace(tiling, code_stages=variant.code_stages or tiling.code_stages))
         case.pool = transpose_value_codes(case.pool, PAGE_SIZE)
     return case
 
