@@ -36,28 +36,21 @@ from benchmarks.kernels import Case, graph_of, median_ms  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
-from layerflow.kernels.fp8 import transpose_value_codes  # noqa: E402
-from layerflow.kernels.gluon_fp8 import GluonFp8Attention  # noqa: E402
 from layerflow.kernels.gluon_fp8_tiling import DECODE_ENV, QK_ENV, SILU_ENV  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
-PAGE_SIZE = 32
 SETTINGS = (DECODE_ENV, SILU_ENV, QK_ENV)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """fp8 pages or the model's dtype; the LAYERFLOW_FP8_* settings it is built under; an ablation of the kernel;
-    the V dot on fp8 MMAs (tiling `pv` "fp8", over the same pages with their V codes transposed: attention only,
-    no append writes that layout yet), in `code_stages` code slots (None: the default tiling's)."""
+    """fp8 pages or the model's dtype; the LAYERFLOW_FP8_* settings it is built under; an ablation of the kernel."""
 
     fp8: bool
     env: tuple[tuple[str, str], ...] = ()
     ablation: str | None = None
-    fp8_values: bool = False
-    code_stages: int | None = None
 
 
 VARIANTS = {
@@ -65,11 +58,9 @@ VARIANTS = {
     "fp8 main": Variant(True),
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
     "fp8 decode": Variant(True, ((QK_ENV, "bf16"),)),
-    "fp8 pv8": Variant(True, fp8_values=True),
-    "fp8 pv8 c2": Variant(True, fp8_values=True, code_stages=2),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 pv8", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
 ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 decode")
 BASES = ("fp8 main", "bf16")      # what every fp8 row's output is compared with
 
@@ -93,13 +84,9 @@ def attention_case(name: str, history: int, candidates: int) -> Case:
     variant = VARIANTS[name]
     torch.manual_seed(0)
     with built_under(variant):
-        case = Case(1, history, candidates, 256, PAGE_SIZE, None, E4M3 if variant.fp8 else None)
+        case = Case(1, history, candidates, 256, 32, None, E4M3 if variant.fp8 else None)
     if variant.ablation is not None:
         case.attn.gluon = AblatedFp8Attention(case.attn.gluon.tiling, variant.ablation)
-    if variant.fp8_values:
-        tiling = replace(case.attn.gluon.tiling, pv="fp8")
-        case.attn.gluon = GluonFp8Attention(replace(tiling, code_stages=variant.code_stages or tiling.code_stages))
-        case.pool = transpose_value_codes(case.pool, PAGE_SIZE)
     return case
 
 

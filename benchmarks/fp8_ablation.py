@@ -35,8 +35,8 @@ def _no_dots(raw, v_tile, k_dot_scales, v_dot_scales, acc, alpha, tile, whole, n
 
 
 @gluon.jit
-def _no_copies(k_codes, v_codes, k_words, v_words, tile, page, page_row, num_hist, lo, hi, cache_h, values_h, scales_h,
-               H, D, PAGE, ROWS, BLOCK_N, ASYNC_SCALES, V_T, layout):
+def _no_copies(k_codes, v_codes, k_words, v_words, tile, page, num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS,
+               BLOCK_N, ASYNC_SCALES, layout):
     """In place of gluon_fp8_tiles._issue_codes: an empty copy group, so the pipeline's group count holds."""
     async_copy.commit_group()
 

@@ -107,15 +107,13 @@ def scores_of(results: list, head: torch.Tensor | None) -> list[torch.Tensor]:
 
 
 def run_engine(weights: HSTUWeights, settings: QualitySettings, kv_cache_dtype: str, visits: list[Visits],
-               device: torch.device, use_cuda_graph: bool = True) -> list[torch.Tensor]:
-    """Every user's return-visit scores from an engine whose cache holds `kv_cache_dtype` (`use_cuda_graph=False`:
-    eager on a GPU, for kernels that cannot be captured, such as the torch references)."""
+               device: torch.device) -> list[torch.Tensor]:
+    """Every user's return-visit scores from an engine whose cache holds `kv_cache_dtype`."""
     model = settings.model
     head = None if model.embedding_tables else \
         torch.randn(model.embedding_dim, generator=torch.Generator().manual_seed(settings.seed + 1))
     out: list[torch.Tensor] = []
-    with Engine(weights, engine_config(settings, kv_cache_dtype, visits), device=device,
-                use_cuda_graph=use_cuda_graph) as engine:
+    with Engine(weights, engine_config(settings, kv_cache_dtype, visits), device=device) as engine:
         for v in visits:
             engine.score([v.first])
         engine.kv.wait_offloads()

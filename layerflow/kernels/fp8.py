@@ -140,29 +140,6 @@ def query_terms(q: torch.Tensor, terms: int) -> list[torch.Tensor]:
     return out
 
 
-WEIGHT_TILE = 64     # keys per tile of the fp8 kernel's V dot at D=256: one power-of-two scale per row and tile
-
-
-def weight_terms(weights: torch.Tensor, terms: int, tile: int = WEIGHT_TILE, running: bool = False) -> torch.Tensor:
-    """weights [..., L] (the attention weights times each key's V scale) as the sum of `terms` e4m3 terms, for the
-    V dot on fp8 MMAs over V codes. Each term is quantised by the cache's rule per row of each `tile` consecutive
-    keys (the kernel's tile), the next one quantising what the terms before it missed; `running` gives each tile
-    the largest exponent of the row's tiles so far instead of its own (an accumulator kept in one unit per row, so
-    a kernel rescales it only when that unit grows). The power-of-two scales are exact: only e4m3 rounds."""
-    if terms < 1 or tile < 1:
-        raise ValueError(f"terms={terms}, tile={tile}: expected at least 1 of each")
-    fmt, length = fp8_format(QUERY_DTYPE), weights.shape[-1]
-    rest = torch.nn.functional.pad(weights.float(), (0, -length % tile)).unflatten(-1, (-1, tile))
-    total = torch.zeros_like(rest)
-    for _ in range(terms):
-        k = scale_exponents(rest, fmt)
-        if running:
-            k = k.cummax(dim=-1).values
-        term = (rest * _power_of_two(-k).unsqueeze(-1)).to(fmt.dtype).float() * _power_of_two(k).unsqueeze(-1)
-        total, rest = total + term, rest - term
-    return total.flatten(-2)[..., :length]
-
-
 def page_views(kv_cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of an fp8 cache `[pages, 2, rows, H, D]` (uint8): the codes `[pages, 2, page_size, H, D]` and the scale
     bytes `[pages, 2, H, page_size]` (layerflow.tier.layout). Writes through them land in the cache."""
@@ -170,21 +147,6 @@ def page_views(kv_cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, to
     codes = kv_cache[:, :, :page_size]
     scales = kv_cache[:, :, page_size:].reshape(pages, 2, (rows - page_size) * heads * dim)[..., :heads * page_size]
     return codes, scales.view(pages, 2, heads, page_size)
-
-
-def transpose_value_codes(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """A copy of an fp8 cache `[pages, 2, rows, H, D]` (uint8) whose V codes are stored transposed within their page:
-    the same bytes of the V half's code rows hold `[H, D, page_size]` instead of `[page_size, H, D]`, tokens
-    contiguous per (head, dim), which is K-major for the B operand of P V on fp8 MMAs (they take no MN-major fp8
-    operand). K, the scale rows and every page's bytes stay where they are, so the tiers copy it unchanged."""
-    pages, halves, rows, heads, dim = kv_cache.shape
-    if kv_cache.dtype != torch.uint8 or halves != 2 or not 0 < page_size <= rows:
-        raise ValueError(f"kv_cache {kv_cache.dtype} {tuple(kv_cache.shape)}, page_size={page_size}: expected "
-                         "uint8 [pages, 2, rows >= page_size, H, D]")
-    out = kv_cache.clone()
-    codes = kv_cache[:, 1, :page_size].permute(0, 2, 3, 1)                   # [pages, H, D, page_size]
-    out[:, 1, :page_size] = codes.reshape(pages, page_size, heads, dim)
-    return out
 
 
 # ---- Triton -------------------------------------------------------------------------------------------------------

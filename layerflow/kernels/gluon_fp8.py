@@ -31,8 +31,7 @@ the count of the launch's real query blocks, so a bucket larger than the batch s
 candidates' self tiles are dealt with the history and run by the last split (gluon_tiles._balanced_range).
 How Q K^T runs (Fp8Tiling.qk, else $LAYERFLOW_FP8_QK; "fp8x2" by default over e4m3 pages): "bf16" over the decoded
 keys as above, or "fp8x2" on fp8 MMAs over the key codes themselves, the queries as two e4m3 terms
-(layerflow.kernels.gluon_fp8_qk). V is decoded either way, unless Fp8Tiling.pv is "fp8" (with "fp8x2"): the V dot on
-fp8 MMAs over pages whose V codes are stored transposed (layerflow.kernels.gluon_fp8_pv).
+(layerflow.kernels.gluon_fp8_qk); V is decoded either way.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from layerflow.kernels.gluon_fp8_qk import _scores_layout, _store_query_terms
-from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout, _value_smem_layout
+from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout
 from layerflow.kernels.gluon_fp8_ws import _fp8_consumer, _fp8_one_slot_producer, _fp8_producer
 from layerflow.kernels.gluon_fp8_tiling import QK_TERMS, Fp8Tiling, default_fp8_tiling, fp8_tiling_reason, \
     fp8_unsupported_reason
@@ -64,7 +63,7 @@ def _gluon_fp8_kernel(
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
     DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, DECODE_BITS: gl.constexpr,
-    QK_TERMS: gl.constexpr, num_warps: gl.constexpr, PV_FP8: gl.constexpr = False,
+    QK_TERMS: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -104,10 +103,7 @@ def _gluon_fp8_kernel(
                          mask=(row0 + q_rows < q_len)[:, None], other=0.0)
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
     k_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
-    if PV_FP8:  # V codes transposed in their pages and slots (gluon_fp8_pv)
-        v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, D, BLOCK_N], _value_smem_layout(BLOCK_N))
-    else:
-        v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
+    v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
     # "async": each key's slot holds the int32 word its scale byte lies in; "load": the fp32 scale itself.
     scale_dtype: gl.constexpr = gl.int32 if ASYNC_SCALES else gl.float32
     k_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
@@ -117,10 +113,6 @@ def _gluon_fp8_kernel(
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     page_row = page_table_ptr + user * page_table_stride
     cache_h = cache_ptr + head * D
-    if PV_FP8:
-        values_h = cache_ptr + ROWS * H * D + head * D * PAGE
-    else:
-        values_h = cache_h + ROWS * H * D
     scales_h = cache_ptr + PAGE * H * D + head * PAGE
     if INV_N_PER_USER:
         inv_n = gl.load(inv_n_ptr + user)
@@ -130,14 +122,8 @@ def _gluon_fp8_kernel(
         k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], code_smem)
     else:
         k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
-    if PV_FP8:
-        v_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BLOCK_N], _value_smem_layout(BLOCK_N))
-    else:
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     if DOT_SCALES:
-        k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
-        v_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
-    elif PV_FP8:  # the keys' scales apply to S, the values' to the weights
         k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
         v_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
     elif QK_TERMS > 0:  # the keys' scales apply to S, the values' in the decode
@@ -159,24 +145,23 @@ def _gluon_fp8_kernel(
             (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
                              num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
                              q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
-                             QK_TERMS, PV_FP8, s_layout, o_layout, p_layout)),
+                             QK_TERMS, s_layout, o_layout, p_layout)),
             (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
                                       v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
-                                      values_h, scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
-                                      row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES,
-                                      DECODE_BITS, QK_TERMS, PV_FP8)),
+                                      scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
+                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
+                                      QK_TERMS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([
             (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
                              num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
                              q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
-                             QK_TERMS, PV_FP8, s_layout, o_layout, p_layout)),
+                             QK_TERMS, s_layout, o_layout, p_layout)),
             (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
-                             empty, num_tiles, num_hist, lo, hi, page_row, cache_h, values_h, scales_h, k_ptr, v_ptr,
-                             k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES,
-                             CODE_STAGES, FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, DECODE_BITS, QK_TERMS,
-                             PV_FP8)),
+                             empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
+                             v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
+                             FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, DECODE_BITS, QK_TERMS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
@@ -204,9 +189,6 @@ class GluonFp8Attention(GluonLauncher):
         if t.scale_copy == "async" and PAGE % 4:
             raise ValueError(f"PAGE={PAGE}: scale_copy='async' copies 4-byte words of scales, so pages must hold a "
                              "multiple of 4 tokens")
-        if t.pv == "fp8" and (PAGE % 16 or FP8 != 1):
-            raise ValueError(f"PAGE={PAGE}, FP8={FP8}: pv='fp8' reads transposed e4m3 V codes in 16-byte runs (e4m3 "
-                             "pages of a multiple of 16 tokens)")
         num_warps = BLOCK_M // 16
         _gluon_fp8_kernel[grid](*args, split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H,
                                 D=D, PAGE=PAGE, BATCH_P2=BATCH_P2, NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M,
@@ -217,7 +199,7 @@ class GluonFp8Attention(GluonLauncher):
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
                                 DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
                                 WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits",
-                                QK_TERMS=QK_TERMS[t.qk], num_warps=num_warps, PV_FP8=t.pv == "fp8")
+                                QK_TERMS=QK_TERMS[t.qk], num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,

@@ -48,16 +48,6 @@ def _store_query_terms(q_terms, q_scales, q_ptr, q_stride, q_start, row0, q_len,
 
 
 @gluon.jit
-def _self_row_codes(x_ptr, x_stride, q_start, q_len, head, row0, self_tile, c, D: gl.constexpr,
-                    BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr, layout: gl.constexpr):
-    """Rows c * FILL_ROWS .. of the block's self tile `self_tile` of x (its own K or V rows) as e4m3 codes and row
-    scales by the cache's rule (_e4m3_rows); zero past q_len."""
-    token, head_cols, row_ok = _self_rows(q_start, q_len, head, row0, self_tile, c, D, BLOCK_N, FILL_ROWS, layout)
-    rows = gl.load(x_ptr + token * x_stride + head_cols, mask=row_ok, other=0.0)
-    return _e4m3_rows(rows.to(gl.float32))
-
-
-@gluon.jit
 def _fill_key_codes(k_dst, k_dot_scales, k_codes, k_scales, tile, num_hist, k_ptr, k_stride, q_start, q_len, head,
                     row0, D: gl.constexpr, BLOCK_N: gl.constexpr, FILL_ROWS: gl.constexpr,
                     ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
@@ -71,8 +61,10 @@ def _fill_key_codes(k_dst, k_dot_scales, k_codes, k_scales, tile, num_hist, k_pt
         k_dot_scales.store(_row_scales(k_scales, BLOCK_N, ASYNC_SCALES, layout))
     else:
         for c in gl.static_range(BLOCK_N // FILL_ROWS):
-            codes, scales = _self_row_codes(k_ptr, k_stride, q_start, q_len, head, row0, tile - num_hist, c, D,
-                                            BLOCK_N, FILL_ROWS, layout)
+            token, head_cols, row_ok = _self_rows(q_start, q_len, head, row0, tile - num_hist, c, D, BLOCK_N,
+                                                  FILL_ROWS, layout)
+            keys = gl.load(k_ptr + token * k_stride + head_cols, mask=row_ok, other=0.0)
+            codes, scales = _e4m3_rows(keys.to(gl.float32))
             k_dst.slice(c * FILL_ROWS, FILL_ROWS).store(codes)
             k_dot_scales.slice(c * FILL_ROWS, FILL_ROWS).store(scales)
 

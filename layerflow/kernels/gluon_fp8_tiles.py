@@ -23,45 +23,13 @@ def _code_smem_layout(D):
     return gl.NVMMASharedLayout(swizzle_byte_width=min(128, D), element_bitwidth=8, rank=2)
 
 
-@gluon.constexpr_function
-def _value_code_layout(BLOCK_N, num_warps):
-    """[D, BLOCK_N] tiles of V code bytes: 16-byte runs of keys per thread, warps stacked along D."""
-    across = BLOCK_N // 16
-    return gl.BlockedLayout([1, 16], [32 // across, across], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _value_smem_layout(BLOCK_N):
-    """V code slots [D, BLOCK_N]: rows of BLOCK_N bytes (K-major for the V dot's B operand)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=8, rank=2)
-
-
 @gluon.jit
-def _value_code_ptrs(values_h, page_row, lo, hi, tile, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                     PAGE_BYTES: gl.constexpr):
-    """Pointers [D, BLOCK_N] to history tile `tile`'s transposed V codes (values_h: the head's `[D, PAGE]` block in
-    page 0's V half) and the copy's mask: whole runs of 16 keys, those that start before hi (tiles start at
-    multiples of BLOCK_N and pages hold multiples of 16 tokens, so a run lies in one page and its bytes are
-    contiguous and 16-byte aligned, which the compiler is told: it cannot see it through the page ids). The keys
-    of a run at or past hi are copied too; the loader zeroes them (_fill_value_codes)."""
-    t_layout: gl.constexpr = _value_code_layout(BLOCK_N, gl.num_warps())
-    n = lo + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, t_layout))
-    run_ok = n - n % 16 < hi
-    page = gl.load(page_row + (n - n % 16) // PAGE, mask=run_ok, other=0)
-    d = gl.arange(0, D, layout=gl.SliceLayout(1, t_layout))
-    at = page.to(gl.int64)[None, :] * PAGE_BYTES + (n % PAGE)[None, :] + (d * PAGE)[:, None]
-    mask = gl.max_constancy(run_ok[None, :], [1, 16])
-    return values_h + gl.max_contiguous(gl.multiple_of(at, [1, 16]), [1, 16]), mask
-
-
-@gluon.jit
-def _issue_codes(k_codes, v_codes, k_words, v_words, tile, page, page_row, num_hist, lo, hi, cache_h, values_h,
-                 scales_h, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 ASYNC_SCALES: gl.constexpr, V_T: gl.constexpr, layout: gl.constexpr):
+def _issue_codes(k_codes, v_codes, k_words, v_words, tile, page, num_hist, lo, hi, cache_h, scales_h,
+                 H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
     """Start copying the K and V codes of history tile `tile` (pages `page`) into a code slot, with ASYNC_SCALES
     each key's scale word into (k_words, v_words), and commit one group (empty for tiles past the history, so there
-    is one group per tile); keys at or past hi are zeroed (codes and scale words). V_T: the pages hold V transposed
-    (values_h: the head's [D, PAGE] block of page 0's V half) and the V slot is [D, BLOCK_N]."""
+    is one group per tile); keys at or past hi are zeroed (codes and scale words)."""
     if tile < num_hist:
         rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
@@ -70,11 +38,7 @@ def _issue_codes(k_codes, v_codes, k_words, v_words, tile, page, page_row, num_h
         page_at = page.to(gl.int64) * (2 * ROWS * H * D)
         ptrs = cache_h + (page_at + ((n % PAGE) * (H * D)).to(gl.int64))[:, None] + cols[None, :]
         async_copy.async_copy_global_to_shared(k_codes, ptrs, mask=key_ok[:, None])
-        if V_T:
-            v_ptrs, v_ok = _value_code_ptrs(values_h, page_row, lo, hi, tile, D, PAGE, BLOCK_N, 2 * ROWS * H * D)
-            async_copy.async_copy_global_to_shared(v_codes, v_ptrs, mask=v_ok)
-        else:
-            async_copy.async_copy_global_to_shared(v_codes, ptrs + ROWS * H * D, mask=key_ok[:, None])
+        async_copy.async_copy_global_to_shared(v_codes, ptrs + ROWS * H * D, mask=key_ok[:, None])
         if ASYNC_SCALES:
             word_at = scales_h + page_at + (n % PAGE - n % 4)
             async_copy.async_copy_global_to_shared(k_words, word_at.to(gl.pointer_type(gl.int32), bitcast=True),
@@ -231,16 +195,16 @@ def _store_scales(k_scales, v_scales, k_bytes, v_bytes):
 
 
 @gluon.jit
-def _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row, cache_h, values_h, scales_h,
+def _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row, cache_h, scales_h,
                  H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CODE_STAGES: gl.constexpr, ASYNC_SCALES: gl.constexpr, V_T: gl.constexpr, layout: gl.constexpr):
+                 CODE_STAGES: gl.constexpr, ASYNC_SCALES: gl.constexpr, layout: gl.constexpr):
     """The code pipeline's prologue: copies of tiles 0 .. CODE_STAGES - 2 issued; without ASYNC_SCALES their scales
     stored but the last one's. Returns (page ids of tile CODE_STAGES - 1, the last tile's scale bytes still in
     flight; 127 placeholders with ASYNC_SCALES, where the scale words travel with the codes)."""
     for t in gl.static_range(CODE_STAGES - 1):
         _issue_codes(k_codes.index(t), v_codes.index(t), k_scales.index(t), v_scales.index(t), t,
-                     _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, layout), page_row, num_hist, lo, hi, cache_h,
-                     values_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, ASYNC_SCALES, V_T, layout)
+                     _tile_pages(page_row, t, lo, hi, PAGE, BLOCK_N, layout), num_hist, lo, hi, cache_h, scales_h, H,
+                     D, PAGE, ROWS, BLOCK_N, ASYNC_SCALES, layout)
     last: gl.constexpr = CODE_STAGES - 2
     if ASYNC_SCALES:
         k_bytes = gl.full([BLOCK_N], 127, gl.int32, gl.SliceLayout(1, layout))
@@ -259,9 +223,9 @@ def _start_codes(k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_ro
 
 @gluon.jit
 def _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_scales, num_hist, lo, hi, page_row,
-                   cache_h, values_h, scales_h, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
-                   ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CODE_STAGES: gl.constexpr, ASYNC_SCALES: gl.constexpr,
-                   V_T: gl.constexpr, layout: gl.constexpr):
+                   cache_h, scales_h, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CODE_STAGES: gl.constexpr, ASYNC_SCALES: gl.constexpr,
+                   layout: gl.constexpr):
     """One step of the code pipeline at tile `tile`: issue the copies of tile + CODE_STAGES - 1 (pages `pages`);
     without ASYNC_SCALES load its scale bytes and store the previous tile's (`k_bytes`, `v_bytes`, loaded a step
     ago); load the next page ids, then wait until tile `tile`'s copies have landed for every thread of the
@@ -270,8 +234,7 @@ def _advance_codes(tile, pages, k_bytes, v_bytes, k_codes, v_codes, k_scales, v_
     ahead = tile + CODE_STAGES - 1
     slot = ahead % CODE_STAGES
     _issue_codes(k_codes.index(slot), v_codes.index(slot), k_scales.index(slot), v_scales.index(slot), ahead, pages,
-                 page_row, num_hist, lo, hi, cache_h, values_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, ASYNC_SCALES,
-                 V_T, layout)
+                 num_hist, lo, hi, cache_h, scales_h, H, D, PAGE, ROWS, BLOCK_N, ASYNC_SCALES, layout)
     if not ASYNC_SCALES:
         next_k, next_v = _load_scale_bytes(scales_h, ahead, pages, lo, hi, H, D, PAGE, ROWS, BLOCK_N, layout)
         _store_scales(k_scales.index((ahead - 1) % CODE_STAGES), v_scales.index((ahead - 1) % CODE_STAGES), k_bytes,

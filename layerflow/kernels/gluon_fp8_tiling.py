@@ -45,9 +45,6 @@ QK_ENV = "LAYERFLOW_FP8_QK"
 DEFAULT_QK = "bf16"
 E4M3_QK = "fp8x2"
 QK_TERMS = {"bf16": 0, "fp8x2": 2}
-# The V dot over decoded V, or on e4m3 MMAs (gluon_fp8_pv) over V codes stored transposed within their pages
-# (fp8.transpose_value_codes); a tiling field only while no append writes that layout.
-PVS = ("bf16", "fp8")
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 LOADER_WARPS = (4, 8)
@@ -70,8 +67,7 @@ class Fp8Tiling:
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
     each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
     on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
-    (DECODES), how Q K^T runs (QKS: with "fp8x2" the K slots hold e4m3 codes and only V is decoded) and the V dot
-    (PVS: with "fp8" the V slots hold e4m3 codes too, read from pages whose V codes are transposed)."""
+    (DECODES) and how Q K^T runs (QKS: with "fp8x2" the K slots hold e4m3 codes and only V is decoded)."""
 
     block_n: int = 32
     stages: int = 2
@@ -84,7 +80,6 @@ class Fp8Tiling:
     unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
     decode: str = DEFAULT_DECODE
     qk: str = DEFAULT_QK
-    pv: str = "bf16"
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -146,8 +141,7 @@ def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, item
     terms = QK_TERMS.get(tiling.qk, 0)
     if terms:
         queries = terms * block_m * (head_dim + 4)
-        value_bytes = (tile_bytes + tiling.block_n * 4) if tiling.pv == "fp8" else tile_bytes * itemsize
-        slot = tile_bytes + tiling.block_n * 4 + value_bytes
+        slot = tile_bytes * (1 + itemsize) + tiling.block_n * 4
     else:
         queries = block_m * head_dim * itemsize
         slot = 2 * tile_bytes * itemsize + (2 * tiling.block_n * 4 if tiling.scale_site == "dots" else 0)
@@ -179,11 +173,6 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: decode must be one of {DECODES} (field or ${DECODE_ENV})"
     if tiling.qk not in QKS:
         return f"{tiling}: qk must be one of {QKS} (field or ${QK_ENV})"
-    if tiling.pv not in PVS:
-        return f"{tiling}: pv must be one of {PVS}"
-    if tiling.pv == "fp8" and (tiling.qk != "fp8x2" or tiling.block_n != 64):
-        return (f"{tiling}: pv='fp8' needs qk='fp8x2' (its weights are e4m3 A operands of the scores' layout) and "
-                "64-key tiles (the weights' scale per row and tile the quality gate was judged on)")
     if tiling.qk != "bf16" and tiling.scale_site == "dots":
         return (f"{tiling}: qk={tiling.qk!r} applies the key scales to S and decodes V with its scales "
                 "(scale_site 'decode' only)")
@@ -204,9 +193,6 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
         return f"{tiling} for a {dtype} model: decode='bits' writes bf16 tiles (a bf16 model only)"
     if tiling.qk != "bf16" and kv_dtype != torch.float8_e4m3fn:
         return f"{tiling} over {kv_dtype} pages: qk={tiling.qk!r} feeds the key codes to e4m3 MMAs (e4m3 pages only)"
-    if tiling.pv == "fp8" and page_size is not None and page_size % 16:
-        return (f"{tiling} at page_size={page_size}: pv='fp8' copies transposed V codes in 16-byte runs of a page's "
-                "tokens, so pages must hold a multiple of 16 tokens")
     if tiling.scale_copy == "async" and page_size is not None and page_size % 4:
         return (f"{tiling} at page_size={page_size}: scale_copy='async' copies 4-byte words of scales, so pages must "
                 "hold a multiple of 4 tokens")

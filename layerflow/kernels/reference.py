@@ -7,9 +7,8 @@ define what the Triton kernels must compute (tests) and to run on machines witho
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from layerflow.kernels.fp8 import QUERY_DTYPE, dequantise, page_views, quantise, query_terms, weight_terms
+from layerflow.kernels.fp8 import QUERY_DTYPE, dequantise, page_views, quantise, query_terms
 from layerflow.model.mask import MaskRule, attention_mask
 from layerflow.model.reference import hstu_attention
 from layerflow.tier.layout import fp8_page_size
@@ -43,18 +42,16 @@ def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               appended_lens: torch.Tensor, out: torch.Tensor, *, alpha: float,
                               max_seq_len: int | None = None, inv_n: torch.Tensor | None = None,
                               mask: MaskRule = MaskRule(), kv_dtype: torch.dtype | None = None,
-                              q_terms: int = 0, p_terms: int = 0, p_running: bool = False) -> torch.Tensor:
+                              q_terms: int = 0) -> torch.Tensor:
     """Same contract as `PagedAttention.run` (1/N from `inv_n`, [1] or per user, else 1/max_seq_len; `kv_dtype`: an
     fp8 cache, dequantised as it is read); rows of `out` outside the batch are left untouched. Like the kernel it
     reads only the history the mask lets the batch see. `q_terms` > 0 (an e4m3 cache): q.k on fp8 MMAs as the fp8
     Gluon kernel's `qk` choice runs it, the queries as the sum of their `q_terms` e4m3 terms (fp8.query_terms) and
-    the candidates' own keys quantised like cached ones (the kernel's K tiles are all codes). `p_terms` > 0 (an e4m3
-    cache): the V dot on fp8 MMAs over V codes (`fp8_value_dot`), the candidates' own values quantised too."""
+    the candidates' own keys quantised like cached ones (the kernel's K tiles are all codes)."""
     if (max_seq_len is None) == (inv_n is None):
         raise ValueError("pass exactly one of max_seq_len and inv_n")
-    if (q_terms or p_terms) and kv_dtype != QUERY_DTYPE:
-        raise ValueError(f"q_terms={q_terms}, p_terms={p_terms} over kv_dtype={kv_dtype}: fp8 MMAs need an "
-                         f"{QUERY_DTYPE} cache")
+    if q_terms and kv_dtype != QUERY_DTYPE:
+        raise ValueError(f"q_terms={q_terms} over kv_dtype={kv_dtype}: fp8 q.k needs an {QUERY_DTYPE} cache")
     if q_terms:
         q = sum(query_terms(q, q_terms))
         k = dequantise(*quantise(k, kv_dtype), kv_dtype, torch.float32)
@@ -72,28 +69,8 @@ def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         values = torch.cat([v_hist, v[cand]])
         seen = attention_mask(hist[b], appended[b], num_candidates, mask)[:, first:].to(q.device)
         scale = scales[b if len(scales) > 1 else 0]
-        if p_terms:
-            rows = fp8_value_dot(q[start:end], keys, values, seen, alpha, 1.0 / scale, len(k_hist), p_terms,
-                                 p_running)
-        else:
-            rows = hstu_attention(q[start:end], keys, values, seen, alpha, 1.0 / scale)
-        out[start:end] = rows.to(out.dtype)
+        out[start:end] = hstu_attention(q[start:end], keys, values, seen, alpha, 1.0 / scale).to(out.dtype)
     return out
-
-
-def fp8_value_dot(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, alpha: float,
-                  n: float, history_count: int, terms: int, running: bool = False) -> torch.Tensor:
-    """`hstu_attention` with the V dot on e4m3 MMAs: each key's V scale folded into its column of the weights, the
-    weights as `terms` e4m3 terms per row and tile (fp8.weight_terms; history keys and the candidates' own keys in
-    tiles of their own, as the kernel reads them), dotted with the V codes. The power-of-two V scales are exact where
-    they are applied; the weights' rounding is the only new error."""
-    codes, scale_bytes = quantise(values, QUERY_DTYPE)
-    value_scales = (scale_bytes.to(torch.int32) - 127).float().exp2()               # [Lk, H]
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float())
-    weights = F.silu(alpha * scores) / n * seen.unsqueeze(0) * value_scales.t().unsqueeze(1)
-    folded = torch.cat([weight_terms(weights[..., :history_count], terms, running=running),
-                        weight_terms(weights[..., history_count:], terms, running=running)], dim=-1)
-    return torch.einsum("hqk,khd->qhd", folded, codes.view(QUERY_DTYPE).float())
 
 
 def kv_append_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
