@@ -5,12 +5,13 @@ included, each variant's CUDA graph timed in turn) for bf16 Gluon's default, the
 paths and ablations of the defaults (benchmarks/fp8_ablation.py: timing only, wrong numbers). `engine`: GPU hits
 (benchmarks/gpu_hit_ab.py's request: hstu-bench, 64 appended + 256 candidates, one exact token bucket) of a bf16
 engine beside an fp8 engine on the defaults (`--variants` names others), with their scores against the bf16
-engine's. A variant's fp8 paths are LAYERFLOW_FP8_* settings in force while its attention or engine is built (that
-is when gluon_fp8.default_fp8_tiling reads them). `--warm NAME` builds one variant (compiling its kernels) and times
-nothing.
+engine's; with `--layerwise` also CPU hits + layerwise (the user's pages evicted to the host before each request,
+onboarded layer by layer), alternated the same way. A variant's fp8 paths are LAYERFLOW_FP8_* settings in force
+while its attention or engine is built (that is when gluon_fp8_tiling.default_fp8_tiling reads them). `--warm NAME`
+builds one variant (compiling its kernels) and times nothing.
 
     python3 benchmarks/fp8_ab.py attention --shapes 16K/256,2K/256 --out attention.json
-    python3 benchmarks/fp8_ab.py engine --seq-lens 16K,2K --out engine.json
+    python3 benchmarks/fp8_ab.py engine --seq-lens 16K,2K --layerwise --out engine.json
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ from benchmarks.fp8_ablation import ABLATIONS, AblatedFp8Attention  # noqa: E402
 from benchmarks.gpu_hit_ab import (agreement, alternated_walls, gpu_hit, kernel_us, launches,  # noqa: E402
                                   loaded_workloads, top10_overlap)
 from benchmarks.kernels import Case, graph_of, median_ms  # noqa: E402
+from layerflow.bench.workload import Workload  # noqa: E402
 from layerflow.bench.environment import environment  # noqa: E402
 from layerflow.bench.measure import transfer_config  # noqa: E402
 from layerflow.bench.settings import GPU_DEFAULTS, Settings, parse_lengths  # noqa: E402
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, QK_ENV, SILU_ENV  # noqa: E402
+from layerflow.kernels.gluon_fp8_tiling import DECODE_ENV, QK_ENV, SILU_ENV  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
+from layerflow.runtime.kv_manager import Tier  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 SETTINGS = (DECODE_ENV, SILU_ENV, QK_ENV)
@@ -57,11 +60,11 @@ VARIANTS = {
     "bf16": Variant(False),
     "fp8 main": Variant(True),
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
-    "fp8 qk2": Variant(True, ((QK_ENV, "fp8x2"),)),
+    "fp8 decode": Variant(True, ((QK_ENV, "bf16"),)),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 qk2", *(f"fp8 {name}" for name in ABLATIONS))
-ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 qk2")
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
+ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 decode")
 BASES = ("fp8 main", "bf16")      # what every fp8 row's output is compared with
 
 
@@ -172,10 +175,39 @@ def build_engine(name: str, settings: Settings, weights: HSTUWeights, stack: con
     return engine
 
 
+def host_hit(engine: Engine, workload: Workload) -> float:
+    """One CPU hit + layerwise: the history truncated back and evicted to the host (untimed), then the host-clock ms
+    of `score` (RuntimeError if a request would not hit the host)."""
+    engine.kv.wait_offloads()
+    for r in workload.requests:
+        engine.kv.truncate(r.user_id, workload.seq_len)
+        engine.kv.evict_from_gpu(r.user_id)
+        if engine.kv.tier(r.user_id) is not Tier.HOST:
+            raise RuntimeError(f"user {r.user_id}: expected a host hit, got {engine.kv.tier(r.user_id).value}")
+    start = time.perf_counter()
+    engine.score(workload.requests)
+    return (time.perf_counter() - start) * 1e3
+
+
+def alternated_host_hits(engines: dict[str, Engine], workloads: dict[str, Workload], blocks: int,
+                         requests: int) -> dict[str, list[float]]:
+    """CPU-hit + layerwise ms per engine: two warm hits each, then `blocks` blocks of `requests` on every engine in
+    turn, the order rotating."""
+    for name, engine in engines.items():
+        host_hit(engine, workloads[name])
+        host_hit(engine, workloads[name])
+    walls = {name: [] for name in engines}
+    for block in range(blocks):
+        for name in rotated(list(engines), block):
+            walls[name] += [host_hit(engines[name], workloads[name]) for _ in range(requests)]
+    return walls
+
+
 def time_engines(names: list[str], settings: Settings, weights: HSTUWeights, blocks: int, requests: int,
-                 profiled: int, deadline: float) -> dict:
-    """Per length, every engine's GPU hits in alternated blocks; scores against the bf16 engine's and the first fp8
-    engine's; attention device us per layer from `profiled` profiled requests."""
+                 profiled: int, deadline: float, layerwise: bool = False) -> dict:
+    """Per length, every engine's GPU hits (with `layerwise` then its CPU hits + layerwise) in alternated blocks;
+    scores against the bf16 engine's and the first fp8 engine's; attention device us per layer from `profiled`
+    profiled requests."""
     out = {"launches": {}}
     with contextlib.ExitStack() as stack:
         engines = {}
@@ -190,12 +222,16 @@ def time_engines(names: list[str], settings: Settings, weights: HSTUWeights, blo
                 continue
             workloads = loaded_workloads(engines, settings, index, seq_len)
             walls = alternated_walls(engines, workloads, blocks, requests)
+            host_walls = alternated_host_hits(engines, workloads, blocks, requests) if layerwise else {}
             scores = {name: gpu_hit(engine, workloads[name])[1] for name, engine in engines.items()}
             first_fp8 = next((n for n in engines if VARIANTS[n].fp8), None)
             rows = {}
             for name, engine in engines.items():
                 rows[name] = {"wall_ms_median": statistics.median(walls[name]),
                               "wall_ms_p90": statistics.quantiles(walls[name], n=10)[-1]}
+                if layerwise:
+                    rows[name].update(layerwise_ms_median=statistics.median(host_walls[name]),
+                                      layerwise_ms_p90=statistics.quantiles(host_walls[name], n=10)[-1])
                 for base in ("bf16", first_fp8):
                     if base in scores and base != name:
                         rows[name][f"diff_vs {base}"] = agreement(scores[name], scores[base], scores[base])
@@ -204,12 +240,13 @@ def time_engines(names: list[str], settings: Settings, weights: HSTUWeights, blo
             out[seq_len] = rows
             print(f"### GPU hit at {seq_len} (BS=1, {settings.append_len} + {settings.num_candidates}), {blocks} "
                   f"alternated blocks x {requests}; diffs: max |d| / max |base s|, top-10 overlap with the base\n"
-                  f"| engine | wall ms median (p90) | attention us/layer | kernels us | vs bf16 | vs {first_fp8} |\n"
-                  "|---|---|---|---|---|---|", flush=True)
+                  f"| engine | wall ms median (p90) | layerwise ms median (p90) | attention us/layer | kernels us | "
+                  f"vs bf16 | vs {first_fp8} |\n|---|---|---|---|---|---|---|", flush=True)
             for name, r in rows.items():
                 against = [f"{r[f'diff_vs {b}']:.1e}, {r[f'top10_vs {b}']}/10" if f"diff_vs {b}" in r else "-"
                            for b in ("bf16", first_fp8)]
-                print(f"| {name} | {r['wall_ms_median']:.3f} ({r['wall_ms_p90']:.3f}) | "
+                host = f"{r['layerwise_ms_median']:.3f} ({r['layerwise_ms_p90']:.3f})" if layerwise else "-"
+                print(f"| {name} | {r['wall_ms_median']:.3f} ({r['wall_ms_p90']:.3f}) | {host} | "
                       f"{r['attention_us_per_layer']:.1f} | {r['kernels_us']:.1f} | {against[0]} | {against[1]} |",
                       flush=True)
             for name, engine in engines.items():
@@ -238,6 +275,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20, help="GPU hits per engine per block")
     parser.add_argument("--profiled", type=int, default=3, help="profiled GPU hits per engine per length")
     parser.add_argument("--seconds", type=float, default=1e9, help="start no new shape or length after this")
+    parser.add_argument("--layerwise", action="store_true", help="engine: CPU hits + layerwise too")
     parser.add_argument("--out")
     args = parser.parse_args()
     deadline = time.time() + args.seconds
@@ -266,7 +304,8 @@ def main() -> None:
                   + attention_table(out["rows"], names, [shape]), flush=True)
     else:
         settings, weights = engine_settings(args.seq_lens)
-        out["lengths"] = time_engines(names, settings, weights, args.blocks, args.requests, args.profiled, deadline)
+        out["lengths"] = time_engines(names, settings, weights, args.blocks, args.requests, args.profiled, deadline,
+                                      args.layerwise)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -16,7 +16,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy
 from triton.runtime.jit import JITFunction
 
 from layerflow.kernels import gluon_fp8
-from layerflow.kernels.gluon_fp8 import Fp8Tiling, GluonFp8Attention
+from layerflow.kernels.gluon_fp8 import GluonFp8Attention
+from layerflow.kernels.gluon_fp8_tiling import Fp8Tiling
 
 
 @gluon.jit

@@ -26,7 +26,7 @@ import torch
 import layerflow.runtime.pipeline as pipeline
 from layerflow.bench.quality import QualityResults, QualitySettings, markdown, results_of, run_engine, workload
 from layerflow.bench.settings import parse_lengths
-from layerflow.kernels.gluon_fp8 import QK_ENV
+from layerflow.kernels.gluon_fp8_tiling import QK_ENV
 from layerflow.kernels.reference import paged_attention_reference
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS

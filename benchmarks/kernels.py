@@ -28,7 +28,8 @@ from layerflow.bench.environment import results_header
 from layerflow.kernels import AttentionTiling, PagedAttention, default_tiling, paged_attention_reference
 from layerflow.kernels.fp8 import MMA_CHOICES, page_views, quantise
 from layerflow.kernels.gluon_attention import GLUON_VARIANTS, KERNEL_CHOICES, GluonTiling
-from layerflow.kernels.gluon_fp8 import LOADER_WARPS, SCALE_COPIES, GluonFp8Attention
+from layerflow.kernels.gluon_fp8 import GluonFp8Attention
+from layerflow.kernels.gluon_fp8_tiling import LOADER_WARPS, SCALE_COPIES
 from layerflow.kernels.pointwise import gated_layer_norm, gated_layer_norm_reference
 from layerflow.tier.layout import KV_CACHE_DTYPES, fp8_scale_rows
 
@@ -227,7 +228,7 @@ def gluon_tiling(text: str) -> GluonTiling:
 def gluon_label(tiling: dict) -> str:
     """A results row's Gluon tiling as the --gluon-tiling text that selects it."""
     words = [f"gluon {tiling['block_n']}x{tiling['stages']}"]
-    if "scale_copy" in tiling:      # the fp8 kernel's knobs (gluon_fp8.Fp8Tiling)
+    if "scale_copy" in tiling:      # the fp8 kernel's knobs (gluon_fp8_tiling.Fp8Tiling)
         words += [f"c{tiling['code_stages']}", tiling["scale_copy"], f"w{tiling['producer_warps']}"]
         words += ["dots"] * (tiling.get("scale_site") == "dots") + ["tanh"] * (tiling.get("silu") == "tanh")
         return ":".join(words + ["wt"] * bool(tiling.get("unmasked_whole_tiles")))

@@ -10,7 +10,8 @@ import torch
 
 from layerflow.kernels import PagedAttention, default_tiling, kv_append, paged_attention_reference
 from layerflow.kernels.gluon_attention import KERNEL_ENV
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, Fp8Tiling, GluonFp8Attention
+from layerflow.kernels.gluon_fp8 import GluonFp8Attention
+from layerflow.kernels.gluon_fp8_tiling import DECODE_ENV, Fp8Tiling
 from tests.kernels.cuda_graph import captured, replay_on
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch, quantised_batch
 

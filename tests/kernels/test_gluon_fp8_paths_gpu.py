@@ -8,7 +8,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from layerflow.kernels import PagedAttention, kv_append
-from layerflow.kernels.gluon_fp8 import DECODE_ENV, Fp8Tiling
+from layerflow.kernels.gluon_fp8_tiling import DECODE_ENV, Fp8Tiling
 from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout, _decode_rows
 from tests.kernels.test_gluon_fp8_gpu import E4M3, E5M2, H, MAX_SEQ_LEN, PAGE, SMALL, check, fp8_batch, run
 from tests.kernels.paged_batch import make_paged_batch, quantised_batch

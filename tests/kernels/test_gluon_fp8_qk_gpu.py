@@ -9,7 +9,7 @@ from triton.experimental.gluon import language as gl
 
 from layerflow.kernels import paged_attention_reference
 from layerflow.kernels.fp8 import query_terms
-from layerflow.kernels.gluon_fp8 import QK_ENV, QK_TERMS, Fp8Tiling
+from layerflow.kernels.gluon_fp8_tiling import QK_ENV, QK_TERMS, Fp8Tiling
 from layerflow.kernels.gluon_fp8_qk import _store_query_terms
 from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout
 from tests.kernels.test_gluon_fp8_gpu import E4M3, MAX_SEQ_LEN, SMALL, attention, fp8_batch, relative_error, run

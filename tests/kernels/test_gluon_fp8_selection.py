@@ -7,14 +7,15 @@ import torch
 
 from layerflow.kernels import PagedAttention
 from layerflow.kernels.gluon_attention import KERNEL_ENV, select_kernel
-from layerflow.kernels.gluon_fp8 import (DECODE_ENV, DEFAULT_DECODE, DEFAULT_QK, DEFAULT_SCALE_SITE, DEFAULT_SILU,
-                                         DEFAULT_UNMASKED_WHOLE_TILES, QK_ENV, SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV,
-                                         WHOLE_TILES_ENV, Fp8Tiling, GluonFp8Attention,
-                                         default_fp8_tiling, fill_rows, fp8_shared_memory_bytes, fp8_unsupported_reason,
-                                         select_fp8_kernel)
+from layerflow.kernels.gluon_fp8 import GluonFp8Attention, fill_rows, select_fp8_kernel
+from layerflow.kernels.gluon_fp8_tiling import (DECODE_ENV, DEFAULT_DECODE, DEFAULT_QK, DEFAULT_SCALE_SITE,
+                                                DEFAULT_SILU, DEFAULT_UNMASKED_WHOLE_TILES, E4M3_QK, QK_ENV,
+                                                SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV, WHOLE_TILES_ENV, Fp8Tiling,
+                                                default_fp8_tiling, fp8_shared_memory_bytes, fp8_unsupported_reason)
 
 CPU = torch.device("cpu")
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 
 
 @pytest.mark.parametrize("dtype, kv_dtype, head_dim, block_m, window, contextual, tiling, words", [
@@ -69,7 +70,7 @@ def test_one_code_slot_lets_64_key_tiles_fit_beside_a_128_row_block_at_d256():
 
 @pytest.mark.parametrize("loader_warps_at_m64", [4, 8])
 def test_default_tiling_fits_every_head_dim_at_both_query_blocks(monkeypatch, loader_warps_at_m64):
-    monkeypatch.setattr("layerflow.kernels.gluon_fp8.LOADER_WARPS_AT_M64", loader_warps_at_m64)
+    monkeypatch.setattr("layerflow.kernels.gluon_fp8_tiling.LOADER_WARPS_AT_M64", loader_warps_at_m64)
     for head_dim in (64, 128, 256):
         for block_m in (64, 128):
             reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, head_dim, block_m, 0, 0,
@@ -96,7 +97,7 @@ def test_d256_defaults_to_64_key_tiles_in_the_code_slots_that_fit_beside_the_que
 def test_two_loader_warpgroups_fit_beside_a_64_row_query_block_only(monkeypatch):
     reason = fp8_unsupported_reason(CPU, torch.bfloat16, E4M3, 256, 64, 0, 0, Fp8Tiling(producer_warps=8))
     assert "sm_90" in reason, reason
-    monkeypatch.setattr("layerflow.kernels.gluon_fp8.LOADER_WARPS_AT_M64", 8)
+    monkeypatch.setattr("layerflow.kernels.gluon_fp8_tiling.LOADER_WARPS_AT_M64", 8)
     assert default_fp8_tiling(256, 64).producer_warps == 8
     assert default_fp8_tiling(256, 128).producer_warps == 4
 
@@ -234,12 +235,28 @@ def test_fp8_qk_drops_the_bf16_query_block_and_k_slots_for_e4m3_terms_and_codes(
     assert fp8_shared_memory_bytes(128, 256, base) == 65536 + 2 * 65536 + codes + 2048
 
 
-def test_qk_comes_from_the_environment_and_defaults_to_the_models_dtype(monkeypatch):
+def test_qk_comes_from_the_environment_and_defaults_to_fp8x2_over_e4m3_pages(monkeypatch):
     monkeypatch.delenv(QK_ENV, raising=False)
     assert DEFAULT_QK == "bf16" and default_fp8_tiling(256, 128, 32, torch.bfloat16).qk == "bf16"
+    tiling = default_fp8_tiling(256, 128, 32, torch.bfloat16, E4M3)
+    assert E4M3_QK == "fp8x2" == tiling.qk and (tiling.block_n, tiling.code_stages) == (64, 1)
+    assert default_fp8_tiling(256, 64, 32, torch.bfloat16, E4M3).code_stages == 2
+    monkeypatch.setenv(QK_ENV, "bf16")
+    assert default_fp8_tiling(256, 128, 32, torch.bfloat16, E4M3).qk == "bf16"
     monkeypatch.setenv(QK_ENV, "fp8x2")
-    tiling = default_fp8_tiling(256, 128, 32, torch.bfloat16)
-    assert tiling.qk == "fp8x2" and (tiling.block_n, tiling.code_stages) == (64, 1)
+    assert default_fp8_tiling(256, 128, 32, torch.bfloat16).qk == "fp8x2"
     monkeypatch.setenv(QK_ENV, "int8")
     with pytest.raises(ValueError, match="LAYERFLOW_FP8_QK='int8'"):
         default_fp8_tiling(256, 128, 32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("choice", ["auto", "gluon"])
+def test_e5m2_pages_keep_the_bf16_qk_unless_fp8x2_is_asked_for_by_name(monkeypatch, choice):
+    monkeypatch.delenv(QK_ENV, raising=False)
+    assert default_fp8_tiling(256, 128, 32, torch.bfloat16, E5M2).qk == "bf16"
+    reason = fp8_unsupported_reason(CPU, torch.bfloat16, E5M2, 256, 128, 0, 0,
+                                    default_fp8_tiling(256, 128, 32, torch.bfloat16, E5M2), 32)
+    assert "e4m3" not in reason and "needs a CUDA sm_90 GPU" in reason
+    monkeypatch.setenv(QK_ENV, "fp8x2")
+    with pytest.raises(ValueError, match=r"\$LAYERFLOW_FP8_QK='fp8x2' over torch.float8_e5m2 pages"):
+        select_fp8_kernel(choice, CPU, torch.bfloat16, E5M2, 256, 128, 0, 0, page_size=32)
