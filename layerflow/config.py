@@ -55,6 +55,9 @@ class Config:
     serve_max_queue: int = 1024
     serve_deadline_ms: float = 1000.0
     serve_prefetch: bool = True
+    # Issue the in-process tier's copies on a thread of their own, off the scheduler thread
+    # (layerflow.transfer.issue_thread); off until the H200 shows it wins.
+    copy_thread: bool = False
     # The remote KV tier shared between hosts (docs/redis.md); off while remote_url is None.
     remote_url: str | None = None
     remote_password_file: str | None = None
@@ -219,6 +222,7 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "serve_max_queue": _int_in(1, MAX_SERVE_QUEUE),
     "serve_deadline_ms": _size(MAX_SERVE_DEADLINE_MS, positive=False),
     "serve_prefetch": _bool,
+    "copy_thread": _bool,
 }
 
 
@@ -267,6 +271,7 @@ def _env_bool(text: str) -> bool:
 ENV_FALLBACKS: dict[str, tuple[str, Callable[[str], object]]] = {
     "enable_layerwise": ("LAYERFLOW_ENABLE_LAYERWISE", _env_bool),
     "signal": ("LAYERFLOW_SIGNAL", lambda text: _signal("signal", text.strip().lower())),
+    "copy_thread": ("LAYERFLOW_COPY_THREAD", _env_bool),
 }
 
 

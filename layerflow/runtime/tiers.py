@@ -27,6 +27,7 @@ from layerflow.tier.remote_manifest import layout_fingerprint
 from layerflow.tier.ssd import SsdStore
 from layerflow.tier.ssd_directory import SsdDirectoryError
 from layerflow.transfer.copy_engine import CopyEngine
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 from layerflow.transfer.signals import make_signals
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,9 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
                     model_key: str | None = None, fallback: bool = False) -> InProcessTier:
     """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, a Redis store when `remote_url` is
     set, the signal ring and a copy engine (`copy_engine`, which stays its owner's to close, else a default one the
-    tier owns). A `fallback` tier (standing in for a server that stopped answering) goes without SSD if the
-    directories are still locked by that server."""
+    tier owns; with `copy_thread` it is wrapped to issue on a thread of its own, a wrapper the tier owns). A
+    `fallback` tier (standing in for a server that stopped answering) goes without SSD if the directories are still
+    locked by that server."""
     cuda = gpu.device.type == "cuda"
     host = HostKVPool(layout, cpu_cache_gb=config.cpu_cache_gb, pin_memory=cuda)
     ssd = None
@@ -125,9 +127,11 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
                             password=read_secret(config.remote_password_file, config.remote_password_env))
     signals = make_signals(resolve_signal(config, gpu.device), layout.num_layers, config.num_counters,
                            config.transfer_timeout_s)
-    engine = copy_engine or _default_copy_engine(gpu.device)
+    engine, owns_engine = copy_engine or _default_copy_engine(gpu.device), copy_engine is None
+    if config.copy_thread:
+        engine, owns_engine = IssueThreadCopyEngine(engine, gpu.device, owns_inner=owns_engine), True
     return InProcessTier(HostCache(host, ssd, remote, config.remote_write), layout, gpu.kv, engine, signals,
-                         config.transfer_timeout_s, owns_engine=copy_engine is None)
+                         config.transfer_timeout_s, owns_engine=owns_engine)
 
 
 def _default_copy_engine(device: torch.device) -> CopyEngine:

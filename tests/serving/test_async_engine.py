@@ -14,6 +14,7 @@ from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 from tests.faults import FaultyThreadCopyEngine
 from tests.serving.helpers import (MODEL, TOL, WAIT_S, FailingCollect, HeldEngine, config, sequential_scores,
                                    visits, wait_until)
@@ -81,13 +82,16 @@ def test_concurrent_submitters_get_the_sequential_scores_in_batches_of_distinct_
     assert all(len({r.user_id for r in b}) == len(b) for b in batches)
 
 
+@pytest.mark.parametrize("copy_thread", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy):
-    """A pool for about 5 of the 12 users: most returns are host hits, onboarded under each policy's batching."""
+def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy, copy_thread):
+    """A pool for about 5 of the 12 users: most returns are host hits, onboarded under each policy's batching, their
+    copies issued by the scheduler thread or by the copy thread (`copy_thread`)."""
     requests = visits(seed=4, users=list(range(12)), rounds=4)
     expected = sequential_scores(weights, requests)
-    with HeldEngine(weights, config(serve_max_batch_size=4, gpu_pages=16)) as engine, \
+    with HeldEngine(weights, config(serve_max_batch_size=4, gpu_pages=16, copy_thread=copy_thread)) as engine, \
             AsyncEngine(engine, policy=policy) as serving:
+        assert isinstance(engine.kv.below.engine, IssueThreadCopyEngine) is copy_thread
         served = [f.result(WAIT_S) for f in [serving.submit(r) for r in requests]]
         assert engine.kv.gpu.num_pinned == 0
     assert sum(s.tier is Tier.HOST for s in served) >= 24
