@@ -8,9 +8,12 @@ next batch (docs/serving.md); issued from a thread that does nothing else, the n
 stream as soon as it is asked for.
 
 What still holds:
-- Order: one FIFO thread, so onboardings reach the inner engine's H2D stream in the order they were asked for, and
-  their layer signals are posted in that order too (the signal modes rely on it). The signals are posted by the copies
+- Order: one thread, so onboardings reach the inner engine's H2D stream in the order they were asked for, and their
+  layer signals are posted in that order too (the signal modes rely on it). The signals are posted by the copies
   themselves, on the copy stream, so a graph launched before its onboarding was issued just waits longer on the GPU.
+- Onboardings go first: a queued onboarding is issued before any queued offload (each kind in its order), because
+  the next batch's copies are what the copy engine waits for, while an offload only has to land before its user's
+  pages are reused, which the KV manager waits for (it evicts only users whose offload finished).
 - An offload waits for the work queued on the caller's current stream when it was asked for (CUDA: an event recorded
   there by the caller, waited by the issue thread's current stream, which the inner engine orders its offload after).
 - The inner engine is only ever used from the issue thread, until `close()`, which drains the queue first.
@@ -22,12 +25,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
+from collections import deque
+from typing import Callable
 
 import torch
 
 from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.fifo_worker import FifoWorker
 
 class IssuedTransfer(Transfer):
     """A transfer queued for the issue thread: done once it was issued and the inner transfer is done."""
@@ -90,6 +95,58 @@ class _StreamFence:
         self._pool.close()
 
 
+class _IssueQueue:
+    """Work for one daemon thread: onboardings before offloads, each kind in submission order; `stop()` runs what
+    was already submitted, then joins. `setup` runs first on the thread; what it raises, `start` raises."""
+
+    def __init__(self, name: str, setup: Callable[[], None] | None) -> None:
+        self._cond = threading.Condition()
+        self._onboards: deque[Callable[[], None]] = deque()
+        self._offloads: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._setup, self._setup_error = setup, None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            self.stop()
+            raise self._setup_error
+
+    def submit(self, work: Callable[[], None], onboard: bool) -> None:
+        with self._cond:
+            if self._stopping:
+                raise TransferError("copy engine closed: no transfer can be issued")
+            (self._onboards if onboard else self._offloads).append(work)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            if self._setup is not None:
+                self._setup()
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that starts the queue
+            self._setup_error = exc
+        self._ready.set()
+        while True:
+            with self._cond:
+                while not (self._onboards or self._offloads or self._stopping):
+                    self._cond.wait()
+                if not (self._onboards or self._offloads):
+                    return
+                work = (self._onboards or self._offloads).popleft()
+            work()
+            work = None   # an idle thread must not keep its last job's tensors alive
+
+
 class IssueThreadCopyEngine(CopyEngine):
     """Issues `inner`'s transfers on one thread ("layerflow-copy-issue"); `device` is the pools' device (CUDA: the
     offload fence above); `close()` drains the queue, then closes `inner` if `owns_inner`."""
@@ -100,50 +157,29 @@ class IssueThreadCopyEngine(CopyEngine):
         super().__init__()
         self.inner, self.owns_inner = inner, owns_inner
         self._fence = _StreamFence(device) if device.type == "cuda" else None
-        self._worker = FifoWorker("layerflow-copy-issue")
-        self._closed = False
-        if self._fence is not None:
-            self._on_worker(self._fence.adopt)
-
-    def _on_worker(self, work) -> None:
-        """Run `work` on the issue thread and wait for it; what it raises is raised here (and the engine closed)."""
-        ran, failure = threading.Event(), []
-
-        def run() -> None:
-            try:
-                work()
-            except BaseException as exc:  # noqa: BLE001 - handed to the constructing thread
-                failure.append(exc)
-            ran.set()
-
-        self._worker.submit(run)
-        ran.wait()
-        if failure:
-            self.close()
-            raise failure[0]
+        self._queue = _IssueQueue("layerflow-copy-issue", None if self._fence is None else self._fence.adopt)
+        self._queue.start()
+        # Stop the thread at close, at garbage collection or at interpreter exit, whichever comes first.
+        self._stop = weakref.finalize(self, self._queue.stop)
 
     def close(self) -> None:
-        if self._closed:
+        if not self._stop.alive:
             return
-        self._closed = True
-        self._worker.stop()
+        self._stop()
         if self._fence is not None:
             self._fence.close()
         if self.owns_inner:
             self.inner.close()
 
     def _onboard(self, job: CopyJob) -> Transfer:
-        return self._enqueue(job, to_gpu=True)
+        transfer = IssuedTransfer()
+        self._queue.submit(lambda: self._issue(job, True, None, transfer), onboard=True)
+        return transfer
 
     def _offload(self, job: CopyJob) -> Transfer:
-        return self._enqueue(job, to_gpu=False)
-
-    def _enqueue(self, job: CopyJob, to_gpu: bool) -> Transfer:
-        if self._closed:
-            raise TransferError("copy engine closed: no transfer can be issued")
         transfer = IssuedTransfer()
-        fence = None if to_gpu or self._fence is None else self._fence.mark()
-        self._worker.submit(lambda: self._issue(job, to_gpu, fence, transfer))
+        fence = None if self._fence is None else self._fence.mark()
+        self._queue.submit(lambda: self._issue(job, False, fence, transfer), onboard=False)
         return transfer
 
     def _issue(self, job: CopyJob, to_gpu: bool, fence, transfer: IssuedTransfer) -> None:

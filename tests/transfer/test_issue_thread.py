@@ -81,18 +81,18 @@ def test_onboard_and_offload_are_byte_exact(engine, placement):
     check_offloaded(gpu, host, before, pages, blocks)
 
 
-def test_transfers_are_issued_in_order_on_the_issue_thread_only(engine, inner):
+def test_queued_onboardings_go_before_queued_offloads_each_in_order_on_the_issue_thread_only(engine, inner):
     gpu, host = make_tensors()
     inner.gate.clear()
-    transfers = [engine.onboard(gpu, host, [page], [page]) for page in (5, 2, 9)]
-    transfers.append(engine.offload(gpu, host, [4], [1]))
-    transfers.append(engine.onboard(gpu, host, [0], [0]))
+    transfers = [engine.onboard(gpu, host, [5], [5])]   # taken by the thread at once: it waits at the gate
+    transfers += [engine.offload(gpu, host, [4], [1]), engine.onboard(gpu, host, [2], [2]),
+                  engine.offload(gpu, host, [7], [3]), engine.onboard(gpu, host, [9], [9])]
     assert not any(t.done() for t in transfers) and inner.issued == []
     inner.gate.set()
     for t in transfers:
         t.wait(5)
     assert inner.issued == [("layerflow-copy-issue", d, p) for d, p in
-                            [("h2d", 5), ("h2d", 2), ("h2d", 9), ("d2h", 4), ("h2d", 0)]]
+                            [("h2d", 5), ("h2d", 2), ("h2d", 9), ("d2h", 4), ("d2h", 7)]]
 
 
 def test_a_call_returns_before_its_copies_are_issued(engine, inner):
