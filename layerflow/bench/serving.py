@@ -96,6 +96,9 @@ class ServingSettings:
         if not self.copy_threads or any(not isinstance(c, bool) for c in self.copy_threads) \
                 or len(set(self.copy_threads)) != len(self.copy_threads):
             raise ValueError(f"copy_threads={self.copy_threads!r}: expected distinct booleans, at least one")
+        if self.copy_paths and True in self.copy_threads:
+            raise ValueError(f"copy_paths={self.copy_paths!r} with a copy thread: the issue is timed on the calling "
+                             f"thread")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:

@@ -126,7 +126,9 @@ class _IssueQueue:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread.is_alive():
+        # Not joined from the thread itself: the engine's finalizer runs there when its last job held the last
+        # reference to the engine.
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _run(self) -> None:
@@ -158,7 +160,12 @@ class IssueThreadCopyEngine(CopyEngine):
         self.inner, self.owns_inner = inner, owns_inner
         self._fence = _StreamFence(device) if device.type == "cuda" else None
         self._queue = _IssueQueue("layerflow-copy-issue", None if self._fence is None else self._fence.adopt)
-        self._queue.start()
+        try:
+            self._queue.start()
+        except BaseException:
+            if self._fence is not None:
+                self._fence.close()
+            raise
         # Stop the thread at close, at garbage collection or at interpreter exit, whichever comes first.
         self._stop = weakref.finalize(self, self._queue.stop)
 

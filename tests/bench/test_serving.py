@@ -163,3 +163,5 @@ def test_each_copy_thread_mode_has_its_engine_and_the_blocks_alternate_them():
 def test_bad_copy_thread_modes_are_refused(copy_threads):
     with pytest.raises(ValueError, match="copy_threads="):
         ServingSettings(workload(), (1.0,), copy_threads=copy_threads)
+    with pytest.raises(ValueError, match="with a copy thread"):
+        ServingSettings(workload(), (1.0,), copy_paths=("runs",), copy_threads=(False, True))

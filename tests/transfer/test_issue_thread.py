@@ -10,7 +10,7 @@ import torch
 from layerflow.config import SignalMode, load_config
 from layerflow.transfer.copy_engine import CopyJob, Transfer
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.issue_thread import IssueThreadCopyEngine
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine, _IssueQueue
 from layerflow.transfer.signals import make_signals
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 from tests.transfer.pages import (LAYERS, PLACEMENTS, check_offload_of_new_contents, check_offloaded, check_onboarded,
@@ -165,6 +165,17 @@ def test_the_config_key_falls_back_to_its_environment_variable(text, expected):
     assert load_config(env={"LAYERFLOW_COPY_THREAD": text}).copy_thread is expected
     with pytest.raises(ValueError, match="LAYERFLOW_COPY_THREAD='sometimes'"):
         load_config(env={"LAYERFLOW_COPY_THREAD": "sometimes"})
+
+
+def test_a_failed_set_up_of_the_issue_thread_raises_in_the_constructing_thread():
+    def broken() -> None:
+        raise RuntimeError("no stream for this thread")
+
+    queue = _IssueQueue("layerflow-copy-issue", broken)
+    with pytest.raises(RuntimeError, match="no stream for this thread"):
+        queue.start()
+    with pytest.raises(TransferError, match="closed"):
+        queue.submit(lambda: None, onboard=True)
 
 
 def test_a_non_engine_is_refused():
