@@ -2,7 +2,7 @@
 
 The caller (the serving scheduler) pays for the checks (`CopyEngine._layout`, `make_job`: a bad call still raises at
 once, in the caller) and a queue put; the inner engine's issue (addresses, the per-layer copy calls and signal posts)
-runs on the issue thread, in the order the transfers were asked for. Why: while the scheduler thread issued each
+runs on the issue thread, in the order the transfers were asked for (onboardings first, below). Why: while the scheduler thread issued each
 batch's copies itself, the copy engine sat idle whenever that thread was busy collecting, launching or preparing the
 next batch (docs/serving.md); issued from a thread that does nothing else, the next onboarding is queued on the copy
 stream as soon as it is asked for.
@@ -33,6 +33,7 @@ import torch
 
 from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
 from layerflow.transfer.errors import TransferError
+
 
 class IssuedTransfer(Transfer):
     """A transfer queued for the issue thread: done once it was issued and the inner transfer is done."""
@@ -82,13 +83,17 @@ class _StreamFence:
         self._api.set_device(self._device)
         torch.cuda.set_stream(self._stream)
 
-    def mark(self):
+    def mark(self) -> object:
         event = self._pool.take()
         self._api.record(event, torch._C._cuda_getCurrentRawStream(self._device))
         return event
 
-    def enter(self, event) -> None:
+    def enter(self, event: object) -> None:
         self._api.stream_wait(self._stream.cuda_stream, event)
+        self._pool.give(event)
+
+    def drop(self, event: object) -> None:
+        """Give back a mark nothing will enter."""
         self._pool.give(event)
 
     def close(self) -> None:
@@ -185,11 +190,18 @@ class IssueThreadCopyEngine(CopyEngine):
 
     def _offload(self, job: CopyJob) -> Transfer:
         transfer = IssuedTransfer()
-        fence = None if self._fence is None else self._fence.mark()
-        self._queue.submit(lambda: self._issue(job, False, fence, transfer), onboard=False)
+        if self._fence is None:
+            self._queue.submit(lambda: self._issue(job, False, None, transfer), onboard=False)
+            return transfer
+        fence = self._fence.mark()
+        try:
+            self._queue.submit(lambda: self._issue(job, False, fence, transfer), onboard=False)
+        except BaseException:
+            self._fence.drop(fence)
+            raise
         return transfer
 
-    def _issue(self, job: CopyJob, to_gpu: bool, fence, transfer: IssuedTransfer) -> None:
+    def _issue(self, job: CopyJob, to_gpu: bool, fence: object | None, transfer: IssuedTransfer) -> None:
         """On the issue thread: the inner engine's issue of `job`; what it raises fails this transfer alone."""
         try:
             if fence is not None:
