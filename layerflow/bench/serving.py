@@ -11,7 +11,7 @@ drift of the machine spreads over every variant). With `copy_paths` every run is
 (layerflow.transfer.cuda_copy.CopyPath), its copy engine timing each transfer's issue on the host
 (layerflow.bench.serving_issue). With several `copy_threads` values there is one engine per value (its copies issued
 by the scheduler thread or by a copy thread of their own), loaded with the same histories, and each block runs
-every engine's runs in turn.
+every engine's runs in turn (odd blocks in reverse order).
 
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
@@ -278,8 +278,10 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             unloaded = unloaded_latency(first, [visits[u] for u in users])
             for u in visits:
                 first.kv.truncate(u, workload.history_len)
-        for block, (copy_thread, engine, copies, timer), policy in itertools.product(
-                range(settings.blocks), engines, settings.policies):
+        # Odd blocks take the engines in reverse order, so neither mode always runs first in its block.
+        for block, (copy_thread, engine, copies, timer), policy in (
+                (block, e, p) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
+                for p in settings.policies):
             serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:

@@ -150,11 +150,11 @@ def test_each_run_reports_its_batches_per_second_and_the_hot_users_cap():
     assert "| batches/s | hot-user cap |" in table and "Hot-user cap: the hottest user (share" in table
 
 
-def test_each_copy_thread_mode_has_its_engine_and_the_blocks_alternate_them():
+def test_each_copy_thread_mode_has_its_engine_and_the_blocks_alternate_their_order():
     settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
                                ("inprocess",), policies=("guarded",), blocks=2, copy_threads=(False, True))
     data = run_serving(settings, CPU)
-    assert [(r["block"], r["copy_thread"]) for r in data["runs"]] == [(0, False), (0, True), (1, False), (1, True)]
+    assert [(r["block"], r["copy_thread"]) for r in data["runs"]] == [(0, False), (0, True), (1, True), (1, False)]
     assert all(r["answered"] == 12 and not r["errors"] and r["tiers"].get("host", 0) > 0 for r in data["runs"])
     assert markdown(settings, data, "cpu").count("| guarded / copy thread |") == 4   # runs and scheduler tables
 
