@@ -18,6 +18,13 @@ What still holds:
   there by the caller, waited by the issue thread's current stream, which the inner engine orders its offload after).
 - The inner engine is only ever used from the issue thread, until `close()`, which drains the queue first.
 - A failure to issue fails that transfer alone (and poisons its signal): the transfers queued behind it still run.
+
+What does not: a layer posted from the host by the caller (the tier posts an onboarding whose users were all read
+back, or poisons one that failed before its first copy) is not queued behind the onboardings still waiting here. With
+`waitvalue` signals, whose graph waits read one epoch shared by all onboardings, a poison posted that way before any
+copy of its onboarding was queued could release the layers of an earlier onboarding still queued here. A read-back
+onboarding queues its copies here and waits for them before posting, so only that failure path is exposed; it does
+not occur without SSD or a remote tier.
 """
 
 from __future__ import annotations
