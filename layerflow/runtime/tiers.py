@@ -57,6 +57,10 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
         raise ValueError(f"num_counters={config.num_counters}: {eventfds} eventfds for {num_layers} layers, more than "
                          f"half of this process's open-file limit ({soft})")
     signal = resolve_signal(config, device)
+    if config.copy_thread and signal is SignalMode.WAITVALUE and (config.ssd_cache_gb > 0 or config.remote_url):
+        raise ValueError("copy_thread with waitvalue signals and an SSD or remote tier: a read-back that fails before "
+                         "its first copy would be signalled ahead of the onboardings still queued "
+                         "(layerflow/transfer/issue_thread.py); use signal 'event' or 'eventfd'")
     if uses_server(config) and signal is not SignalMode.EVENTFD:
         raise ValueError(f"signal={signal.value!r} with a transfer server: the server posts eventfds, "
                          f"use 'eventfd' or 'auto'")

@@ -2,10 +2,10 @@
 
 The caller (the serving scheduler) pays for the checks (`CopyEngine._layout`, `make_job`: a bad call still raises at
 once, in the caller) and a queue put; the inner engine's issue (addresses, the per-layer copy calls and signal posts)
-runs on the issue thread, in the order the transfers were asked for (onboardings first, below). Why: while the scheduler thread issued each
-batch's copies itself, the copy engine sat idle whenever that thread was busy collecting, launching or preparing the
-next batch (docs/serving.md); issued from a thread that does nothing else, the next onboarding is queued on the copy
-stream as soon as it is asked for.
+runs on the issue thread, in the order the transfers were asked for (onboardings first, below). Why: while the
+scheduler thread issued each batch's copies itself, the copy engine sat idle whenever that thread was busy collecting,
+launching or preparing the next batch (docs/serving.md); issued from a thread that does nothing else, the next
+onboarding is queued on the copy stream as soon as it is asked for.
 
 What still holds:
 - Order: one thread, so onboardings reach the inner engine's H2D stream in the order they were asked for, and their
@@ -23,8 +23,8 @@ What does not: a layer posted from the host by the caller (the tier posts an onb
 back, or poisons one that failed before its first copy) is not queued behind the onboardings still waiting here. With
 `waitvalue` signals, whose graph waits read one epoch shared by all onboardings, a poison posted that way before any
 copy of its onboarding was queued could release the layers of an earlier onboarding still queued here. A read-back
-onboarding queues its copies here and waits for them before posting, so only that failure path is exposed; it does
-not occur without SSD or a remote tier.
+onboarding queues its copies here and waits for them before posting, so only that failure path is exposed, and only
+with SSD or a remote tier: `runtime/tiers.check_config` refuses `copy_thread` with both.
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@ issue, a failed issue failing its transfer alone, close() draining, and (GPU) an
 stream."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
-from layerflow.config import SignalMode, load_config
+from layerflow.config import Config, SignalMode, load_config
+from layerflow.runtime.tiers import check_config
 from layerflow.transfer.copy_engine import CopyJob, Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.issue_thread import IssueThreadCopyEngine, _IssueQueue
@@ -176,6 +178,13 @@ def test_a_failed_set_up_of_the_issue_thread_raises_in_the_constructing_thread()
         queue.start()
     with pytest.raises(TransferError, match="closed"):
         queue.submit(lambda: None, onboard=True)
+
+
+def test_the_copy_thread_is_refused_where_a_read_back_could_be_signalled_out_of_order(tmp_path):
+    config = Config(copy_thread=True, signal=SignalMode.WAITVALUE, ssd_cache_gb=1.0, ssd_cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="copy_thread with waitvalue signals and an SSD or remote tier"):
+        check_config(config, CPU)
+    check_config(replace(config, signal=SignalMode.EVENTFD), CPU)
 
 
 def test_a_non_engine_is_refused():
