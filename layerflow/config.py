@@ -55,9 +55,6 @@ class Config:
     serve_max_queue: int = 1024
     serve_deadline_ms: float = 1000.0
     serve_prefetch: bool = True
-    # The interpreter's GIL switch interval while an AsyncEngine serves (sys.setswitchinterval, process-wide; restored
-    # at its close); 0 = leave it (CPython's default is 5 ms).
-    serve_switch_interval_ms: float = 0.0
     # Issue the in-process tier's copies on a thread of their own, off the scheduler thread
     # (layerflow.transfer.issue_thread); off until the H200 shows it wins.
     copy_thread: bool = False
@@ -124,7 +121,6 @@ MAX_SERVE_BATCH = 1024
 MAX_SERVE_QUEUE = 1 << 20
 MAX_SERVE_WAIT_MS = 60_000.0
 MAX_SERVE_DEADLINE_MS = 3_600_000.0
-MAX_SERVE_SWITCH_INTERVAL_MS = 100.0
 MAX_REMOTE_CONNECTIONS = 256
 UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
@@ -226,7 +222,6 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "serve_max_queue": _int_in(1, MAX_SERVE_QUEUE),
     "serve_deadline_ms": _size(MAX_SERVE_DEADLINE_MS, positive=False),
     "serve_prefetch": _bool,
-    "serve_switch_interval_ms": _size(MAX_SERVE_SWITCH_INTERVAL_MS, positive=False),
     "copy_thread": _bool,
 }
 

@@ -43,7 +43,7 @@ from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.stats import percentile
 from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
                                         stream_engine)
-from layerflow.config import MAX_SERVE_SWITCH_INTERVAL_MS, Config
+from layerflow.config import Config
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
 from layerflow.runtime.engine import Engine
@@ -67,8 +67,7 @@ class ServingSettings:
     many alternated blocks repeat every run; `unloaded`: how many requests of the stream are first served one at a
     time (each sent once the last was answered) for the unloaded latency (0: none); `copy_threads`: the Config
     `copy_thread` values compared, one engine each (the copies issued by the scheduler thread or by a copy thread,
-    layerflow.transfer.issue_thread); `switch_intervals_ms`: the GIL switch intervals compared (AsyncEngine's
-    `switch_interval_ms`; 0: the interpreter's), each engine's runs repeated per value."""
+    layerflow.transfer.issue_thread)."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
@@ -81,7 +80,6 @@ class ServingSettings:
     blocks: int = 1
     unloaded: int = 0
     copy_threads: tuple[bool, ...] = (False,)
-    switch_intervals_ms: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -101,12 +99,6 @@ class ServingSettings:
         if self.copy_paths and True in self.copy_threads:
             raise ValueError(f"copy_paths={self.copy_paths!r} with a copy thread: the issue is timed on the calling "
                              f"thread")
-        switches = self.switch_intervals_ms
-        if not switches or len(set(switches)) != len(switches) or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SERVE_SWITCH_INTERVAL_MS
-                for v in switches):
-            raise ValueError(f"switch_intervals_ms={self.switch_intervals_ms!r}: expected distinct numbers of ms "
-                             f"in [0, {MAX_SERVE_SWITCH_INTERVAL_MS:g}], at least one")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
@@ -123,8 +115,7 @@ class ServingSettings:
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
                 "copy_paths": list(self.copy_paths), "copy_timeline": self.copy_timeline, "blocks": self.blocks,
-                "unloaded": self.unloaded, "copy_threads": list(self.copy_threads),
-                "switch_intervals_ms": list(self.switch_intervals_ms)}
+                "unloaded": self.unloaded, "copy_threads": list(self.copy_threads)}
 
 
 GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
@@ -235,7 +226,6 @@ def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
     path = f", copy path {run['copy_path']}" if "copy_path" in run else ""
     path += ", copy thread" if run.get("copy_thread") else ""
-    path += f", switch {run['switch_interval_ms']:g} ms" if run.get("switch_interval_ms") else ""
     print(f"policy {run['policy']}{path}, {run['transport']}, {run['offered_rate']:g}/s: "
           f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
           f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
@@ -288,12 +278,11 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             unloaded = unloaded_latency(first, [visits[u] for u in users])
             for u in visits:
                 first.kv.truncate(u, workload.history_len)
-        # Odd blocks take the (engine, switch interval) modes in reverse order, so no mode always runs first.
-        modes = [(e, switch) for e in engines for switch in settings.switch_intervals_ms]
-        for block, ((copy_thread, engine, copies, timer), switch), policy in (
-                (block, m, p) for block in range(settings.blocks) for m in (modes[::-1] if block % 2 else modes)
+        # Odd blocks take the engines in reverse order, so neither mode always runs first in its block.
+        for block, (copy_thread, engine, copies, timer), policy in (
+                (block, e, p) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
                 for p in settings.policies):
-            serving = TimedAsyncEngine(engine, policy=policy, switch_interval_ms=switch)
+            serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
@@ -309,7 +298,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
                         else in_process(serving, arrivals)
-                    extra = {"block": block, "copy_thread": copy_thread, "switch_interval_ms": switch}
+                    extra = {"block": block, "copy_thread": copy_thread}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
                     if settings.copy_paths:

@@ -20,9 +20,6 @@ The scheduler is the only caller of the engine's steps. Its rules, in the order 
 - Deadlines: a request whose deadline passes while queued is answered DeadlineExceeded; one whose deadline passed
   when its prepared batch is about to launch is too, and that batch is cancelled (pins and pages released) and its
   other requests go back to the head of the queue, in order. A launched request is answered with its scores.
-- The GIL switch interval (`serve_switch_interval_ms`, or the constructor's `switch_interval_ms`; 0 leaves the
-  interpreter's): set while the engine serves, restored at `close()`. It bounds how long a thread that wants the GIL
-  (the scheduler, the copy thread, a submitting caller) waits for one that holds it without blocking.
 - Failures: a batch that fails to launch or collect (its KV state rolled back by the engine), or whose preparation
   fails other than for a bad request or a full pool, has each request retried alone once (`Engine.score`); what fails
   again is that request's error. A bad request (ValueError) or a batch the GPU cannot hold with nothing in flight is
@@ -33,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -41,7 +37,6 @@ from dataclasses import dataclass
 
 import torch
 
-from layerflow.config import MAX_SERVE_SWITCH_INTERVAL_MS
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.request import Request
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown, ServingError, error_kind
@@ -83,19 +78,12 @@ class AsyncEngine:
     """Serves `engine` from a scheduler thread (see the module docstring for its rules); `close()` drains and stops
     it. The engine stays the caller's to close."""
 
-    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None,
-                 switch_interval_ms: float | None = None) -> None:
-        """`policy`: one of POLICIES (the module docstring); None: "guarded" if `serve_prefetch`, else "off".
-        `switch_interval_ms`: the GIL switch interval while serving (ms, > 0; 0 leaves it); None: the config's."""
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None, policy: str | None = None) -> None:
+        """`policy`: one of POLICIES (the module docstring); None: "guarded" if `serve_prefetch`, else "off"."""
         config = engine.config
         policy = ("guarded" if config.serve_prefetch else "off") if policy is None else policy
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
-        switch_interval_ms = config.serve_switch_interval_ms if switch_interval_ms is None else switch_interval_ms
-        if isinstance(switch_interval_ms, bool) or not isinstance(switch_interval_ms, (int, float)) \
-                or not 0 <= switch_interval_ms <= MAX_SERVE_SWITCH_INTERVAL_MS:
-            raise ValueError(f"switch_interval_ms={switch_interval_ms!r}: expected a number of ms in "
-                             f"[0, {MAX_SERVE_SWITCH_INTERVAL_MS:g}]")
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
         self.prefetch = policy != "off"
@@ -109,10 +97,6 @@ class AsyncEngine:
         self._deferred = False       # the prefetch did not fit beside the batch in flight: wait for its collect
         self._sampled = 0.0
         self._close_lock = threading.Lock()
-        self._restore_switch = None
-        if switch_interval_ms > 0:
-            self._restore_switch = sys.getswitchinterval()
-            sys.setswitchinterval(switch_interval_ms / 1e3)
         self._thread = threading.Thread(target=self._run, name="layerflow-scheduler", daemon=True)
         self._thread.start()
 
@@ -151,9 +135,6 @@ class AsyncEngine:
         with self._close_lock:
             self.queue.close()
             self._thread.join()
-            if self._restore_switch is not None:
-                sys.setswitchinterval(self._restore_switch)
-                self._restore_switch = None
 
     def __enter__(self) -> "AsyncEngine":
         return self

@@ -2,7 +2,6 @@
 command line (in process and over HTTP, prefetch off and on)."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -158,26 +157,6 @@ def test_each_copy_thread_mode_has_its_engine_and_the_blocks_alternate_their_ord
     assert [(r["block"], r["copy_thread"]) for r in data["runs"]] == [(0, False), (0, True), (1, True), (1, False)]
     assert all(r["answered"] == 12 and not r["errors"] and r["tiers"].get("host", 0) > 0 for r in data["runs"])
     assert markdown(settings, data, "cpu").count("| guarded / copy thread |") == 4   # runs and scheduler tables
-
-
-def test_each_switch_interval_runs_on_every_engine_set_while_it_serves():
-    settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
-                               ("inprocess",), policies=("guarded",), blocks=2, copy_threads=(False, True),
-                               switch_intervals_ms=(0.0, 0.5))
-    before = sys.getswitchinterval()
-    data = run_serving(settings, CPU)
-    assert [(r["block"], r["copy_thread"], r["switch_interval_ms"]) for r in data["runs"]] == [
-        (0, False, 0.0), (0, False, 0.5), (0, True, 0.0), (0, True, 0.5),
-        (1, True, 0.5), (1, True, 0.0), (1, False, 0.5), (1, False, 0.0)]
-    assert all(r["answered"] == 12 and not r["errors"] for r in data["runs"])
-    assert markdown(settings, data, "cpu").count("| guarded / copy thread / switch 0.5 ms |") == 4
-    assert sys.getswitchinterval() == before
-
-
-@pytest.mark.parametrize("switches", [(), (0.5, 0.5), (-1.0,), (True,), (float("nan"),), (101.0,)])
-def test_bad_switch_intervals_are_refused(switches):
-    with pytest.raises(ValueError, match="switch_intervals_ms="):
-        ServingSettings(workload(), (1.0,), switch_intervals_ms=switches)
 
 
 @pytest.mark.parametrize("copy_threads", [(), (True, True), (1,)])

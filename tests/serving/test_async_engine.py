@@ -2,7 +2,6 @@
 onboards the next batch before the current one is collected (and waits when the pool cannot hold both), deadlines
 give prepared pins and pages back, a failed batch fails only the request that fails again, close drains."""
 
-import sys
 import threading
 import time
 
@@ -209,21 +208,6 @@ def test_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weigh
 def test_an_unknown_policy_is_refused(weights):
     with Engine(weights, config()) as engine, pytest.raises(ValueError, match="policy='eager'"):
         AsyncEngine(engine, policy="eager")
-
-
-def test_the_switch_interval_is_set_while_serving_and_restored_at_close(weights):
-    before = sys.getswitchinterval()
-    with Engine(weights, config(serve_switch_interval_ms=0.25)) as engine:
-        with AsyncEngine(engine) as serving:
-            assert sys.getswitchinterval() == pytest.approx(0.25e-3)
-            with AsyncEngine(engine, policy="off", switch_interval_ms=0.0):   # 0: left as it is
-                assert sys.getswitchinterval() == pytest.approx(0.25e-3)
-            assert serving.submit(Request(1, [2], [3])).result(WAIT_S).scores.shape == (1,)
-        assert sys.getswitchinterval() == before
-        for bad in (-1.0, 101.0, float("nan"), True):
-            with pytest.raises(ValueError, match="switch_interval_ms="):
-                AsyncEngine(engine, switch_interval_ms=bad)
-        assert sys.getswitchinterval() == before
 
 
 def test_a_prefetch_the_pool_cannot_hold_waits_for_the_collect(weights):
