@@ -56,8 +56,8 @@ class Config:
     serve_deadline_ms: float = 1000.0
     serve_prefetch: bool = True
     # Issue the in-process tier's copies on a thread of their own, off the scheduler thread
-    # (layerflow.transfer.issue_thread); off until the H200 shows it wins.
-    copy_thread: bool = False
+    # (layerflow.transfer.issue_thread; not applied with waitvalue signals and an SSD or remote tier: runtime/tiers.py).
+    copy_thread: bool = True
     # The remote KV tier shared between hosts (docs/redis.md); off while remote_url is None.
     remote_url: str | None = None
     remote_password_file: str | None = None

@@ -57,10 +57,6 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
         raise ValueError(f"num_counters={config.num_counters}: {eventfds} eventfds for {num_layers} layers, more than "
                          f"half of this process's open-file limit ({soft})")
     signal = resolve_signal(config, device)
-    if config.copy_thread and signal is SignalMode.WAITVALUE and (config.ssd_cache_gb > 0 or config.remote_url):
-        raise ValueError("copy_thread with waitvalue signals and an SSD or remote tier: a read-back that fails before "
-                         "its first copy would be signalled ahead of the onboardings still queued "
-                         "(layerflow/transfer/issue_thread.py); use signal 'event' or 'eventfd'")
     if uses_server(config) and signal is not SignalMode.EVENTFD:
         raise ValueError(f"signal={signal.value!r} with a transfer server: the server posts eventfds, "
                          f"use 'eventfd' or 'auto'")
@@ -68,6 +64,14 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
         raise ValueError(f"signal={signal.value!r} needs CUDA; without a GPU only 'eventfd' works")
     if uses_server(config) and config.remote_url is not None:
         raise ValueError("remote_url with a transfer server: the remote tier is in-process only for now")
+
+
+def issues_on_copy_thread(config: Config, signal: SignalMode) -> bool:
+    """Whether the in-process tier's copies are issued on a copy thread (`copy_thread`): not with `waitvalue` signals
+    and an SSD or remote tier, where a read-back failing before its first copy would be signalled from the host ahead
+    of the onboardings still queued, whose graph waits share its epoch (layerflow/transfer/issue_thread.py)."""
+    return config.copy_thread and not (signal is SignalMode.WAITVALUE and (config.ssd_cache_gb > 0
+                                                                         or config.remote_url is not None))
 
 
 def build_kv(config: Config, layout: KVLayout, device: torch.device,
@@ -104,8 +108,8 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
                     model_key: str | None = None, fallback: bool = False) -> InProcessTier:
     """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, a Redis store when `remote_url` is
     set, the signal ring and a copy engine (`copy_engine`, which stays its owner's to close, else a default one the
-    tier owns; with `copy_thread` it is wrapped to issue on a thread of its own, a wrapper the tier owns). A
-    `fallback` tier (standing in for a server that stopped answering) goes without SSD if the directories are still
+    tier owns; where `issues_on_copy_thread`, it is wrapped to issue on a thread of its own, a wrapper the tier owns).
+    A `fallback` tier (standing in for a server that stopped answering) goes without SSD if the directories are still
     locked by that server."""
     cuda = gpu.device.type == "cuda"
     host = HostKVPool(layout, cpu_cache_gb=config.cpu_cache_gb, pin_memory=cuda)
@@ -129,11 +133,13 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
                             namespace=config.remote_namespace, timeout_s=config.remote_timeout_s,
                             connections=config.remote_connections,
                             password=read_secret(config.remote_password_file, config.remote_password_env))
-    signals = make_signals(resolve_signal(config, gpu.device), layout.num_layers, config.num_counters,
-                           config.transfer_timeout_s)
+    signal = resolve_signal(config, gpu.device)
+    signals = make_signals(signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
     engine, owns_engine = copy_engine or _default_copy_engine(gpu.device), copy_engine is None
-    if config.copy_thread:
+    if issues_on_copy_thread(config, signal):
         engine, owns_engine = IssueThreadCopyEngine(engine, gpu.device, owns_inner=owns_engine), True
+    elif config.copy_thread:
+        log.info("copy_thread not applied: waitvalue signals with an SSD or remote tier issue on the calling thread")
     return InProcessTier(HostCache(host, ssd, remote, config.remote_write), layout, gpu.kv, engine, signals,
                          config.transfer_timeout_s, owns_engine=owns_engine)
 

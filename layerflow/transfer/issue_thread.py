@@ -24,7 +24,7 @@ back, or poisons one that failed before its first copy) is not queued behind the
 `waitvalue` signals, whose graph waits read one epoch shared by all onboardings, a poison posted that way before any
 copy of its onboarding was queued could release the layers of an earlier onboarding still queued here. A read-back
 onboarding queues its copies here and waits for them before posting, so only that failure path is exposed, and only
-with SSD or a remote tier: `runtime/tiers.check_config` refuses `copy_thread` with both.
+with SSD or a remote tier: `runtime/tiers.issues_on_copy_thread` does not wrap the engine there.
 """
 
 from __future__ import annotations

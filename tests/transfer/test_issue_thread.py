@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layerflow.config import Config, SignalMode, load_config
-from layerflow.runtime.tiers import check_config
+from layerflow.runtime.tiers import issues_on_copy_thread
 from layerflow.transfer.copy_engine import CopyJob, Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.issue_thread import IssueThreadCopyEngine, _IssueQueue
@@ -180,11 +180,15 @@ def test_a_failed_set_up_of_the_issue_thread_raises_in_the_constructing_thread()
         queue.submit(lambda: None, onboard=True)
 
 
-def test_the_copy_thread_is_refused_where_a_read_back_could_be_signalled_out_of_order(tmp_path):
-    config = Config(copy_thread=True, signal=SignalMode.WAITVALUE, ssd_cache_gb=1.0, ssd_cache_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="copy_thread with waitvalue signals and an SSD or remote tier"):
-        check_config(config, CPU)
-    check_config(replace(config, signal=SignalMode.EVENTFD), CPU)
+def test_the_copy_thread_is_the_default_and_not_applied_where_a_read_back_could_be_signalled_out_of_order(tmp_path):
+    assert Config().copy_thread and load_config(env={}).copy_thread
+    config = Config(signal=SignalMode.WAITVALUE, ssd_cache_gb=1.0, ssd_cache_dir=str(tmp_path))
+    assert not issues_on_copy_thread(config, SignalMode.WAITVALUE)
+    assert not issues_on_copy_thread(replace(config, ssd_cache_gb=0.0, remote_url="redis://localhost:6379/0"),
+                                     SignalMode.WAITVALUE)
+    assert issues_on_copy_thread(replace(config, ssd_cache_gb=0.0), SignalMode.WAITVALUE)
+    assert issues_on_copy_thread(config, SignalMode.EVENTFD)
+    assert not issues_on_copy_thread(replace(config, copy_thread=False), SignalMode.EVENTFD)
 
 
 def test_a_non_engine_is_refused():
