@@ -55,8 +55,9 @@ class Config:
     serve_max_queue: int = 1024
     serve_deadline_ms: float = 1000.0
     serve_prefetch: bool = True
-    # Issue the in-process tier's copies on a thread of their own, off the scheduler thread
-    # (layerflow.transfer.issue_thread; not applied with waitvalue signals and an SSD or remote tier: runtime/tiers.py).
+    # Issue the in-process tier's default copy engine's copies on a thread of their own, off the scheduler thread
+    # (layerflow.transfer.issue_thread; not applied with waitvalue signals and an SSD or remote tier, nor to a copy
+    # engine given to the Engine: runtime/tiers.py).
     copy_thread: bool = True
     # The remote KV tier shared between hosts (docs/redis.md); off while remote_url is None.
     remote_url: str | None = None

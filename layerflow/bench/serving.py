@@ -53,6 +53,7 @@ from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.cuda_copy import CopyPath
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 
 CALIBRATION_ITERS = 5
 
@@ -79,7 +80,7 @@ class ServingSettings:
     copy_timeline: bool = False
     blocks: int = 1
     unloaded: int = 0
-    copy_threads: tuple[bool, ...] = (False,)
+    copy_threads: tuple[bool, ...] = (True,)
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -261,9 +262,11 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
     with contextlib.ExitStack() as stack:
         engines = []
         for copy_thread in settings.copy_threads:
-            copies = _timed_copies(settings, device)
+            copies = given = _timed_copies(settings, device)
+            if copies is not None and copy_thread:   # the tier uses a given engine as given: wrapped here
+                given = IssueThreadCopyEngine(copies, device)
             config = replace(serving_config(settings), copy_thread=copy_thread)
-            engine = stack.enter_context(stream_engine(workload, weights, config, device, copy_engine=copies))
+            engine = stack.enter_context(stream_engine(workload, weights, config, device, copy_engine=given))
             rng.setstate(histories)
             load_users(engine, workload, visits, rng)
             timer = PhaseTimer() if settings.profile else None

@@ -107,8 +107,9 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
 def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engine: CopyEngine | None = None,
                     model_key: str | None = None, fallback: bool = False) -> InProcessTier:
     """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, a Redis store when `remote_url` is
-    set, the signal ring and a copy engine (`copy_engine`, which stays its owner's to close, else a default one the
-    tier owns; where `issues_on_copy_thread`, it is wrapped to issue on a thread of its own, a wrapper the tier owns).
+    set, the signal ring and a copy engine: `copy_engine` as given (it stays its owner's to close; wrap it in
+    IssueThreadCopyEngine to have its copies issued on a thread), else a default one the tier owns, wrapped to issue
+    on a thread of its own where `issues_on_copy_thread`.
     A `fallback` tier (standing in for a server that stopped answering) goes without SSD if the directories are still
     locked by that server."""
     cuda = gpu.device.type == "cuda"
@@ -135,11 +136,14 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
                             password=read_secret(config.remote_password_file, config.remote_password_env))
     signal = resolve_signal(config, gpu.device)
     signals = make_signals(signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
-    engine, owns_engine = copy_engine or _default_copy_engine(gpu.device), copy_engine is None
-    if issues_on_copy_thread(config, signal):
-        engine, owns_engine = IssueThreadCopyEngine(engine, gpu.device, owns_inner=owns_engine), True
-    elif config.copy_thread:
-        log.info("copy_thread not applied: waitvalue signals with an SSD or remote tier issue on the calling thread")
+    engine, owns_engine = copy_engine, False
+    if engine is None:
+        engine, owns_engine = _default_copy_engine(gpu.device), True
+        if issues_on_copy_thread(config, signal):
+            engine = IssueThreadCopyEngine(engine, gpu.device)
+        elif config.copy_thread:
+            log.info("copy_thread not applied: with waitvalue signals and an SSD or remote tier the copies are issued "
+                     "on the calling thread")
     return InProcessTier(HostCache(host, ssd, remote, config.remote_write), layout, gpu.kv, engine, signals,
                          config.transfer_timeout_s, owns_engine=owns_engine)
 

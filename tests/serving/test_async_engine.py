@@ -15,6 +15,7 @@ from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.issue_thread import IssueThreadCopyEngine
+from layerflow.transfer.thread_copy import ThreadCopyEngine
 from tests.faults import FaultyThreadCopyEngine
 from tests.serving.helpers import (MODEL, TOL, WAIT_S, FailingCollect, HeldEngine, config, sequential_scores,
                                    visits, wait_until)
@@ -203,6 +204,14 @@ def test_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weigh
     expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(1, [3], [4]),
                                            Request(2, [5], [6]), Request(3, [7], [8]), Request(1, [9], [10])])
     assert all(close_to(r.scores, e) for r, e in zip(results, expected[3:]))
+
+
+def test_the_copy_thread_wraps_only_the_tiers_own_copy_engine(weights):
+    given = ThreadCopyEngine()
+    with Engine(weights, config(), device="cpu", copy_engine=given) as engine:
+        assert config().copy_thread and engine.kv.below.engine is given
+    with Engine(weights, config(), device="cpu") as engine:
+        assert isinstance(engine.kv.below.engine, IssueThreadCopyEngine)
 
 
 def test_an_unknown_policy_is_refused(weights):
