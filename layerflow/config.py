@@ -55,6 +55,10 @@ class Config:
     serve_max_queue: int = 1024
     serve_deadline_ms: float = 1000.0
     serve_prefetch: bool = True
+    # Issue the in-process tier's default copy engine's copies on a thread of their own, off the scheduler thread
+    # (layerflow.transfer.issue_thread; not applied with waitvalue signals and an SSD or remote tier, nor to a copy
+    # engine given to the Engine: runtime/tiers.py).
+    copy_thread: bool = True
     # The remote KV tier shared between hosts (docs/redis.md); off while remote_url is None.
     remote_url: str | None = None
     remote_password_file: str | None = None
@@ -219,6 +223,7 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "serve_max_queue": _int_in(1, MAX_SERVE_QUEUE),
     "serve_deadline_ms": _size(MAX_SERVE_DEADLINE_MS, positive=False),
     "serve_prefetch": _bool,
+    "copy_thread": _bool,
 }
 
 
@@ -267,6 +272,7 @@ def _env_bool(text: str) -> bool:
 ENV_FALLBACKS: dict[str, tuple[str, Callable[[str], object]]] = {
     "enable_layerwise": ("LAYERFLOW_ENABLE_LAYERWISE", _env_bool),
     "signal": ("LAYERFLOW_SIGNAL", lambda text: _signal("signal", text.strip().lower())),
+    "copy_thread": ("LAYERFLOW_COPY_THREAD", _env_bool),
 }
 
 

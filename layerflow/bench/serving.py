@@ -9,7 +9,9 @@ truncated back to `history_len` between runs).
 Every (policy, copy path) run is repeated in `blocks` blocks, each block running them all in turn (so slow
 drift of the machine spreads over every variant). With `copy_paths` every run is repeated per copy path
 (layerflow.transfer.cuda_copy.CopyPath), its copy engine timing each transfer's issue on the host
-(layerflow.bench.serving_issue).
+(layerflow.bench.serving_issue). With several `copy_threads` values there is one engine per value (its copies issued
+by the scheduler thread or by a copy thread of their own), loaded with the same histories, and each block runs
+every engine's runs in turn (odd blocks in reverse order).
 
 Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
 batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
@@ -21,6 +23,7 @@ hottest user sets: one request of it per batch, so req/s <= batches/s over its s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import statistics
@@ -48,7 +51,9 @@ from layerflow.runtime.request import Request
 from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.server import BackgroundServer
 from layerflow.tier.layout import KVLayout
+from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.cuda_copy import CopyPath
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 
 CALIBRATION_ITERS = 5
 
@@ -61,7 +66,9 @@ class ServingSettings:
     names, CUDA only; empty: the engine's own path, untimed), whether each run times every onboarding on the device
     and attributes the copy engine's idle time (`copy_timeline`, CUDA only; layerflow.bench.serving_copies), and how
     many alternated blocks repeat every run; `unloaded`: how many requests of the stream are first served one at a
-    time (each sent once the last was answered) for the unloaded latency (0: none)."""
+    time (each sent once the last was answered) for the unloaded latency (0: none); `copy_threads`: the Config
+    `copy_thread` values compared, one engine each (the copies issued by the scheduler thread or by a copy thread,
+    layerflow.transfer.issue_thread)."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
@@ -73,6 +80,7 @@ class ServingSettings:
     copy_timeline: bool = False
     blocks: int = 1
     unloaded: int = 0
+    copy_threads: tuple[bool, ...] = (True,)
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -86,6 +94,12 @@ class ServingSettings:
             raise ValueError(f"copy_paths={self.copy_paths!r}: expected some of {paths}")
         if self.copy_timeline and self.copy_paths:
             raise ValueError(f"copy_timeline with copy_paths={self.copy_paths!r}: one timed copy engine per run")
+        if not self.copy_threads or any(not isinstance(c, bool) for c in self.copy_threads) \
+                or len(set(self.copy_threads)) != len(self.copy_threads):
+            raise ValueError(f"copy_threads={self.copy_threads!r}: expected distinct booleans, at least one")
+        if self.copy_paths and True in self.copy_threads:
+            raise ValueError(f"copy_paths={self.copy_paths!r} with a copy thread: the issue is timed on the calling "
+                             f"thread")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
@@ -102,7 +116,7 @@ class ServingSettings:
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
                 "copy_paths": list(self.copy_paths), "copy_timeline": self.copy_timeline, "blocks": self.blocks,
-                "unloaded": self.unloaded}
+                "unloaded": self.unloaded, "copy_threads": list(self.copy_threads)}
 
 
 GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
@@ -212,6 +226,7 @@ def serving_config(settings: ServingSettings) -> Config:
 def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
     path = f", copy path {run['copy_path']}" if "copy_path" in run else ""
+    path += ", copy thread" if run.get("copy_thread") else ""
     print(f"policy {run['policy']}{path}, {run['transport']}, {run['offered_rate']:g}/s: "
           f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
           f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
@@ -227,30 +242,49 @@ def unloaded_latency(engine: Engine, requests: list[Request]) -> dict:
             "tiers": dict(Counter(s.tier.value for s in served))}
 
 
+def _timed_copies(settings: ServingSettings, device: torch.device) -> CopyEngine | None:
+    """The copy engine a run times (`copy_paths`: the issue; `copy_timeline`: the device spans), or None."""
+    if settings.copy_paths:
+        return IssueTimedCopyEngine(device=device.index or 0)
+    return TimelineCopyEngine(device=device.index or 0) if settings.copy_timeline else None
+
+
 def run_serving(settings: ServingSettings, device: torch.device) -> dict:
-    """Every (block, policy, copy path, transport, rate) run on one engine, its users loaded
-    first; the calibration and the unloaded latency (measured on it before the runs) and the bound. Histories are
-    truncated back after each run (the engine is idle then)."""
+    """Every (block, copy thread, policy, copy path, transport, rate) run, on one engine per `copy_threads` value,
+    their users loaded first (the same histories); the calibration and the unloaded latency (measured on the first
+    engine before the runs) and the bound. Histories are truncated back after each run (the engine is idle then)."""
     workload = settings.workload
     weights = HSTUWeights.init(PRESETS[workload.preset], seed=workload.seed)
     rng = random.Random(workload.seed + 1)
     visits = returning_visits(workload, weights.config.item_vocab_size, rng)
-    copies = IssueTimedCopyEngine(device=device.index or 0) if settings.copy_paths \
-        else TimelineCopyEngine(device=device.index or 0) if settings.copy_timeline else None
+    histories = rng.getstate()
     runs = []
-    with stream_engine(workload, weights, serving_config(settings), device, copy_engine=copies) as engine:
-        load_users(engine, workload, visits, rng)
-        calibration = calibrate(engine, workload, visits, device)
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for copy_thread in settings.copy_threads:
+            copies = given = _timed_copies(settings, device)
+            if copies is not None and copy_thread:   # the tier uses a given engine as given: wrapped here
+                given = IssueThreadCopyEngine(copies, device)
+            config = replace(serving_config(settings), copy_thread=copy_thread)
+            engine = stack.enter_context(stream_engine(workload, weights, config, device, copy_engine=given))
+            rng.setstate(histories)
+            load_users(engine, workload, visits, rng)
+            timer = PhaseTimer() if settings.profile else None
+            if timer is not None:
+                timer.attach(engine)
+            engines.append((copy_thread, engine, copies, timer))
+        first = engines[0][1]
+        calibration = calibrate(first, workload, visits, device)
         unloaded = None
         if settings.unloaded:
             users = [u for _, u in stream(replace(workload, num_requests=settings.unloaded))]
-            unloaded = unloaded_latency(engine, [visits[u] for u in users])
+            unloaded = unloaded_latency(first, [visits[u] for u in users])
             for u in visits:
-                engine.kv.truncate(u, workload.history_len)
-        timer = PhaseTimer() if settings.profile else None
-        if timer is not None:
-            timer.attach(engine)
-        for block, policy in itertools.product(range(settings.blocks), settings.policies):
+                first.kv.truncate(u, workload.history_len)
+        # Odd blocks take the engines in reverse order, so neither mode always runs first in its block.
+        for block, (copy_thread, engine, copies, timer), policy in (
+                (block, e, p) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
+                for p in settings.policies):
             serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
@@ -267,7 +301,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         timer.start()
                     records = over_http(server.url, arrivals) if transport == "http" \
                         else in_process(serving, arrivals)
-                    extra = {"block": block}
+                    extra = {"block": block, "copy_thread": copy_thread}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
                     if settings.copy_paths:

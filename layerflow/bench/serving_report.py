@@ -25,8 +25,9 @@ def _errors(run: dict) -> str:
 
 
 def _policy(run: dict) -> str:
-    """The run's policy, and its copy path where runs compare them."""
-    return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "")
+    """The run's policy, its copy path where runs compare them, and whether a copy thread issued its copies."""
+    return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "") \
+        + (" / copy thread" if run.get("copy_thread") else "")
 
 
 PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")

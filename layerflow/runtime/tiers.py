@@ -27,6 +27,7 @@ from layerflow.tier.remote_manifest import layout_fingerprint
 from layerflow.tier.ssd import SsdStore
 from layerflow.tier.ssd_directory import SsdDirectoryError
 from layerflow.transfer.copy_engine import CopyEngine
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 from layerflow.transfer.signals import make_signals
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,14 @@ def check_config(config: Config, device: torch.device, num_layers: int = 0) -> N
         raise ValueError("remote_url with a transfer server: the remote tier is in-process only for now")
 
 
+def issues_on_copy_thread(config: Config, signal: SignalMode) -> bool:
+    """Whether the in-process tier's copies are issued on a copy thread (`copy_thread`): not with `waitvalue` signals
+    and an SSD or remote tier, where a read-back failing before its first copy would be signalled from the host ahead
+    of the onboardings still queued, whose graph waits share its epoch (layerflow/transfer/issue_thread.py)."""
+    return config.copy_thread and not (signal is SignalMode.WAITVALUE and (config.ssd_cache_gb > 0
+                                                                         or config.remote_url is not None))
+
+
 def build_kv(config: Config, layout: KVLayout, device: torch.device,
              copy_engine: CopyEngine | None = None, model_key: str | None = None) -> tuple[GpuKVPool, KVTier]:
     """The GPU pool sized by `gpu_cache_gb` and the tier below it. `copy_engine` replaces the in-process tier's default
@@ -98,9 +107,11 @@ def build_kv(config: Config, layout: KVLayout, device: torch.device,
 def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engine: CopyEngine | None = None,
                     model_key: str | None = None, fallback: bool = False) -> InProcessTier:
     """A pinned host pool of `cpu_cache_gb`, an SSD store when `ssd_cache_gb` > 0, a Redis store when `remote_url` is
-    set, the signal ring and a copy engine (`copy_engine`, which stays its owner's to close, else a default one the
-    tier owns). A `fallback` tier (standing in for a server that stopped answering) goes without SSD if the
-    directories are still locked by that server."""
+    set, the signal ring and a copy engine: `copy_engine` as given (it stays its owner's to close; wrap it in
+    IssueThreadCopyEngine to have its copies issued on a thread), else a default one the tier owns, wrapped to issue
+    on a thread of its own where `issues_on_copy_thread`.
+    A `fallback` tier (standing in for a server that stopped answering) goes without SSD if the directories are still
+    locked by that server."""
     cuda = gpu.device.type == "cuda"
     host = HostKVPool(layout, cpu_cache_gb=config.cpu_cache_gb, pin_memory=cuda)
     ssd = None
@@ -123,11 +134,18 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
                             namespace=config.remote_namespace, timeout_s=config.remote_timeout_s,
                             connections=config.remote_connections,
                             password=read_secret(config.remote_password_file, config.remote_password_env))
-    signals = make_signals(resolve_signal(config, gpu.device), layout.num_layers, config.num_counters,
-                           config.transfer_timeout_s)
-    engine = copy_engine or _default_copy_engine(gpu.device)
+    signal = resolve_signal(config, gpu.device)
+    signals = make_signals(signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
+    engine, owns_engine = copy_engine, False
+    if engine is None:
+        engine, owns_engine = _default_copy_engine(gpu.device), True
+        if issues_on_copy_thread(config, signal):
+            engine = IssueThreadCopyEngine(engine, gpu.device)
+        elif config.copy_thread:
+            log.info("copy_thread not applied: with waitvalue signals and an SSD or remote tier the copies are issued "
+                     "on the calling thread")
     return InProcessTier(HostCache(host, ssd, remote, config.remote_write), layout, gpu.kv, engine, signals,
-                         config.transfer_timeout_s, owns_engine=copy_engine is None)
+                         config.transfer_timeout_s, owns_engine=owns_engine)
 
 
 def _default_copy_engine(device: torch.device) -> CopyEngine:

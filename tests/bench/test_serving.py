@@ -148,3 +148,20 @@ def test_each_run_reports_its_batches_per_second_and_the_hot_users_cap():
         assert r["batches_per_s"] * r["mean_batch"] == pytest.approx(r["throughput"])
     table = markdown(settings, data, "cpu")
     assert "| batches/s | hot-user cap |" in table and "Hot-user cap: the hottest user (share" in table
+
+
+def test_each_copy_thread_mode_has_its_engine_and_the_blocks_alternate_their_order():
+    settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
+                               ("inprocess",), policies=("guarded",), blocks=2, copy_threads=(False, True))
+    data = run_serving(settings, CPU)
+    assert [(r["block"], r["copy_thread"]) for r in data["runs"]] == [(0, False), (0, True), (1, True), (1, False)]
+    assert all(r["answered"] == 12 and not r["errors"] and r["tiers"].get("host", 0) > 0 for r in data["runs"])
+    assert markdown(settings, data, "cpu").count("| guarded / copy thread |") == 4   # runs and scheduler tables
+
+
+@pytest.mark.parametrize("copy_threads", [(), (True, True), (1,)])
+def test_bad_copy_thread_modes_are_refused(copy_threads):
+    with pytest.raises(ValueError, match="copy_threads="):
+        ServingSettings(workload(), (1.0,), copy_threads=copy_threads)
+    with pytest.raises(ValueError, match="with a copy thread"):
+        ServingSettings(workload(), (1.0,), copy_paths=("runs",), copy_threads=(False, True))

@@ -33,7 +33,8 @@ def test_bad_copy_paths_and_blocks_are_refused():
         ServingSettings(workload(), (1.0,), copy_paths=("warp",))
     with pytest.raises(ValueError, match="blocks=0: must be an integer >= 1"):
         ServingSettings(workload(), (1.0,), blocks=0)
-    assert ServingSettings(workload(), (1.0,), copy_paths=("auto", "run_batch"), blocks=2).to_dict()["blocks"] == 2
+    assert ServingSettings(workload(), (1.0,), copy_paths=("auto", "run_batch"), blocks=2,
+                           copy_threads=(False,)).to_dict()["blocks"] == 2
 
 
 @pytest.mark.gpu

@@ -14,6 +14,8 @@ from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine
+from layerflow.transfer.thread_copy import ThreadCopyEngine
 from tests.faults import FaultyThreadCopyEngine
 from tests.serving.helpers import (MODEL, TOL, WAIT_S, FailingCollect, HeldEngine, config, sequential_scores,
                                    visits, wait_until)
@@ -81,13 +83,16 @@ def test_concurrent_submitters_get_the_sequential_scores_in_batches_of_distinct_
     assert all(len({r.user_id for r in b}) == len(b) for b in batches)
 
 
+@pytest.mark.parametrize("copy_thread", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy):
-    """A pool for about 5 of the 12 users: most returns are host hits, onboarded under each policy's batching."""
+def test_a_stream_beyond_the_gpu_pool_gets_the_sequential_scores_and_leaves_no_pins(weights, policy, copy_thread):
+    """A pool for about 5 of the 12 users: most returns are host hits, onboarded under each policy's batching, their
+    copies issued by the scheduler thread or by the copy thread (`copy_thread`)."""
     requests = visits(seed=4, users=list(range(12)), rounds=4)
     expected = sequential_scores(weights, requests)
-    with HeldEngine(weights, config(serve_max_batch_size=4, gpu_pages=16)) as engine, \
+    with HeldEngine(weights, config(serve_max_batch_size=4, gpu_pages=16, copy_thread=copy_thread)) as engine, \
             AsyncEngine(engine, policy=policy) as serving:
+        assert isinstance(engine.kv.below.engine, IssueThreadCopyEngine) is copy_thread
         served = [f.result(WAIT_S) for f in [serving.submit(r) for r in requests]]
         assert engine.kv.gpu.num_pinned == 0
     assert sum(s.tier is Tier.HOST for s in served) >= 24
@@ -199,6 +204,14 @@ def test_prefetch_prepares_the_next_batch_of_host_and_resident_users_ahead(weigh
     expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(1, [3], [4]),
                                            Request(2, [5], [6]), Request(3, [7], [8]), Request(1, [9], [10])])
     assert all(close_to(r.scores, e) for r, e in zip(results, expected[3:]))
+
+
+def test_the_copy_thread_wraps_only_the_tiers_own_copy_engine(weights):
+    given = ThreadCopyEngine()
+    with Engine(weights, config(), device="cpu", copy_engine=given) as engine:
+        assert config().copy_thread and engine.kv.below.engine is given
+    with Engine(weights, config(), device="cpu") as engine:
+        assert isinstance(engine.kv.below.engine, IssueThreadCopyEngine)
 
 
 def test_an_unknown_policy_is_refused(weights):

@@ -1,8 +1,10 @@
 """The serving layer on the H200: batches prepared while another computes (their KV onboarded under CUDA graphs with
 layer waits, beside the batch in flight) score like a full recompute, prefetch off and on (chained on the batch in
-flight); a chained batch scores bitwise as if prepared after the collect of the batch it was chained on."""
+flight); a chained batch scores bitwise as if prepared after the collect of the batch it was chained on; host hits
+whose copies a copy thread issued score bitwise as when the calling thread issued them."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -81,3 +83,35 @@ def test_a_batch_chained_on_the_one_in_flight_scores_bitwise_as_if_prepared_afte
                 scores.append(engine.score(first) + engine.score(second))
             assert engine.kv.gpu.num_pinned == 0
     assert all(torch.equal(c, a) for c, a in zip(*scores))
+
+
+def test_host_hits_issued_by_the_copy_thread_score_bitwise_as_issued_by_the_caller():
+    """Batches of host hits, each next one prepared (its onboarding queued) while the last computes, and offloads
+    of the appended tokens in between: the same scores, bit for bit, with and without `copy_thread`."""
+    weights = HSTUWeights.init(FP32, seed=2)
+    rng = random.Random(2)
+    histories = {u: [rng.randrange(5000) for _ in range(rng.randrange(1250, 1450))] for u in range(6)}
+    batches = [[Request(u, [rng.randrange(5000) for _ in range(5)], [rng.randrange(5000) for _ in range(20)])
+                for u in pair] for pair in ((0, 1), (2, 3), (4, 5), (1, 2), (3, 0), (5, 4))]
+    scores = []
+    for copy_thread in (False, True):
+        with Engine(weights, replace(CONFIG, copy_thread=copy_thread), token_buckets=(64, 256),
+                    batch_buckets=(1, 2)) as engine:
+            engine.warmup()
+            for u, h in histories.items():
+                engine.score([Request(u, h, [])])
+            engine.kv.wait_offloads()
+            for u in histories:
+                if u in engine.kv.gpu:
+                    engine.kv.evict_from_gpu(u)
+            got = []
+            flight = engine.launch(engine.prepare(batches[0]))
+            for batch in batches[1:]:
+                plan = engine.prepare(batch)
+                got += engine.collect(flight)
+                flight = engine.launch(plan)
+            got += engine.collect(flight)
+            engine.kv.wait_offloads()
+            assert engine.kv.gpu.num_pinned == 0
+            scores.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*scores))
