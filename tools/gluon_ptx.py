@@ -67,6 +67,10 @@ def main() -> None:
                                           TANH=True, WHOLE=True), 128),
         "64x2:ws:tma:tanh:wt:sl:rows m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
                                                   TANH=True, WHOLE=True, SELF_LAST=True, table=True), 128),
+        "64x2:pv:tma:tanh:wt:sl:rows m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
+                                                  TANH=True, WHOLE=True, SELF_LAST=True, PV=True, table=True), 128),
+        "64x2:pv m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=False, OVERLAP=False, TANH=False,
+                              PV=True), 128),
     }
     for name, (tiling, block_m) in variants.items():
         tiling = dict(tiling)
@@ -74,7 +78,8 @@ def main() -> None:
         types = dict(bf16, cache_desc=mangle_type(desc)) if tiling["TMA"] else bf16
         if table:
             types = dict(types, split_table_ptr="*i32", active_splits_ptr="*i32")
-        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m, **{"PRODUCER_REGISTERS": 64, "WHOLE": False, **tiling},
+        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m,
+                          **{"PRODUCER_REGISTERS": 64, "WHOLE": False, "PV": False, **tiling},
                           **({} if tiling["TMA"] else {"cache_desc": None}))
         code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
         print(f"bf16 {name}: {code}")

@@ -29,6 +29,7 @@ from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reas
                                              shape_reason)
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _program_range, _query_rows, _row_bounds,
                                            _row_splits, _store_partial, _tile_pages, _user_block)
+from layerflow.kernels.gluon_pv import _pv_consumer, _pv_producer
 from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
@@ -36,7 +37,8 @@ KERNEL_CHOICES = ("auto", "gluon", "triton")
 KERNEL_NAME = "the Gluon kernel"   # how its refusals name it
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "ws")
+GLUON_VARIANTS = ("sync", "ws", "pv")
+WARP_SPECIALISED = ("ws", "pv")   # the variants with a loader partition
 GLUON_LOADERS = ("cp.async", "tma")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
@@ -49,15 +51,17 @@ class GluonTiling:
 
     - "sync": the block's warps issue each tile's copies STAGES - 1 tiles ahead and run both dots synchronously;
     - "ws": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
-      per slot), the block's warps only wait for tiles and run the dots.
+      per slot), the block's warps only wait for tiles and run the dots;
+    - "pv": "ws" with the previous tile's P V on the tensor cores while the block's warps compute this tile's SiLU
+      (K and V slots handed back separately, so two stages suffice: gluon_pv).
 
-    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "ws",
-    `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >=
+    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "ws"
+    or "pv", `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >=
     block_n / 2) instead of every loader thread's cp.async; under "ws", `overlap` runs the dots as asynchronous
     wgmma, the next tile's Q K^T on the tensor cores during this tile's SiLU (needs stages >= 3: the consumer holds
     two slots). `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any
-    variant. `producer_registers`: the loader warpgroup's registers per thread under "ws" (a multiple of 8
-    in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap):
+    variant. `producer_registers`: the loader warpgroup's registers per thread under "ws" / "pv" (a multiple of 8
+    in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap, "pv"):
     no mask on the history tiles every row of the block sees whole. `self_last`: the candidates' self tiles count in
     the split of the block's tiles and the last split runs them (gluon_tiles._balanced_range), instead of split 0
     running them beside a full chunk.
@@ -104,7 +108,8 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
-    PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
+    PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, PV: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -157,16 +162,34 @@ def _gluon_attention_kernel(
             pool = cache_desc
         else:
             pool = cache_h
-        fence_async_shared()
-        gl.thread_barrier()
-        gl.warp_specialize([
-            (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
-                            hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M,
-                            BLOCK_N, STAGES, OVERLAP, TANH, WHOLE, s_layout, o_layout, p_layout)),
-            (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
-                           k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
-                           BLOCK_N, STAGES, TMA)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+        if PV:
+            # Under "pv" ready / empty are the K slots' and v_ready / v_empty the V slots' (gluon_pv).
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for t in gl.static_range(STAGES):
+                mbarrier.init(v_ready.index(t), count=1)
+                mbarrier.init(v_empty.index(t), count=1)
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([
+                (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
+                                alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len,
+                                head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE, s_layout, o_layout, p_layout)),
+                (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
+                                page_row, cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
+                                row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+        else:
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([
+                (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
+                                hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M,
+                                BLOCK_N, STAGES, OVERLAP, TANH, WHOLE, s_layout, o_layout, p_layout)),
+                (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
+                               k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
+                               BLOCK_N, STAGES, TMA)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         # Which keys each row sees (_row_bounds), for the whole block.
         r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
@@ -211,9 +234,11 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
-    if (tiling.overlap or tiling.loader == "tma") and tiling.variant != "ws":
-        return f"{tiling}: overlap and the TMA loader need variant 'ws'"
-    if tiling.unmasked_whole_tiles and (tiling.variant != "ws" or tiling.overlap):
+    if tiling.overlap and tiling.variant != "ws":
+        return f"{tiling}: overlap needs variant 'ws'"
+    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant not in WARP_SPECIALISED:
+        return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'ws' or 'pv'"
+    if tiling.unmasked_whole_tiles and tiling.overlap:
         return f"{tiling}: unmasked whole tiles need variant 'ws' without overlap"
     if tiling.overlap and tiling.stages < 3:
         return f"{tiling}: overlap needs stages >= 3 (the consumer holds two slots)"
@@ -262,10 +287,11 @@ class GluonAttention(GluonLauncher):
         _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc,
                                       split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H, D=D,
                                       PAGE=PAGE, BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
-                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
-                                      TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
-                                      PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      SELF_LAST=t.self_last, num_warps=BLOCK_M // 16)
+                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
+                                      WARP_SPECIALIZE=t.variant in WARP_SPECIALISED, TMA=t.loader == "tma",
+                                      OVERLAP=t.overlap, TANH=t.tanh_silu, PRODUCER_REGISTERS=t.producer_registers,
+                                      WHOLE=t.unmasked_whole_tiles, SELF_LAST=t.self_last, PV=t.variant == "pv",
+                                      num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

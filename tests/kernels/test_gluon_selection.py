@@ -28,9 +28,10 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="async"), "variant"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_m=32), "block_m must be"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", loader="dma"), "loader one of"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "need variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "overlap needs variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 3, "pv", overlap=True), "overlap needs variant 'ws'"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 2, "ws", overlap=True), "stages >= 3"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(unmasked_whole_tiles=True), "without overlap"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(unmasked_whole_tiles=True), "need variant 'ws' or 'pv'"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(32, 3, "ws", overlap=True, unmasked_whole_tiles=True),
      "without overlap"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "need variant 'ws'"),
@@ -39,6 +40,9 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 3, "ws", loader="tma"), "sm_90"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(32, 4, "ws", loader="tma", overlap=True), "sm_90"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True,
+                                                       unmasked_whole_tiles=True), "sm_90"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 3, "pv", loader="tma"), "shared memory"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
                                                         tiling, words):
