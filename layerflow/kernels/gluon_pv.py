@@ -93,16 +93,17 @@ def _tma_rows(cache_desc, buf, bar, page_a, page_b, n0, half, head, D: gl.conste
 
 
 @gluon.jit
-def _copy_rows(buf, ready, tile, page, num_hist, num_tiles, lo, hi, cache_h, src_ptr, src_stride, q_start, q_len,
-               head, row0, half, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
+def _copy_rows(buf, ready, tile, page_row, num_hist, num_tiles, lo, hi, cache_h, src_ptr, src_stride, q_start,
+               q_len, head, row0, half, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr,
                BLOCK_N: gl.constexpr, layout: gl.constexpr):
     """Tile `tile`'s keys (half 0, src_ptr the block's K rows) or values (half 1, its V rows) by every loader
     thread's cp.async into `buf`, `ready` completing when this partition's thread 0 has arrived and every thread's
-    copies landed. History tiles (below num_hist) are keys lo + tile * BLOCK_N .. on pages `page`; the rest are the
-    block's own (candidate) rows; rows out of range are zeroed."""
+    copies landed. History tiles (below num_hist) are keys lo + tile * BLOCK_N .. (pages from the user's page_row);
+    the rest are the block's own (candidate) rows; rows out of range are zeroed."""
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     if tile < num_hist:
+        page = _tile_pages(page_row, tile, lo, hi, PAGE, BLOCK_N, layout)
         n = lo + tile * BLOCK_N + rows
         row_at = page.to(gl.int64) * (2 * ROWS * H * D) + ((n % PAGE) * (H * D) + half * (ROWS * H * D)).to(gl.int64)
         async_copy.async_copy_global_to_shared(buf, cache_h + row_at[:, None] + cols[None, :], mask=(n < hi)[:, None])
@@ -121,56 +122,46 @@ def _pv_producer(k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, num_tiles, 
                  pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr,
                  PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  TMA: gl.constexpr):
-    """The loader partition under "pv": per tile its keys once their slot is free, then its values once theirs is
-    (the consumer frees a K slot a tile before the V slot of the same number). With TMA, `pool` is the page pool's
-    descriptor and whole history tiles go by TMA (_tma_rows); every other tile, all of them without TMA, by cp.async
-    (_copy_rows)."""
+    """The loader partition under "pv": tile t + 1's keys, then tile t's values, each once its slot is free, so the
+    keys (needed a dot earlier, their slots freed a dot earlier) run a tile ahead of the values. With TMA, `pool`
+    is the page pool's descriptor and whole history tiles go by TMA; every other tile, all of them without TMA, by
+    cp.async (_load_half)."""
     cols_per_warp: gl.constexpr = 32 if D // 8 >= 32 else D // 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_per_warp, cols_per_warp], [gl.num_warps(), 1],
                                             [1, 0])
-    if TMA:
-        whole = gl.maximum(hi - lo, 0) // BLOCK_N
-    else:
-        whole = 0
-    for tile in range(num_tiles):
-        slot = tile % STAGES
-        phase = ((tile // STAGES) & 1) ^ 1
-        if TMA:
-            if tile < whole:
-                n0 = lo + tile * BLOCK_N
-                page_a = gl.load(page_row + n0 // PAGE)
-                if PAGE < BLOCK_N:
-                    page_b = gl.load(page_row + n0 // PAGE + 1)
-                else:
-                    page_b = page_a
-                mbarrier.wait(k_empty.index(slot), phase)
-                _tma_rows(pool, k_ring.index(slot), k_ready.index(slot), page_a, page_b, n0, 0, head, D, PAGE, ROWS,
-                          BLOCK_N)
-                mbarrier.wait(v_empty.index(slot), phase)
-                _tma_rows(pool, v_ring.index(slot), v_ready.index(slot), page_a, page_b, n0, 1, head, D, PAGE, ROWS,
-                          BLOCK_N)
-            else:
-                _copy_tile(k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, tile, phase, num_hist, num_tiles, lo,
-                           hi, page_row, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                           PAGE, ROWS, BLOCK_N, STAGES, layout)
-        else:
-            _copy_tile(k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, tile, phase, num_hist, num_tiles, lo, hi,
-                       page_row, cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
-                       ROWS, BLOCK_N, STAGES, layout)
+    whole = gl.maximum(hi - lo, 0) // BLOCK_N
+    for step in range(num_tiles + 1):
+        if step < num_tiles:
+            _load_half(k_ring, k_ready, k_empty, step, 0, whole, num_hist, num_tiles, lo, hi, page_row, cache_h, pool,
+                       k_ptr, k_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA, layout)
+        if step > 0:
+            _load_half(v_ring, v_ready, v_empty, step - 1, 1, whole, num_hist, num_tiles, lo, hi, page_row, cache_h,
+                       pool, v_ptr, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA,
+                       layout)
 
 
 @gluon.jit
-def _copy_tile(k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, tile, phase, num_hist, num_tiles, lo, hi, page_row,
-               cache_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H: gl.constexpr,
-               D: gl.constexpr, PAGE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _load_half(ring, ready, empty, tile, half, whole, num_hist, num_tiles, lo, hi, page_row, cache_h, pool, src_ptr,
+               src_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr,
                layout: gl.constexpr):
-    """Tile `tile`'s keys, then its values, by cp.async (_copy_rows), each once its slot is free (`phase`: the
-    empty barriers' phase to wait for)."""
+    """Tile `tile`'s keys (half 0) or values (half 1) into its slot of `ring` once the slot is free: by TMA for the
+    split's first `whole` tiles under TMA (_tma_rows), else by cp.async (_copy_rows)."""
     slot = tile % STAGES
-    pages = _tile_pages(page_row, tile, lo, hi, PAGE, BLOCK_N, layout)
-    mbarrier.wait(k_empty.index(slot), phase)
-    _copy_rows(k_ring.index(slot), k_ready.index(slot), tile, pages, num_hist, num_tiles, lo, hi, cache_h, k_ptr,
-               k_stride, q_start, q_len, head, row0, 0, H, D, PAGE, ROWS, BLOCK_N, layout)
-    mbarrier.wait(v_empty.index(slot), phase)
-    _copy_rows(v_ring.index(slot), v_ready.index(slot), tile, pages, num_hist, num_tiles, lo, hi, cache_h, v_ptr,
-               v_stride, q_start, q_len, head, row0, 1, H, D, PAGE, ROWS, BLOCK_N, layout)
+    mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
+    if TMA:
+        if tile < whole:
+            n0 = lo + tile * BLOCK_N
+            page_a = gl.load(page_row + n0 // PAGE)
+            if PAGE < BLOCK_N:
+                page_b = gl.load(page_row + n0 // PAGE + 1)
+            else:
+                page_b = page_a
+            _tma_rows(pool, ring.index(slot), ready.index(slot), page_a, page_b, n0, half, head, D, PAGE, ROWS,
+                      BLOCK_N)
+        else:
+            _copy_rows(ring.index(slot), ready.index(slot), tile, page_row, num_hist, num_tiles, lo, hi, cache_h,
+                       src_ptr, src_stride, q_start, q_len, head, row0, half, H, D, PAGE, ROWS, BLOCK_N, layout)
+    else:
+        _copy_rows(ring.index(slot), ready.index(slot), tile, page_row, num_hist, num_tiles, lo, hi, cache_h, src_ptr,
+                   src_stride, q_start, q_len, head, row0, half, H, D, PAGE, ROWS, BLOCK_N, layout)
