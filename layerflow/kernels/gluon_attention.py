@@ -100,6 +100,17 @@ def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTi
 SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
 
+@gluon.jit
+def _slot_barriers(STAGES: gl.constexpr):
+    """(ready, empty): an mbarrier of count 1 per ring slot each, initialised."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(STAGES):
+        mbarrier.init(ready.index(t), count=1)
+        mbarrier.init(empty.index(t), count=1)
+    return ready, empty
+
+
 @gluon.jit(do_not_specialize=["num_splits"])
 def _gluon_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
@@ -152,11 +163,7 @@ def _gluon_attention_kernel(
         inv_n = gl.load(inv_n_ptr)
     if WARP_SPECIALIZE:
         # ready[s]: slot s holds its tile (the producer's copies landed); empty[s]: the consumer is done with it.
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(STAGES):
-            mbarrier.init(ready.index(t), count=1)
-            mbarrier.init(empty.index(t), count=1)
+        ready, empty = _slot_barriers(STAGES)
         # What the loader reads whole history tiles through: the TMA descriptor, else the head's pointer (unused).
         if TMA:
             pool = cache_desc
@@ -164,11 +171,7 @@ def _gluon_attention_kernel(
             pool = cache_h
         if PV:
             # Under "pv" ready / empty are the K slots' and v_ready / v_empty the V slots' (gluon_pv).
-            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for t in gl.static_range(STAGES):
-                mbarrier.init(v_ready.index(t), count=1)
-                mbarrier.init(v_empty.index(t), count=1)
+            v_ready, v_empty = _slot_barriers(STAGES)
             fence_async_shared()
             gl.thread_barrier()
             gl.warp_specialize([

@@ -14,8 +14,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from layerflow.kernels.gluon_tiles import (_masked_silu, _row_bounds, _store_partial, _tile_pages, _tile_silu,
-                                          _whole_tiles)
+from layerflow.kernels.gluon_tiles import (_masked_silu, _row_bounds, _store_partial, _tile_page_pair, _tile_pages,
+                                          _tile_silu, _whole_tiles)
 
 
 @gluon.jit
@@ -152,11 +152,7 @@ def _load_half(ring, ready, empty, tile, half, whole, num_hist, num_tiles, lo, h
     if TMA:
         if tile < whole:
             n0 = lo + tile * BLOCK_N
-            page_a = gl.load(page_row + n0 // PAGE)
-            if PAGE < BLOCK_N:
-                page_b = gl.load(page_row + n0 // PAGE + 1)
-            else:
-                page_b = page_a
+            page_a, page_b = _tile_page_pair(page_row, n0, PAGE, BLOCK_N)
             _tma_rows(pool, ring.index(slot), ready.index(slot), page_a, page_b, n0, half, head, D, PAGE, ROWS,
                       BLOCK_N)
         else:

@@ -9,8 +9,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _row_bounds, _store_partial, _tile_pages,
-                                          _tile_silu, _whole_tiles)
+from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _row_bounds, _store_partial, _tile_page_pair,
+                                          _tile_pages, _tile_silu, _whole_tiles)
 
 
 @gluon.jit
@@ -132,11 +132,7 @@ def _ws_producer(k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page
         if TMA:
             if tile < whole:
                 n0 = lo + tile * BLOCK_N
-                page_a = gl.load(page_row + n0 // PAGE)
-                if PAGE < BLOCK_N:
-                    page_b = gl.load(page_row + n0 // PAGE + 1)
-                else:
-                    page_b = page_a
+                page_a, page_b = _tile_page_pair(page_row, n0, PAGE, BLOCK_N)
                 mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)
                 _tma_tile(pool, k_ring.index(slot), v_ring.index(slot), ready.index(slot), page_a, page_b, n0, head,
                           D, PAGE, ROWS, BLOCK_N)
