@@ -84,14 +84,15 @@ class GluonTiling:
 
 
 def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTiling:
-    """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys, SiLU by one
-    tanh.approx per score and without a mask on whole tiles (the H200's fastest at 16K and 2K with 0 and 256
-    candidates, docs/performance.md; page_size None: assumed to); smaller heads: 64-key tiles three deep,
+    """D=256: 64-key tiles two deep, warp-specialised with the previous tile's P V during this tile's SiLU ("pv"),
+    whole tiles by TMA where pages hold >= 32 keys, SiLU by one tanh.approx per score and without a mask on whole
+    tiles (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed
+    to); smaller heads: 64-key tiles three deep,
     synchronous (not yet measured otherwise). Both run the candidates' self tiles on the last split, dealt with the
     history (`self_last`: no program runs a full chunk and the self tiles; faster on the H200 at 16K and 2K)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
-        return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async", tanh_silu=True,
+        return GluonTiling(block_n=64, stages=2, variant="pv", loader="tma" if tma else "cp.async", tanh_silu=True,
                            unmasked_whole_tiles=True, self_last=True)
     return GluonTiling(block_n=64, stages=3, self_last=True)
 

@@ -110,11 +110,11 @@ def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
 
 
-def test_the_default_for_256_wide_heads_is_ws_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
-    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws", loader="tma", tanh_silu=True,
+def test_the_default_for_256_wide_heads_is_pv_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
+    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="pv", loader="tma", tanh_silu=True,
                                                     unmasked_whole_tiles=True, self_last=True)
     assert default_gluon_tiling(256, page_size=32).loader == "tma"
-    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="ws", tanh_silu=True,
+    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="pv", tanh_silu=True,
                                                                   unmasked_whole_tiles=True, self_last=True)
     assert default_gluon_tiling(128) == GluonTiling(block_n=64, stages=3, variant="sync", self_last=True)
 
