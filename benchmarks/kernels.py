@@ -193,7 +193,7 @@ FP8_SWEEP = {
 
 GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU), "
                  "rN (the loader's registers per thread), wt (no mask on whole tiles), sl (self tiles on the last "
-                 "split)")
+                 "split), cq (the query block stored by the consumer, pv)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -223,6 +223,8 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["unmasked_whole_tiles"] = True
         elif word == "sl":
             options["self_last"] = True
+        elif word == "cq":
+            options["consumer_query"] = True
         elif word[:1] == "r" and word[1:].isdigit():
             options["producer_registers"] = int(word[1:])
         else:
@@ -252,6 +254,8 @@ def gluon_label(tiling: dict) -> str:
         words.append("wt")
     if tiling.get("self_last"):
         words.append("sl")
+    if tiling.get("consumer_query"):
+        words.append("cq")
     return ":".join(words)
 
 

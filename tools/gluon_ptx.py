@@ -79,7 +79,7 @@ def main() -> None:
         if table:
             types = dict(types, split_table_ptr="*i32", active_splits_ptr="*i32")
         constexprs = dict(shape, ROWS=32, BLOCK_M=block_m,
-                          **{"PRODUCER_REGISTERS": 64, "WHOLE": False, "PV": False, **tiling},
+                          **{"PRODUCER_REGISTERS": 64, "WHOLE": False, "PV": False, "CONSUMER_Q": False, **tiling},
                           **({} if tiling["TMA"] else {"cache_desc": None}))
         code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
         print(f"bf16 {name}: {code}")

@@ -64,7 +64,9 @@ class GluonTiling:
     in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap, "pv"):
     no mask on the history tiles every row of the block sees whole. `self_last`: the candidates' self tiles count in
     the split of the block's tiles and the last split runs them (gluon_tiles._balanced_range), instead of split 0
-    running them beside a full chunk.
+    running them beside a full chunk. `consumer_query` ("pv"): the block's warps store the query block into shared
+    memory themselves, inside the warp-specialised region, so the loader's first copies are in flight meanwhile
+    (instead of every warp loading it before the loader starts).
     """
 
     block_n: int = 32
@@ -77,6 +79,7 @@ class GluonTiling:
     producer_registers: int = 64
     unmasked_whole_tiles: bool = False
     self_last: bool = False
+    consumer_query: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -121,7 +124,7 @@ def _gluon_attention_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, PV: gl.constexpr,
-    num_warps: gl.constexpr,
+    CONSUMER_Q: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -149,10 +152,13 @@ def _gluon_attention_kernel(
         q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
         SELF_LAST)
 
-    # The query block, once, into shared memory (wgmma's A operand).
-    q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
-                                        _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
-                                                    load_layout))
+    # The query block, once, into shared memory (wgmma's A operand); under CONSUMER_Q the "pv" consumer stores it.
+    if CONSUMER_Q:
+        q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout)
+    else:
+        q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
+                                            _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
+                                                        load_layout))
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
 
@@ -177,8 +183,9 @@ def _gluon_attention_kernel(
             gl.thread_barrier()
             gl.warp_specialize([
                 (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
-                                alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len,
-                                head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE, s_layout, o_layout, p_layout)),
+                                alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start,
+                                row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE, CONSUMER_Q,
+                                load_layout, s_layout, o_layout, p_layout)),
                 (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
                                 page_row, cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head,
                                 row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA)),
@@ -238,6 +245,8 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
+    if tiling.consumer_query and tiling.variant != "pv":
+        return f"{tiling}: consumer_query needs variant 'pv'"
     if tiling.overlap and tiling.variant != "ws":
         return f"{tiling}: overlap needs variant 'ws'"
     if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant not in WARP_SPECIALISED:
@@ -295,7 +304,7 @@ class GluonAttention(GluonLauncher):
                                       WARP_SPECIALIZE=t.variant in WARP_SPECIALISED, TMA=t.loader == "tma",
                                       OVERLAP=t.overlap, TANH=t.tanh_silu, PRODUCER_REGISTERS=t.producer_registers,
                                       WHOLE=t.unmasked_whole_tiles, SELF_LAST=t.self_last, PV=t.variant == "pv",
-                                      num_warps=BLOCK_M // 16)
+                                      CONSUMER_Q=t.consumer_query, num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -14,20 +14,25 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from layerflow.kernels.gluon_tiles import (_masked_silu, _row_bounds, _store_partial, _tile_page_pair, _tile_pages,
-                                          _tile_silu, _whole_tiles)
+from layerflow.kernels.gluon_tiles import (_masked_silu, _query_rows, _row_bounds, _store_partial, _tile_page_pair,
+                                          _tile_pages, _tile_silu, _whole_tiles)
 
 
 @gluon.jit
 def _pv_consumer(q_smem, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, num_tiles, num_hist, lo, hi, alpha,
-                 appended, hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr,
-                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 TANH: gl.constexpr, WHOLE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                 p_layout: gl.constexpr):
+                 appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0, q_len, head,
+                 H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, CONSUMER_Q: gl.constexpr,
+                 q_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """The block's warps under "pv": tile 0's S and P, then per tile t >= 1 S(t) and P(t-1) V(t-1) issued together
     with P(t) computed between the two waits, then the last tile's P V and the block's partial. TANH picks the SiLU,
-    WHOLE skips the mask on the tiles every row sees whole (_tile_silu)."""
+    WHOLE skips the mask on the tiles every row sees whole (_tile_silu). CONSUMER_Q: the query block is stored into
+    q_smem here first (q_ptr / q_stride its rows, loaded in q_layout), while the loader's first copies fly."""
     dtype: gl.constexpr = q_smem.dtype
+    if CONSUMER_Q:
+        q_smem.store(_query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M, q_layout))
+        fence_async_shared()
+        gl.thread_barrier()
     r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)

@@ -90,14 +90,20 @@ VARIANTS = [GluonTiling(32, 3, "ws"), GluonTiling(32, 4, "ws"), GluonTiling(64, 
             GluonTiling(64, 3, "ws", block_m=64, tanh_silu=True, unmasked_whole_tiles=True),
             GluonTiling(32, 4, "ws", loader="tma", overlap=True, tanh_silu=True),
             GluonTiling(64, 2, "pv"), GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True),
-            GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True)]
+            GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True),
+            GluonTiling(64, 2, "pv", consumer_query=True),
+            GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True,
+                        consumer_query=True),
+            GluonTiling(64, 3, "pv", block_m=64, loader="tma", tanh_silu=True, unmasked_whole_tiles=True,
+                        self_last=True),
+            GluonTiling(32, 4, "pv", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True)]
 
 
 def variant_id(tiling: GluonTiling) -> str:
     options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["tma"] * (tiling.loader == "tma") + \
         ["ov"] * tiling.overlap + ["tanh"] * tiling.tanh_silu + \
         [f"r{tiling.producer_registers}"] * (tiling.producer_registers != GluonTiling.producer_registers) + \
-        ["wt"] * tiling.unmasked_whole_tiles + ["sl"] * tiling.self_last
+        ["wt"] * tiling.unmasked_whole_tiles + ["sl"] * tiling.self_last + ["cq"] * tiling.consumer_query
     return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 

@@ -31,6 +31,7 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "overlap needs variant 'ws'"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 3, "pv", overlap=True), "overlap needs variant 'ws'"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 2, "ws", overlap=True), "stages >= 3"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 2, "ws", consumer_query=True), "consumer_query needs"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(unmasked_whole_tiles=True), "need variant 'ws' or 'pv'"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(32, 3, "ws", overlap=True, unmasked_whole_tiles=True),
      "without overlap"),
@@ -43,6 +44,7 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True,
                                                        unmasked_whole_tiles=True), "sm_90"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 3, "pv", loader="tma"), "shared memory"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 3, "pv", loader="tma", consumer_query=True), "sm_90"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
                                                         tiling, words):
