@@ -191,17 +191,16 @@ FP8_SWEEP = {
 }
 
 
-GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU), "
+GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), tanh (tanh SiLU), "
                  "rN (the loader's registers per thread), wt (no mask on whole tiles), sl (self tiles on the last "
-                 "split), cq (the query block stored by the consumer, pv)")
+                 "split)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
-    """'32x3' -> GluonTiling(block_n=32, stages=3); '64x2:ws' -> 64-key tiles two deep, variant 'ws';
-    '64x3:ws:m64:tma:ov' -> 64-key tiles three deep with 64-row query blocks, the TMA loader and the next tile's
-    Q K^T overlapping this tile's SiLU."""
+    """'32x3' -> GluonTiling(block_n=32, stages=3); '64x2:pv' -> 64-key tiles two deep, variant 'pv';
+    '64x3:pv:m64:tma:tanh' -> 64-key tiles three deep with 64-row query blocks, the TMA loader and the tanh SiLU."""
     shape, *words = text.split(":")
-    usage = f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT][:OPTION...], e.g. 32x3 or 64x2:ws:tma"
+    usage = f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT][:OPTION...], e.g. 32x3 or 64x2:pv:tma"
     try:
         block_n, stages = (int(part) for part in shape.split("x"))
     except ValueError:
@@ -215,16 +214,12 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["block_m"] = int(word[1:])
         elif word == "tma":
             options["loader"] = "tma"
-        elif word == "ov":
-            options["overlap"] = True
         elif word == "tanh":
             options["tanh_silu"] = True
         elif word == "wt":
             options["unmasked_whole_tiles"] = True
         elif word == "sl":
             options["self_last"] = True
-        elif word == "cq":
-            options["consumer_query"] = True
         elif word[:1] == "r" and word[1:].isdigit():
             options["producer_registers"] = int(word[1:])
         else:
@@ -244,8 +239,6 @@ def gluon_label(tiling: dict) -> str:
         words.append(f"m{tiling['block_m']}")
     if tiling.get("loader") == "tma":
         words.append("tma")
-    if tiling.get("overlap"):
-        words.append("ov")
     if tiling.get("tanh_silu"):
         words.append("tanh")
     if tiling.get("producer_registers", GluonTiling.producer_registers) != GluonTiling.producer_registers:
@@ -254,8 +247,6 @@ def gluon_label(tiling: dict) -> str:
         words.append("wt")
     if tiling.get("self_last"):
         words.append("sl")
-    if tiling.get("consumer_query"):
-        words.append("cq")
     return ":".join(words)
 
 

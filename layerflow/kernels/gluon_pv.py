@@ -1,6 +1,7 @@
-"""The "pv" schedule of the Gluon attention kernel (GluonTiling variant "pv"): warp-specialised like "ws", but the
-consumer runs the previous tile's O += P V on the tensor cores while it computes this tile's SiLU, so the SFU/ALU work
-of a tile hides behind a dot instead of following both.
+"""The "pv" schedule of the Gluon attention kernel (GluonTiling variant "pv"): warp-specialised, a loader warpgroup
+copies every tile into its ring slot as soon as the slot is free while the block's warps (the consumer) run the dots,
+the previous tile's O += P V on the tensor cores while they compute this tile's SiLU, so the SFU/ALU work of a tile
+hides behind a dot instead of following both.
 
 Per tile t the consumer issues S(t) = Q K(t)^T and then P(t-1) V(t-1) as asynchronous wgmma, waits for S(t) only,
 hands K(t)'s slot back, computes P(t) = SiLU(S(t)) while P(t-1) V(t-1) runs, then waits for that dot and hands
@@ -22,17 +23,16 @@ from layerflow.kernels.gluon_tiles import (_masked_silu, _query_rows, _row_bound
 def _pv_consumer(q_smem, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, num_tiles, num_hist, lo, hi, alpha,
                  appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0, q_len, head,
                  H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, CONSUMER_Q: gl.constexpr,
-                 q_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """The block's warps under "pv": tile 0's S and P, then per tile t >= 1 S(t) and P(t-1) V(t-1) issued together
-    with P(t) computed between the two waits, then the last tile's P V and the block's partial. TANH picks the SiLU,
-    WHOLE skips the mask on the tiles every row sees whole (_tile_silu). CONSUMER_Q: the query block is stored into
-    q_smem here first (q_ptr / q_stride its rows, loaded in q_layout), while the loader's first copies fly."""
+                 STAGES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, q_layout: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """The block's warps under "pv": the query block into q_smem (q_ptr / q_stride its rows, loaded in q_layout)
+    while the loader's first copies are in flight, tile 0's S and P, then per tile t >= 1 S(t) and P(t-1) V(t-1)
+    issued together with P(t) computed between the two waits, then the last tile's P V and the block's partial. TANH
+    picks the SiLU, WHOLE skips the mask on the tiles every row sees whole (_tile_silu)."""
     dtype: gl.constexpr = q_smem.dtype
-    if CONSUMER_Q:
-        q_smem.store(_query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M, q_layout))
-        fence_async_shared()
-        gl.thread_barrier()
+    q_smem.store(_query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M, q_layout))
+    fence_async_shared()
+    gl.thread_barrier()
     r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -86,8 +86,8 @@ def _tile_p(raw, alpha, tile, whole, num_hist, lo, r, self_end, hist_end, key_co
 def _tma_rows(cache_desc, buf, bar, page_a, page_b, n0, half, head, D: gl.constexpr, PAGE: gl.constexpr,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """Bulk copies of the keys (half 0) or values (half 1) of the whole history tile n0 .. n0 + BLOCK_N (pages page_a,
-    then page_b when a tile spans two) into `buf`, completing `bar` when its bytes landed (cache_desc as
-    gluon_ws._tma_tile's)."""
+    then page_b when a tile spans two) into `buf`, completing `bar` when its bytes landed. cache_desc views the pool
+    as [pages * 2 * ROWS, H * D] rows with [min(PAGE, BLOCK_N), D] boxes."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     mbarrier.expect(bar, BLOCK_N * D * 2)          # 16-bit values
     tma.async_copy_global_to_shared(cache_desc, [page_a * (2 * ROWS) + half * ROWS + n0 % PAGE, head * D], bar,
