@@ -63,6 +63,12 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def gemm_tflops(iters: int, n: int = 8192) -> float:
+    """Dense bf16 GEMM rate (n^3, torch.matmul), the compute ceiling printed beside the copy's."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=DTYPE) for _ in range(2))
+    return 2 * n ** 3 / (median_ms(lambda: a @ b, iters) * 1e-3) / 1e12
+
+
 def fp8_pool(values: torch.Tensor, rows: int, kv_dtype: torch.dtype) -> torch.Tensor:
     """An fp8 page pool `[pages, 2, rows, H, D]` (uint8) holding `values` `[pages, 2, page_size, H, D]` quantised."""
     pages, _, page_size, heads, dim = values.shape
@@ -186,17 +192,16 @@ FP8_SWEEP = {
 }
 
 
-GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), ov (overlapped dots), tanh (tanh SiLU), "
+GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), tanh (tanh SiLU), "
                  "rN (the loader's registers per thread), wt (no mask on whole tiles), sl (self tiles on the last "
                  "split)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
-    """'32x3' -> GluonTiling(block_n=32, stages=3); '64x2:ws' -> 64-key tiles two deep, variant 'ws';
-    '64x3:ws:m64:tma:ov' -> 64-key tiles three deep with 64-row query blocks, the TMA loader and the next tile's
-    Q K^T overlapping this tile's SiLU."""
+    """'32x3' -> GluonTiling(block_n=32, stages=3); '64x2:pv' -> 64-key tiles two deep, variant 'pv';
+    '64x3:pv:m64:tma:tanh' -> 64-key tiles three deep with 64-row query blocks, the TMA loader and the tanh SiLU."""
     shape, *words = text.split(":")
-    usage = f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT][:OPTION...], e.g. 32x3 or 64x2:ws:tma"
+    usage = f"gluon tiling {text!r}: expected KEYSxSTAGES[:VARIANT][:OPTION...], e.g. 32x3 or 64x2:pv:tma"
     try:
         block_n, stages = (int(part) for part in shape.split("x"))
     except ValueError:
@@ -210,8 +215,6 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["block_m"] = int(word[1:])
         elif word == "tma":
             options["loader"] = "tma"
-        elif word == "ov":
-            options["overlap"] = True
         elif word == "tanh":
             options["tanh_silu"] = True
         elif word == "wt":
@@ -237,8 +240,6 @@ def gluon_label(tiling: dict) -> str:
         words.append(f"m{tiling['block_m']}")
     if tiling.get("loader") == "tma":
         words.append("tma")
-    if tiling.get("overlap"):
-        words.append("ov")
     if tiling.get("tanh_silu"):
         words.append("tanh")
     if tiling.get("producer_registers", GluonTiling.producer_registers) != GluonTiling.producer_registers:
@@ -252,12 +253,16 @@ def gluon_label(tiling: dict) -> str:
 
 def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: argparse.Namespace,
                tiling: AttentionTiling | None, kernel: str, g_tiling: GluonTiling | None, fp8_mma: str,
-               copy_bw: float, fp8_knobs: dict | None = None) -> dict:
+               copy_bw: float, fp8_knobs: dict | None = None, cases: dict | None = None) -> dict:
     """One timed row, or the failure (with its traceback printed) as the row: a kernel that does not compile on
-    this GPU is a result too."""
+    this GPU is a result too. `cases` keeps each shape's Case for the next block (--blocks) to time again."""
     try:
-        case = Case(batch, history, candidates, head_dim, args.page_size, tiling, KV_CACHE_DTYPES[args.kv_cache_dtype],
-                    kernel, g_tiling, fp8_mma, fp8_knobs)
+        key = (batch, history, candidates, head_dim, tiling, kernel, g_tiling, fp8_mma, str(fp8_knobs))
+        case = (cases or {}).get(key) or Case(batch, history, candidates, head_dim, args.page_size, tiling,
+                                              KV_CACHE_DTYPES[args.kv_cache_dtype], kernel, g_tiling, fp8_mma,
+                                              fp8_knobs)
+        if cases is not None:
+            cases[key] = case
         row = attention_row(case, copy_bw, args.iters, not args.no_reference)
         print(markdown([row]).splitlines()[-1], flush=True)
     except Exception as error:
@@ -266,8 +271,28 @@ def kernel_row(batch: int, history: int, candidates: int, head_dim: int, args: a
                    num_splits=tiling.num_splits if tiling else None,
                    gluon_tiling=asdict(g_tiling) if g_tiling else None, fp8_mma=fp8_mma, error=str(error)[:2000])
         print(f"# {kernel} {g_tiling}: {type(error).__name__}", flush=True)
-    torch.cuda.empty_cache()
+    if cases is None:
+        torch.cuda.empty_cache()
     return row
+
+
+def block_summary(rows: list[dict]) -> str:
+    """Each (kernel, shape)'s median, min and max time over the blocks (--blocks), with its TFLOP/s and KV TB/s
+    at the median, as a markdown table."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "error" not in r:
+            label = markdown([r]).splitlines()[-1].split(" | ")[0].removeprefix("| ")
+            groups.setdefault((label, r["batch"], r["history"], r["candidates"], r["head_dim"]), []).append(r)
+    lines = ["| kernel | BS | history | cand | D | blocks | median us | min | max | TFLOP/s | KV TB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (label, bs, hist, cand, d), group in groups.items():
+        times = [r["time_us"] for r in group]
+        mid = statistics.median(times)
+        scale = group[0]["time_us"] / mid
+        lines.append(f"| {label} | {bs} | {hist} | {cand} | {d} | {len(times)} | {mid:.1f} | {min(times):.1f} | "
+                     f"{max(times):.1f} | {group[0]['tflops'] * scale:.0f} | {group[0]['kv_tb_s'] * scale:.2f} |")
+    return "\n".join(lines)
 
 
 def fp8_knobs(scale_copy: str | None, code_stages: int | None, producer_warps: int | None) -> dict:
@@ -293,6 +318,22 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def row_specs(args: argparse.Namespace, chosen: dict, kv_dtype: torch.dtype | None):
+    """Every timed row's (batch, history, candidates, head_dim, tiling, kernel, gluon tiling, fp8 MMA, fp8 knobs),
+    in the order they run: head dims, batches, candidates, then histories x kernels x MMAs x tilings x splits."""
+    for d, bs, cand in itertools.product(args.head_dim, args.batch, args.candidates):
+        for hist, kernel, mma in itertools.product(args.history, args.kernel, args.fp8_mma):
+            fp8_gluon = kernel == "gluon" and kv_dtype is not None
+            fp8_sets = (list(itertools.product(args.fp8_scale_copy, args.fp8_code_stages, args.fp8_producer_warps))
+                        if fp8_gluon else [(None, None, None)])
+            g_tilings = args.gluon_tiling if kernel == "gluon" else [None]
+            for g_tiling, splits, fp8_set in itertools.product(g_tilings, args.num_splits, fp8_sets):
+                tiling = chosen.get((d, cand))
+                if splits is not None:
+                    tiling = replace(tiling or default_tiling(d, DTYPE, APPENDED + cand), num_splits=splits)
+                yield bs, hist, cand, d, tiling, kernel, g_tiling, mma, fp8_knobs(*fp8_set)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results JSON here")
@@ -302,6 +343,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--blocks", type=int, default=1,
+                        help="time every row this many times, the rows alternated within each block (A/B in one "
+                             "process), and print each row's median over the blocks")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tiling sweep")
     parser.add_argument("--no-gate", action="store_true", help="skip the fused u * LayerNorm(a) benchmark")
@@ -342,7 +386,9 @@ def main() -> None:
     copy_bw = copy_bandwidth(1 << 30, args.iters)
     result["copy_tb_s"] = copy_bw / 1e12
     gpu = result["environment"]["device"]
-    print(f"# {gpu}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    result["gemm_tflops"] = gemm_tflops(args.iters)
+    print(f"# {gpu}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write), bf16 GEMM "
+          f"{result['gemm_tflops']:.0f} TFLOP/s", flush=True)
     chosen: dict[tuple[int, int], AttentionTiling | None] = {}
     if not args.no_sweep:
         sweep = {shape: tilings for shape, tilings in (SWEEP if kv_dtype is None else FP8_SWEEP).items()
@@ -367,23 +413,13 @@ def main() -> None:
                 torch.cuda.empty_cache()
             chosen[(d, cand)] = best[1]
         result["chosen"] = {f"d{d}_cand{c}": asdict(t) if t else "default" for (d, c), t in chosen.items()}
-    for d in args.head_dim:
-        for bs in args.batch:
-            for cand in args.candidates:
-                for hist, kernel, mma in ((h, k, a) for h in args.history for k in args.kernel for a in args.fp8_mma):
-                    fp8_gluon = kernel == "gluon" and kv_dtype is not None
-                    fp8_sets = (list(itertools.product(args.fp8_scale_copy, args.fp8_code_stages,
-                                                       args.fp8_producer_warps)) if fp8_gluon else [(None, None, None)])
-                    for g_tiling, splits, knobs in ((g, n, fp8_knobs(*f)) for g in (args.gluon_tiling if
-                                                    kernel == "gluon" else [None]) for n in args.num_splits
-                                                    for f in fp8_sets):
-                        tiling = chosen.get((d, cand))
-                        if splits is not None:
-                            tiling = replace(tiling or default_tiling(d, DTYPE, APPENDED + cand), num_splits=splits)
-                        row = kernel_row(bs, hist, cand, d, args, tiling, kernel, g_tiling, mma, copy_bw, knobs)
-                        result["rows"].append(row)
-                        save()
-                torch.cuda.empty_cache()
+    cases: dict | None = {} if args.blocks > 1 else None
+    for block in range(args.blocks):
+        for bs, hist, cand, d, tiling, kernel, g_tiling, mma, knobs in row_specs(args, chosen, kv_dtype):
+            row = kernel_row(bs, hist, cand, d, args, tiling, kernel, g_tiling, mma, copy_bw, knobs, cases)
+            row["block"] = block
+            result["rows"].append(row)
+            save()
     if not args.no_gate:
         result["gate"] = gate_rows(args.iters)
         save()
@@ -393,6 +429,11 @@ def main() -> None:
     save()
     print()
     print(markdown([r for r in result["rows"] if "error" not in r]))
+    if args.blocks > 1:
+        result["summary"] = block_summary(result["rows"])
+        save()
+        print()
+        print(result["summary"])
 
 
 if __name__ == "__main__":

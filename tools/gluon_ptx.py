@@ -53,20 +53,12 @@ def main() -> None:
                             gluon_attention.SMEM_LAYOUT.value)
     shape = dict(H=4, D=256, PAGE=32, BATCH_P2=2, INV_N_PER_USER=False)
     variants = {
-        "64x2:ws:tma:tanh m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False, TANH=True),
-                                  128),
-        "32x4:ws:tma:ov m128": (dict(BLOCK_N=32, STAGES=4, WARP_SPECIALIZE=True, TMA=True, OVERLAP=True, TANH=False),
-                                128),
-        "64x2:ws m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=False, OVERLAP=False, TANH=False), 128),
-        "64x3:sync m64": (dict(BLOCK_N=64, STAGES=3, WARP_SPECIALIZE=False, TMA=False, OVERLAP=False, TANH=False), 64),
-        "64x2:ws:tma:tanh:r96 m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
-                                           TANH=True, PRODUCER_REGISTERS=96), 128),
-        "64x2:ws:tma:tanh:r96:wt m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
-                                              TANH=True, PRODUCER_REGISTERS=96, WHOLE=True), 128),
-        "64x2:ws:tma:tanh:wt m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
-                                          TANH=True, WHOLE=True), 128),
-        "64x2:ws:tma:tanh:wt:sl:rows m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, OVERLAP=False,
-                                                  TANH=True, WHOLE=True, SELF_LAST=True, table=True), 128),
+        "64x3:sync m64": (dict(BLOCK_N=64, STAGES=3, WARP_SPECIALIZE=False, TMA=False, TANH=False), 64),
+        "64x2:pv:tma:tanh:wt:sl:rows m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, TANH=True,
+                                                  WHOLE=True, SELF_LAST=True, table=True), 128),
+        "64x2:pv:tma:tanh:r96 m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, TANH=True,
+                                           PRODUCER_REGISTERS=96), 128),
+        "64x2:pv m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=False, TANH=False), 128),
     }
     for name, (tiling, block_m) in variants.items():
         tiling = dict(tiling)
@@ -74,7 +66,8 @@ def main() -> None:
         types = dict(bf16, cache_desc=mangle_type(desc)) if tiling["TMA"] else bf16
         if table:
             types = dict(types, split_table_ptr="*i32", active_splits_ptr="*i32")
-        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m, **{"PRODUCER_REGISTERS": 64, "WHOLE": False, **tiling},
+        constexprs = dict(shape, ROWS=32, BLOCK_M=block_m,
+                          **{"PRODUCER_REGISTERS": 64, "WHOLE": False, "SELF_LAST": False, **tiling},
                           **({} if tiling["TMA"] else {"cache_desc": None}))
         code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
         print(f"bf16 {name}: {code}")

@@ -29,14 +29,14 @@ from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reas
                                              shape_reason)
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _program_range, _query_rows, _row_bounds,
                                            _row_splits, _store_partial, _tile_pages, _user_block)
-from layerflow.kernels.gluon_ws import _ws_consumer, _ws_producer
+from layerflow.kernels.gluon_pv import _pv_consumer, _pv_producer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 KERNEL_NAME = "the Gluon kernel"   # how its refusals name it
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "ws")
+GLUON_VARIANTS = ("sync", "pv")
 GLUON_LOADERS = ("cp.async", "tma")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
@@ -48,19 +48,18 @@ class GluonTiling:
     how many tiles the shared-memory ring holds, and the tile loop's schedule:
 
     - "sync": the block's warps issue each tile's copies STAGES - 1 tiles ahead and run both dots synchronously;
-    - "ws": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
-      per slot), the block's warps only wait for tiles and run the dots.
+    - "pv": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
+      per slot, K and V slots handed back separately), the block's warps wait for tiles and run the dots, the
+      previous tile's P V on the tensor cores while they compute this tile's SiLU (gluon_pv).
 
-    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "ws",
-    `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >=
-    block_n / 2) instead of every loader thread's cp.async; under "ws", `overlap` runs the dots as asynchronous
-    wgmma, the next tile's Q K^T on the tensor cores during this tile's SiLU (needs stages >= 3: the consumer holds
-    two slots). `tanh_silu` computes SiLU through one tanh.approx per score (gluon_tiles._tanh_silu_of_seen), any
-    variant. `producer_registers`: the loader warpgroup's registers per thread under "ws" (a multiple of 8
-    in [24, 256]); the consumers get what the SM has left. `unmasked_whole_tiles` ("ws" without overlap):
-    no mask on the history tiles every row of the block sees whole. `self_last`: the candidates' self tiles count in
-    the split of the block's tiles and the last split runs them (gluon_tiles._balanced_range), instead of split 0
-    running them beside a full chunk.
+    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "pv",
+    `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >= block_n / 2)
+    instead of every loader thread's cp.async. `tanh_silu` computes SiLU through one tanh.approx per score
+    (gluon_tiles._tanh_silu_of_seen), any variant. `producer_registers`: the loader warpgroup's registers per
+    thread under "pv" (a multiple of 8 in [24, 256]); the consumers get what the SM has left.
+    `unmasked_whole_tiles` ("pv"): no mask on the history tiles every row of the block sees whole. `self_last`:
+    the candidates' self tiles count in the split of the block's tiles and the last split runs them
+    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk.
     """
 
     block_n: int = 32
@@ -68,7 +67,6 @@ class GluonTiling:
     variant: str = "sync"
     block_m: int | None = None
     loader: str = "cp.async"
-    overlap: bool = False
     tanh_silu: bool = False
     producer_registers: int = 64
     unmasked_whole_tiles: bool = False
@@ -80,20 +78,32 @@ class GluonTiling:
 
 
 def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTiling:
-    """D=256: 64-key tiles two deep, warp-specialised, whole tiles by TMA where pages hold >= 32 keys, SiLU by one
-    tanh.approx per score and without a mask on whole tiles (the H200's fastest at 16K and 2K with 0 and 256
-    candidates, docs/performance.md; page_size None: assumed to); smaller heads: 64-key tiles three deep,
-    synchronous (not yet measured otherwise). Both run the candidates' self tiles on the last split, dealt with the
-    history (`self_last`: no program runs a full chunk and the self tiles; faster on the H200 at 16K and 2K)."""
+    """D=256: 64-key tiles two deep, warp-specialised with the previous tile's P V during this tile's SiLU ("pv"),
+    whole tiles by TMA where pages hold >= 32 keys, SiLU by one tanh.approx per score and without a mask on whole
+    tiles (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed
+    to); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise). Both run the candidates'
+    self tiles on the last split, dealt with the history (`self_last`: no program runs a full chunk and the self
+    tiles; faster on the H200 at 16K and 2K)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
-        return GluonTiling(block_n=64, stages=2, variant="ws", loader="tma" if tma else "cp.async", tanh_silu=True,
+        return GluonTiling(block_n=64, stages=2, variant="pv", loader="tma" if tma else "cp.async", tanh_silu=True,
                            unmasked_whole_tiles=True, self_last=True)
     return GluonTiling(block_n=64, stages=3, self_last=True)
 
 
 # The K/V ring's and the query block's shared-memory layout (128-byte swizzle, what wgmma reads), also the TMA boxes'.
 SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def _slot_barriers(STAGES: gl.constexpr):
+    """(ready, empty): an mbarrier of count 1 per ring slot each, initialised."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(STAGES):
+        mbarrier.init(ready.index(t), count=1)
+        mbarrier.init(empty.index(t), count=1)
+    return ready, empty
 
 
 @gluon.jit(do_not_specialize=["num_splits"])
@@ -103,8 +113,8 @@ def _gluon_attention_kernel(
     split_table_ptr, active_splits_ptr,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
-    WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, OVERLAP: gl.constexpr, TANH: gl.constexpr,
-    PRODUCER_REGISTERS: gl.constexpr, WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, TANH: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
+    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -132,10 +142,13 @@ def _gluon_attention_kernel(
         q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
         SELF_LAST)
 
-    # The query block, once, into shared memory (wgmma's A operand).
-    q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
-                                        _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
-                                                    load_layout))
+    # The query block, once, into shared memory (wgmma's A operand); under "pv" its consumer stores it (gluon_pv).
+    if WARP_SPECIALIZE:
+        q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout)
+    else:
+        q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
+                                            _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
+                                                        load_layout))
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
 
@@ -146,12 +159,10 @@ def _gluon_attention_kernel(
     else:
         inv_n = gl.load(inv_n_ptr)
     if WARP_SPECIALIZE:
-        # ready[s]: slot s holds its tile (the producer's copies landed); empty[s]: the consumer is done with it.
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(STAGES):
-            mbarrier.init(ready.index(t), count=1)
-            mbarrier.init(empty.index(t), count=1)
+        # The "pv" schedule (gluon_pv): ready[s] / v_ready[s]: K / V slot s holds its tile (the producer's copies
+        # landed); empty[s] / v_empty[s]: the consumer is done with it.
+        ready, empty = _slot_barriers(STAGES)
+        v_ready, v_empty = _slot_barriers(STAGES)
         # What the loader reads whole history tiles through: the TMA descriptor, else the head's pointer (unused).
         if TMA:
             pool = cache_desc
@@ -160,12 +171,13 @@ def _gluon_attention_kernel(
         fence_async_shared()
         gl.thread_barrier()
         gl.warp_specialize([
-            (_ws_consumer, (q_block, k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, alpha, appended,
-                            hist, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M,
-                            BLOCK_N, STAGES, OVERLAP, TANH, WHOLE, s_layout, o_layout, p_layout)),
-            (_ws_producer, (k_ring, v_ring, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h, pool,
-                           k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS,
-                           BLOCK_N, STAGES, TMA)),
+            (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
+                            alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0,
+                            q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE, load_layout, s_layout,
+                            o_layout, p_layout)),
+            (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi, page_row,
+                            cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
+                            ROWS, BLOCK_N, STAGES, TMA)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         # Which keys each row sees (_row_bounds), for the whole block.
@@ -211,12 +223,8 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
-    if (tiling.overlap or tiling.loader == "tma") and tiling.variant != "ws":
-        return f"{tiling}: overlap and the TMA loader need variant 'ws'"
-    if tiling.unmasked_whole_tiles and (tiling.variant != "ws" or tiling.overlap):
-        return f"{tiling}: unmasked whole tiles need variant 'ws' without overlap"
-    if tiling.overlap and tiling.stages < 3:
-        return f"{tiling}: overlap needs stages >= 3 (the consumer holds two slots)"
+    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant != "pv":
+        return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'pv'"
     return registers_reason(tiling)
 
 
@@ -262,8 +270,8 @@ class GluonAttention(GluonLauncher):
         _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc,
                                       split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H, D=D,
                                       PAGE=PAGE, BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
-                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS, WARP_SPECIALIZE=t.variant == "ws",
-                                      TMA=t.loader == "tma", OVERLAP=t.overlap, TANH=t.tanh_silu,
+                                      INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
+                                      WARP_SPECIALIZE=t.variant == "pv", TMA=t.loader == "tma", TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
                                       SELF_LAST=t.self_last, num_warps=BLOCK_M // 16)
 

@@ -144,6 +144,18 @@ def _tile_pages(page_row, tile, lo, hi, PAGE: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
+def _tile_page_pair(page_row, n0, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(page_a, page_b): the pages of the history tile from key n0, page_b the second one where a tile spans two
+    pages (PAGE < BLOCK_N), else page_a again."""
+    page_a = gl.load(page_row + n0 // PAGE)
+    if PAGE < BLOCK_N:
+        page_b = gl.load(page_row + n0 // PAGE + 1)
+    else:
+        page_b = page_a
+    return page_a, page_b
+
+
+@gluon.jit
 def _issue_tile(k_buf, v_buf, tile, page, num_hist, num_tiles, lo, hi, cache_h, k_ptr, v_ptr, k_stride,
                 v_stride, q_start, q_len, head, row0, H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):

@@ -27,18 +27,18 @@ def attention(**kwargs) -> PagedAttention:
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="pingpong"), "variant"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="async"), "variant"),
     (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(block_m=32), "block_m must be"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws", loader="dma"), "loader one of"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(stages=3, overlap=True), "need variant 'ws'"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(64, 2, "ws", overlap=True), "stages >= 3"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(unmasked_whole_tiles=True), "without overlap"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(32, 3, "ws", overlap=True, unmasked_whole_tiles=True),
-     "without overlap"),
-    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "need variant 'ws'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="ws"), "variant"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(variant="pv", loader="dma"), "loader one of"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(unmasked_whole_tiles=True), "need variant 'pv'"),
+    (torch.bfloat16, None, 128, 64, 0, 0, GluonTiling(loader="tma"), "need variant 'pv'"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=64, stages=3), "shared memory"),
     (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(block_n=64, stages=3, block_m=128), "shared memory"),
     (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(block_n=32, stages=3), "sm_90"),
-    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 3, "ws", loader="tma"), "sm_90"),
-    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(32, 4, "ws", loader="tma", overlap=True), "sm_90"),
+    (torch.bfloat16, None, 256, 64, 0, 0, GluonTiling(64, 3, "pv", loader="tma"), "sm_90"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(32, 4, "pv", loader="tma", tanh_silu=True), "sm_90"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True,
+                                                       unmasked_whole_tiles=True), "sm_90"),
+    (torch.bfloat16, None, 256, 128, 0, 0, GluonTiling(64, 3, "pv", loader="tma"), "shared memory"),
 ])
 def test_unsupported_reason_names_the_first_rule_broken(dtype, kv_dtype, head_dim, block_m, window, contextual,
                                                         tiling, words):
@@ -98,7 +98,7 @@ def test_a_launcher_of_a_bad_variant_is_refused(tiling):
 @pytest.mark.parametrize("registers", [20, 100, 264])
 def test_a_launcher_of_a_bad_loader_register_count_is_refused(registers):
     with pytest.raises(ValueError, match=f"producer_registers.*{registers}|{registers}.*producer_registers"):
-        GluonAttention(GluonTiling(64, 2, "ws", producer_registers=registers))
+        GluonAttention(GluonTiling(64, 2, "pv", producer_registers=registers))
 
 
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)
@@ -106,24 +106,24 @@ def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
 
 
-def test_the_default_for_256_wide_heads_is_ws_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
-    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="ws", loader="tma", tanh_silu=True,
+def test_the_default_for_256_wide_heads_is_pv_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
+    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="pv", loader="tma", tanh_silu=True,
                                                     unmasked_whole_tiles=True, self_last=True)
     assert default_gluon_tiling(256, page_size=32).loader == "tma"
-    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="ws", tanh_silu=True,
+    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="pv", tanh_silu=True,
                                                                   unmasked_whole_tiles=True, self_last=True)
     assert default_gluon_tiling(128) == GluonTiling(block_n=64, stages=3, variant="sync", self_last=True)
 
 
 def test_the_tma_loader_is_refused_for_pages_shorter_than_half_a_tile():
-    tma = GluonTiling(64, 2, "ws", loader="tma")
+    tma = GluonTiling(64, 2, "pv", loader="tma")
     reason = unsupported_reason(CPU, torch.bfloat16, None, 256, 64, 0, 0, tma, page_size=16)
     assert reason is not None and "page_size=16" in reason
     assert "sm_90" in unsupported_reason(CPU, torch.bfloat16, None, 256, 64, 0, 0, tma, page_size=32)
 
 
 def test_the_tanh_silu_is_an_option_of_every_variant():
-    for tiling in (GluonTiling(64, 3, tanh_silu=True), GluonTiling(64, 2, "ws", loader="tma", tanh_silu=True)):
+    for tiling in (GluonTiling(64, 3, tanh_silu=True), GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True)):
         assert tiling_reason(tiling) is None
 
 
@@ -133,7 +133,7 @@ def test_the_query_block_is_the_tilings_own_else_the_tl_tilings():
 
 
 def test_the_tma_loader_refuses_pages_shorter_than_half_a_tile():
-    launcher = GluonAttention(GluonTiling(64, 2, "ws", loader="tma"))
+    launcher = GluonAttention(GluonTiling(64, 2, "pv", loader="tma"))
     with pytest.raises(ValueError, match="page_size=16"):
         launcher[(1, 1, 1)](*[None] * 17, H=1, D=64, PAGE=16, BATCH_P2=2, NUM_SPLITS=1, BLOCK_M=64,
                             INV_N_PER_USER=False, ROWS=16, WINDOW=0, CONTEXTUAL=0, FP8=0)
