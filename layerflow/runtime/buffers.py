@@ -5,10 +5,15 @@ pinned host buffer and reaches the device in a single copy; the scores come back
 `Tensor.copy_`). On CUDA the integers' copy is one ctypes cudaMemcpyAsync on the buffers' own stream handle and
 addresses, taken once: on the H200 it halves the fill's host time against torch's `copy_` (~0.04 -> ~0.02 ms; a ctypes
 copy that looked the stream up per call was slower, docs/performance.md). The CPU path copies with torch.
+
+The fetch waits for the compute stream by `FETCH_WAITS` ($LAYERFLOW_FETCH_WAIT): `sync` (torch's
+`Stream.synchronize`, the default) or `query` (the host spins on cudaStreamQuery through ctypes, for a lower-latency
+wake on the request's tail).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -17,6 +22,18 @@ from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
 from layerflow.runtime.staging import HostSlab, StagedBatch, slab_fields
 from layerflow.transfer import cudart
+
+
+FETCH_WAIT_ENV = "LAYERFLOW_FETCH_WAIT"
+FETCH_WAITS = ("sync", "query")
+
+
+def configured_fetch_wait() -> str:
+    """$LAYERFLOW_FETCH_WAIT (one of FETCH_WAITS, any case), else "sync"; ValueError naming any other value."""
+    value = os.environ.get(FETCH_WAIT_ENV, FETCH_WAITS[0]).strip().lower()
+    if value not in FETCH_WAITS:
+        raise ValueError(f"{FETCH_WAIT_ENV}={value!r}: expected one of {list(FETCH_WAITS)}")
+    return value
 
 
 def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
@@ -49,7 +66,8 @@ class Bucket(NamedTuple):
 
 class BatchBuffers:
     """Static tensors of one bucket; `fill` writes a batch into them without allocating. The engine issues every batch
-    on the stream that was current when its buffers were made."""
+    on the stream that was current when its buffers were made. `fetch_wait` (one of FETCH_WAITS, default
+    `configured_fetch_wait()`; an attribute, so one engine can be switched between batches) is how `fetch` waits."""
 
     def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig):
         b, t = bucket.max_batch, bucket.max_tokens
@@ -90,6 +108,7 @@ class BatchBuffers:
         self._raw_stream = self.stream.cuda_stream if self.stream is not None else None   # 0: the legacy default
         if self._raw_stream is not None:
             cudart.lib()   # loaded at set-up, never by a request's first cudart fill
+        self.fetch_wait = configured_fetch_wait()
 
     @staticmethod
     def _to_device(device: torch.Tensor, host: torch.Tensor) -> None:
@@ -165,8 +184,18 @@ class BatchBuffers:
         The copy goes through numpy: `Tensor.clone` of the pinned buffer cost ~22 us on the H200's host."""
         n = self.num_candidates if self.model.embedding_tables else self.num_tokens
         if self.stream is not None:
-            self.stream.synchronize()
+            self._wait_stream()
         host, bits = self._results
         if bits is None:
             return host[:n].clone()
         return torch.from_numpy(bits[:n].copy()).view(host.dtype)
+
+    def _wait_stream(self) -> None:
+        """Block until the compute stream's queued work (the batch and its result copy) has finished."""
+        if self.fetch_wait == "query":
+            while not cudart.stream_idle(self._raw_stream):
+                pass
+        elif self.fetch_wait == "sync":
+            self.stream.synchronize()
+        else:
+            raise ValueError(f"fetch_wait={self.fetch_wait!r}: expected one of {list(FETCH_WAITS)}")

@@ -1,10 +1,11 @@
 """A bucket's buffers on the CPU path: `fill` writes the batch and clears whatever a larger batch left behind."""
 
+import pytest
 import torch
 
 from layerflow.model import HSTUConfig
 from layerflow.model.batch import JaggedBatch
-from layerflow.runtime.buffers import BatchBuffers, Bucket
+from layerflow.runtime.buffers import FETCH_WAIT_ENV, BatchBuffers, Bucket, configured_fetch_wait
 
 CONFIG = HSTUConfig(num_layers=1, num_heads=1, dqk=8, dv=8, embedding_dim=8, max_seq_len=256, dtype=torch.float32,
                     item_vocab_size=100, position_table_size=256)
@@ -54,3 +55,26 @@ def test_fetch_hands_out_a_copy_the_next_batch_does_not_change():
     bufs.send_results()
     assert bufs.fetch().tolist() == [9.0]
     assert first.dtype == torch.float32 and first.tolist() == [0.5, -1.0, 2.0]
+
+
+def test_the_fetch_wait_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.delenv(FETCH_WAIT_ENV, raising=False)
+    assert configured_fetch_wait() == "sync"
+    monkeypatch.setenv(FETCH_WAIT_ENV, " Query ")
+    assert BatchBuffers(Bucket(1, 8), 2, torch.device("cpu"), CONFIG).fetch_wait == "query"
+    monkeypatch.setenv(FETCH_WAIT_ENV, "poll")
+    with pytest.raises(ValueError, match="LAYERFLOW_FETCH_WAIT='poll'"):
+        configured_fetch_wait()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait", ["sync", "query"])
+def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait):
+    bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
+    bufs.fetch_wait = wait
+    with torch.cuda.stream(bufs.stream):
+        bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
+        torch.cuda._sleep(50_000_000)   # ~tens of ms on the stream: the scores land well after fetch is called
+        bufs.scores[:3] = torch.tensor([0.5, -1.0, 2.0], device="cuda")
+        bufs.send_results()
+    assert bufs.fetch().tolist() == [0.5, -1.0, 2.0]
