@@ -45,6 +45,7 @@ class IssueTimedCopyEngine(CudaCopyEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.onboard_path = "job"   # the steps it times are a job's (the run path has no plan or layer copier)
         self.records: list[IssueRecord] = []
         self._current = threading.local()
 

@@ -6,10 +6,16 @@ An engine knows tensors and index lists only, never the pools. Data layout (one 
   is `num_layers * layer_page_bytes`.
 A transfer moves the pairs `(gpu_pages[i], host_blocks[i])`; the engines split them into runs contiguous on both sides
 (`copy_plan`). Several layer groups are several calls, each with its `first_layer` (the global index of its layer 0).
+
+Onboarding paths (`ONBOARD_PATHS`, $LAYERFLOW_ONBOARD_PATH, an engine attribute): `job` validates every transfer into
+a CopyJob (numpy plan) and issues it; `run` takes a placement that is one run on both sides (a host-resident user's
+common case) through `_onboard_run` with plain-int checks and no plan, so the first copy leaves sooner; any other
+placement still takes the job path.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -18,8 +24,20 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from layerflow.transfer.copy_plan import CopyPlan, plan_runs
+from layerflow.transfer.copy_plan import CopyPlan, Run, plan_runs, single_run
 from layerflow.transfer.signals.base import SignalHandle
+
+
+ONBOARD_PATH_ENV = "LAYERFLOW_ONBOARD_PATH"
+ONBOARD_PATHS = ("job", "run")
+
+
+def configured_onboard_path() -> str:
+    """$LAYERFLOW_ONBOARD_PATH (one of ONBOARD_PATHS, any case), else "job"; ValueError naming any other value."""
+    value = os.environ.get(ONBOARD_PATH_ENV, ONBOARD_PATHS[0]).strip().lower()
+    if value not in ONBOARD_PATHS:
+        raise ValueError(f"{ONBOARD_PATH_ENV}={value!r}: expected one of {list(ONBOARD_PATHS)}")
+    return value
 
 
 class Transfer(ABC):
@@ -97,19 +115,28 @@ def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses
     plan = plan_runs(gpu_pages, host_blocks)
     if plan.num_pages:
         # Every check works on the runs, not the pages: a contiguous user is one run, so this is O(1) for it.
-        num_pages = addresses.gpu_pages
-        gpu_max, host_max = _last_index(plan.run_gpu, plan.run_len), _last_index(plan.run_host, plan.run_len)
-        if gpu_max >= num_pages:
-            raise ValueError(f"gpu_pages: index {gpu_max} out of range [0, {num_pages})")
-        if host_max >= host.shape[0]:
-            raise ValueError(f"host_blocks: index {host_max} out of range [0, {host.shape[0]})")
+        check_bounds(addresses, host, _last_index(plan.run_gpu, plan.run_len),
+                     _last_index(plan.run_host, plan.run_len))
         starts = plan.run_gpu if unique_gpu else plan.run_host
         if _runs_overlap(starts, plan.run_len):
             raise ValueError(f"{'gpu_pages' if unique_gpu else 'host_blocks'}: a destination appears twice")
-    if signal is not None and (first_layer < 0 or first_layer + len(gpu_layers) > signal.num_layers):
-        raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(gpu_layers) - 1} "
-                         f"exceed the signal's {signal.num_layers} layers")
+    check_signal_layers(signal, first_layer, len(gpu_layers))
     return CopyJob(gpu_layers, host, plan, signal, first_layer, addresses)
+
+
+def check_bounds(addresses: LayerAddresses, host: torch.Tensor, gpu_max: int, host_max: int) -> None:
+    """The largest GPU page and host block a transfer names exist in the layout."""
+    if gpu_max >= addresses.gpu_pages:
+        raise ValueError(f"gpu_pages: index {gpu_max} out of range [0, {addresses.gpu_pages})")
+    if host_max >= host.shape[0]:
+        raise ValueError(f"host_blocks: index {host_max} out of range [0, {host.shape[0]})")
+
+
+def check_signal_layers(signal: SignalHandle | None, first_layer: int, num_layers: int) -> None:
+    """Layers `first_layer` .. `first_layer + num_layers - 1` are layers of `signal` (when there is one)."""
+    if signal is not None and (first_layer < 0 or first_layer + num_layers > signal.num_layers):
+        raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + num_layers - 1} "
+                         f"exceed the signal's {signal.num_layers} layers")
 
 
 def _last_index(starts: np.ndarray, lengths: np.ndarray) -> int:
@@ -129,9 +156,12 @@ def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:
 
 
 class CopyEngine(ABC):
-    """Moves KV pages between the GPU pool tensors and the host block tensor."""
+    """Moves KV pages between the GPU pool tensors and the host block tensor; `onboard_path` (one of ONBOARD_PATHS,
+    default `configured_onboard_path()`; an attribute, so one engine can be switched between transfers) picks how an
+    onboarding is validated and issued (module docstring)."""
 
     def __init__(self) -> None:
+        self.onboard_path = configured_onboard_path()
         self._checked: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], LayerAddresses]] = {}
 
     def _layout(self, gpu_layers: Sequence[torch.Tensor],
@@ -161,6 +191,12 @@ class CopyEngine(ABC):
         `signal` (from `LayerSignals.acquire`) is posted per layer as `first_layer + l`; on failure it is poisoned.
         """
         layers, addresses = self._layout(gpu_layers, host)
+        if self.onboard_path == "run":
+            run = single_run(gpu_pages, host_blocks)
+            if run is not None:
+                check_bounds(addresses, host, run.gpu_page + run.pages - 1, run.host_block + run.pages - 1)
+                check_signal_layers(signal, first_layer, len(layers))
+                return self._onboard_run(layers, host, addresses, run, signal, first_layer)
         job = make_job(layers, host, addresses, gpu_pages, host_blocks, signal, first_layer, unique_gpu=True)
         return self._onboard(job)
 
@@ -170,6 +206,12 @@ class CopyEngine(ABC):
         layers, addresses = self._layout(gpu_layers, host)
         job = make_job(layers, host, addresses, gpu_pages, host_blocks, None, 0, unique_gpu=False)
         return self._offload(job)
+
+    def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
+                     run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
+        """An onboarding of one run, already checked (the run path). This default issues it as a job; an engine
+        overrides it where a run can be issued without one."""
+        return self._onboard(CopyJob(gpu_layers, host, run.plan(), signal, first_layer, addresses))
 
     @abstractmethod
     def _onboard(self, job: CopyJob) -> Transfer: ...

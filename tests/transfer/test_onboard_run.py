@@ -1,0 +1,143 @@
+"""The run path of onboarding (`onboard_path="run"`): a placement that is one run on both sides is checked with plain
+ints and issued without a job (on the CPU engine through the default `_onboard_run`, as a job of one run), any other
+placement takes the job path; the same copies, the same errors, the same failure reports."""
+
+import numpy as np
+import pytest
+import torch
+
+from layerflow.transfer.copy_engine import ONBOARD_PATH_ENV, configured_onboard_path
+from layerflow.transfer.copy_plan import Run, single_run
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signals.eventfd import EventfdSignals
+from layerflow.transfer.thread_copy import ThreadCopyEngine
+from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
+from tests.transfer.pages import BLOCKS, LAYERS, PAGES, PLACEMENTS, POISON, check_onboarded, make_tensors
+
+
+@pytest.fixture
+def engine():
+    eng = ThreadCopyEngine()
+    eng.onboard_path = "run"
+    yield eng
+    eng.close()
+
+
+def test_the_onboard_path_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.delenv(ONBOARD_PATH_ENV, raising=False)
+    assert configured_onboard_path() == "job"
+    monkeypatch.setenv(ONBOARD_PATH_ENV, " RUN")
+    eng = ThreadCopyEngine()
+    try:
+        assert eng.onboard_path == "run"
+    finally:
+        eng.close()
+    monkeypatch.setenv(ONBOARD_PATH_ENV, "lean")
+    with pytest.raises(ValueError, match="LAYERFLOW_ONBOARD_PATH='lean'"):
+        configured_onboard_path()
+
+
+@pytest.mark.parametrize("pages,blocks,run", [
+    ([3, 4, 5], (7, 8, 9), Run(3, 7, 3)),
+    ((0,), [19], Run(0, 19, 1)),
+    ([3, 4, 6], [7, 8, 9], None),          # a break on the GPU side
+    ([3, 4], [7, 8, 9], None),             # lengths differ
+    (np.arange(3), [0, 1, 2], None),       # numpy takes the job path
+    ([], [], None),
+])
+def test_single_run_finds_only_plain_int_runs(pages, blocks, run):
+    assert single_run(pages, blocks) == run
+
+
+def test_a_run_plans_like_its_pages():
+    plan = Run(4, 9, 3).plan()
+    assert plan.gpu_pages.tolist() == [4, 5, 6] and plan.host_blocks.tolist() == [9, 10, 11]
+    assert (plan.run_gpu.tolist(), plan.run_host.tolist(), plan.run_len.tolist()) == ([4], [9], [3])
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_run_path_onboards_byte_exact(engine, placement):
+    pages, blocks = PLACEMENTS[placement]
+    gpu, host = make_tensors()
+    engine.onboard(gpu, host, pages, blocks).wait(5)
+    check_onboarded(gpu, host, pages, blocks)
+
+
+def test_the_run_path_refuses_a_run_past_either_end_and_a_signal_too_short(engine):
+    gpu, host = make_tensors()
+    with pytest.raises(ValueError, match=f"gpu_pages: index {PAGES} out of range"):
+        engine.onboard(gpu, host, list(range(PAGES - 2, PAGES + 1)), [0, 1, 2])
+    with pytest.raises(ValueError, match=f"host_blocks: index {BLOCKS} out of range"):
+        engine.onboard(gpu, host, [0, 1], [BLOCKS - 1, BLOCKS])
+    signals = EventfdSignals(LAYERS, num_counters=1, timeout_s=5.0)
+    try:
+        handle = signals.acquire()
+        with pytest.raises(ValueError, match=f"first_layer=1: layers 1..{LAYERS}"):
+            engine.onboard(gpu, host, [0, 1], [2, 3], signal=handle, first_layer=1)
+        handle.release()
+    finally:
+        signals.close()
+    assert bool(all((layer == POISON).all() for layer in gpu))
+
+
+def test_an_injected_failure_on_the_run_path_keeps_earlier_layers_and_reports():
+    engine = FaultyThreadCopyEngine(fail_at_layer=1)
+    engine.onboard_path = "run"
+    try:
+        gpu, host = make_tensors()
+        transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
+        with pytest.raises(TransferError, match="injected failure at layer 1"):
+            transfer.wait(5)
+        assert torch.equal(gpu[0][0], host[2, 0]) and bool((gpu[1] == POISON).all())
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES", "RUN_BATCH"])
+def test_the_cuda_run_path_onboards_byte_exact_under_every_copy_path(path):
+    from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
+
+    engine = CudaCopyEngine(path=CopyPath[path])
+    engine.onboard_path = "run"
+    try:
+        for pages, blocks in ((list(range(10, 200)), list(range(40, 230))), ([7, 3], [1, 2])):   # a run, then not
+            gpu, host = make_tensors("cuda", pages=256, blocks=256, layers=4, page=32, heads=4, dim=64,
+                                     dtype=torch.bfloat16)
+            engine.onboard(gpu, host, pages, blocks).wait(10)
+            check_onboarded(gpu, host, pages, blocks)
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_run_paths_injected_failure_reports_and_keeps_earlier_layers():
+    engine = FaultyCudaCopyEngine(fail_at_layer=2)
+    engine.onboard_path = "run"
+    try:
+        gpu, host = make_tensors("cuda")
+        transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
+        with pytest.raises(TransferError, match="injected failure at layer 2"):
+            transfer.wait(5)
+        assert torch.equal(gpu[1][1].cpu(), host[3, 1]) and bool((gpu[2] == POISON).all())
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_the_timed_engine_marks_every_layer_of_a_run_path_onboarding():
+    from layerflow.bench.copy_timing import Marks, TimedCudaCopyEngine, TimedTransfer
+
+    engine = TimedCudaCopyEngine(Marks.LAYERS)
+    engine.onboard_path = "run"
+    issued = []
+    engine.on_layer_issued = issued.append
+    try:
+        gpu, host = make_tensors("cuda")
+        transfer = engine.onboard(gpu, host, [0, 1, 2], [5, 6, 7])
+        transfer.wait(5)
+        assert isinstance(transfer, TimedTransfer) and len(transfer.events) == LAYERS + 1
+        assert issued == list(range(LAYERS))
+        check_onboarded(gpu, host, [0, 1, 2], [5, 6, 7])
+    finally:
+        engine.close()
