@@ -1,6 +1,7 @@
 """The run path of onboarding (`onboard_path="run"`): a placement that is one run on both sides is checked with plain
 ints and issued without a job (on the CPU engine through the default `_onboard_run`, as a job of one run), any other
-placement takes the job path; the same copies, the same errors, the same failure reports."""
+placement takes the job path; the same errors and failure reports (the CPU engine's byte-exact copies under both
+paths: test_copy_engine.py)."""
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.eventfd import EventfdSignals
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
-from tests.transfer.pages import BLOCKS, LAYERS, PAGES, PLACEMENTS, POISON, check_onboarded, make_tensors
+from tests.transfer.pages import BLOCKS, LAYERS, PAGES, POISON, check_onboarded, make_tensors
 
 
 @pytest.fixture
@@ -53,14 +54,6 @@ def test_a_run_plans_like_its_pages():
     plan = Run(4, 9, 3).plan()
     assert plan.gpu_pages.tolist() == [4, 5, 6] and plan.host_blocks.tolist() == [9, 10, 11]
     assert (plan.run_gpu.tolist(), plan.run_host.tolist(), plan.run_len.tolist()) == ([4], [9], [3])
-
-
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_the_run_path_onboards_byte_exact(engine, placement):
-    pages, blocks = PLACEMENTS[placement]
-    gpu, host = make_tensors()
-    engine.onboard(gpu, host, pages, blocks).wait(5)
-    check_onboarded(gpu, host, pages, blocks)
 
 
 def test_the_run_path_refuses_a_run_past_either_end_and_a_signal_too_short(engine):
