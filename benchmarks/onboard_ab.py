@@ -2,14 +2,17 @@
 
 A variant is `NAME=ONBOARD_PATH:FETCH_WAIT`: the copy engine's `onboard_path` (copy_engine.ONBOARD_PATHS: `job`, the
 default, or `run`, a one-run placement issued without a job) and the bucket buffers' `fetch_wait`
-(buffers.FETCH_WAITS: `sync`, the default, or `query`, a spin on cudaStreamQuery), both attributes, so one engine per
-KV dtype serves every variant. Per history length, blocks of CPU-hit + layerwise requests, then GPU hits, run each
+(buffers.FETCH_WAITS: `sync`, the default; `query`, a spin on cudaStreamQuery; `flag`, a poll of a host word the
+graph sets), both attributes, so one engine per KV dtype serves every variant. A `flag` variant needs
+LAYERFLOW_FETCH_WAIT=flag in the environment (the word's write is part of the buffers' graphs, so every variant's
+graphs then carry it: ~1 us of device time at the end of the graph). Per history length, blocks of CPU-hit + layerwise requests, then GPU hits, run each
 variant in turn, the order rotating from block to block, so drift of the machine spreads over all variants alike. The
 lower bound is the inference benchmark's (stats.lower_bound) from the same run: the transfer probes of every
 variant's requests, the GPU hit of the first variant and its per-layer compute. Every result is compared with the GPU
 hit's scores (0: bitwise). With `--profile` both scenarios' host phases (bench.phases) are kept per variant.
 
-    python3 benchmarks/onboard_ab.py --seq-lens 16K,2K --variant old=job:sync --variant new=run:query --profile
+    LAYERFLOW_FETCH_WAIT=flag python3 benchmarks/onboard_ab.py --seq-lens 16K,2K --variant old=job:sync \
+        --variant query=run:query --variant flag=run:flag --profile
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ pinned host buffer and reaches the device in a single copy; the scores come back
 addresses, taken once: on the H200 it halves the fill's host time against torch's `copy_` (~0.04 -> ~0.02 ms; a ctypes
 copy that looked the stream up per call was slower, docs/performance.md). The CPU path copies with torch.
 
-The fetch waits for the compute stream by `FETCH_WAITS` ($LAYERFLOW_FETCH_WAIT): `sync` (torch's
-`Stream.synchronize`, the default) or `query` (the host spins on cudaStreamQuery through ctypes, for a lower-latency
-wake on the request's tail).
+The fetch waits for the compute stream by `FETCH_WAITS` ($LAYERFLOW_FETCH_WAIT), for a lower-latency wake on the
+request's tail than the default `sync` (torch's `Stream.synchronize`): `query` spins on cudaStreamQuery through ctypes
+(each call drops the GIL); `flag` polls a pinned host word that the results' send sets right after their copy (a
+cuStreamWriteValue32 inside the graph, ordered after the copy with a memory fence; `fill` clears it), from Python,
+holding the GIL while it spins. Only buffers built under `flag` have the word (it is part of their graphs).
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
 from layerflow.runtime.staging import HostSlab, StagedBatch, slab_fields
 from layerflow.transfer import cudart
+from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signals.native_post import NativePoster
 
 
 FETCH_WAIT_ENV = "LAYERFLOW_FETCH_WAIT"
-FETCH_WAITS = ("sync", "query")
+FETCH_WAITS = ("sync", "query", "flag")
+_IDLE_CHECK = 4096   # flag polls between checks that the compute stream is still busy (a failed batch sets no flag)
 
 
 def configured_fetch_wait() -> str:
@@ -109,6 +114,10 @@ class BatchBuffers:
         if self._raw_stream is not None:
             cudart.lib()   # loaded at set-up, never by a request's first cudart fill
         self.fetch_wait = configured_fetch_wait()
+        self._done: tuple[torch.Tensor, object, NativePoster] | None = None   # "flag": the word, its bits, a writer
+        if self._raw_stream is not None and self.fetch_wait == "flag":
+            word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._done = word, word.numpy(), NativePoster(self._raw_stream)
 
     @staticmethod
     def _to_device(device: torch.Tensor, host: torch.Tensor) -> None:
@@ -144,6 +153,8 @@ class BatchBuffers:
     def fill(self, batch: JaggedBatch | StagedBatch, page_rows: list[tuple[int, ...]]) -> None:
         """Write a batch (and each user's GPU pages) into the static tensors: one host->device copy. A StagedBatch
         (`stage_items`, its slab one of this bucket's) is already in its slab: only the copy is issued."""
+        if self._done is not None:
+            self._done[1][0] = 0   # the batch in flight before this one was fetched: its word was read
         if isinstance(batch, StagedBatch):
             if batch.bucket != self.bucket:
                 raise ValueError(f"a batch staged for {batch.bucket} filled into the buffers of {self.bucket}")
@@ -177,6 +188,9 @@ class BatchBuffers:
             self._scores_host.copy_(self.scores, non_blocking=True)
         else:
             self._outputs_host.copy_(self.outputs, non_blocking=True)
+        if self._done is not None:
+            word, _, writer = self._done
+            writer.write(torch.cuda.current_stream(self.device).cuda_stream, word.data_ptr(), 1)
 
     def fetch(self) -> torch.Tensor:
         """The batch's results on the host (sent by `send_results`): candidate scores (fp32), or every query row's
@@ -195,7 +209,20 @@ class BatchBuffers:
         if self.fetch_wait == "query":
             while not cudart.stream_idle(self._raw_stream):
                 pass
+        elif self.fetch_wait == "flag":
+            self._wait_flag()
         elif self.fetch_wait == "sync":
             self.stream.synchronize()
         else:
             raise ValueError(f"fetch_wait={self.fetch_wait!r}: expected one of {list(FETCH_WAITS)}")
+
+    def _wait_flag(self) -> None:
+        """Poll the done word until the results' send set it; TransferError if the stream went idle without it."""
+        if self._done is None:
+            raise ValueError(f"fetch_wait='flag': these buffers were built without the done word (set "
+                             f"{FETCH_WAIT_ENV}=flag before the engine is made)")
+        bits, polls = self._done[1], 0
+        while not bits[0]:
+            polls += 1
+            if polls % _IDLE_CHECK == 0 and cudart.stream_idle(self._raw_stream) and not bits[0]:
+                raise TransferError("the compute stream went idle without setting the results' done word")

@@ -67,14 +67,42 @@ def test_the_fetch_wait_comes_from_the_environment_and_a_bad_one_is_named(monkey
         configured_fetch_wait()
 
 
+def test_the_flag_wait_on_buffers_built_without_its_word_is_refused(monkeypatch):
+    monkeypatch.delenv(FETCH_WAIT_ENV, raising=False)
+    bufs = BatchBuffers(Bucket(1, 8), 2, torch.device("cpu"), CONFIG)
+    bufs.fetch_wait = "flag"
+    with pytest.raises(ValueError, match="built without the done word"):
+        bufs._wait_flag()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("wait", ["sync", "query"])
-def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait):
+@pytest.mark.parametrize("wait", ["sync", "query", "flag"])
+def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait, monkeypatch):
+    monkeypatch.setenv(FETCH_WAIT_ENV, wait)
     bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
-    bufs.fetch_wait = wait
+    for scores in ([0.5, -1.0, 2.0], [4.0, 3.0, -2.5]):   # the second batch must not see the first one's flag
+        with torch.cuda.stream(bufs.stream):
+            bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
+            torch.cuda._sleep(50_000_000)   # ~tens of ms on the stream: the scores land well after fetch is called
+            bufs.scores[:3] = torch.tensor(scores, device="cuda")
+            bufs.send_results()
+        assert bufs.fetch().tolist() == scores
+
+
+@pytest.mark.gpu
+def test_the_flag_is_set_by_every_replay_of_a_captured_send(monkeypatch):
+    monkeypatch.setenv(FETCH_WAIT_ENV, "flag")
+    bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
+    value = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(bufs.stream):
         bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
-        torch.cuda._sleep(50_000_000)   # ~tens of ms on the stream: the scores land well after fetch is called
-        bufs.scores[:3] = torch.tensor([0.5, -1.0, 2.0], device="cuda")
-        bufs.send_results()
-    assert bufs.fetch().tolist() == [0.5, -1.0, 2.0]
+        with torch.cuda.graph(graph, stream=bufs.stream):
+            torch.cuda._sleep(20_000_000)
+            bufs.scores[:3] = value
+            bufs.send_results()
+        for step in range(1, 4):
+            bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
+            value.fill_(float(step))
+            graph.replay()
+            assert bufs.fetch().tolist() == [float(step)] * 3
