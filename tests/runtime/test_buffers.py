@@ -79,7 +79,8 @@ def test_the_flag_wait_on_buffers_built_without_its_word_is_refused(monkeypatch)
 @pytest.mark.parametrize("wait", ["sync", "query", "flag"])
 def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait, monkeypatch):
     monkeypatch.setenv(FETCH_WAIT_ENV, wait)
-    bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
+    with torch.cuda.stream(torch.cuda.Stream()):   # the engine's buffers live on a side stream
+        bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
     for scores in ([0.5, -1.0, 2.0], [4.0, 3.0, -2.5]):   # the second batch must not see the first one's flag
         with torch.cuda.stream(bufs.stream):
             bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
@@ -92,7 +93,8 @@ def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait, monkeypat
 @pytest.mark.gpu
 def test_the_flag_is_set_by_every_replay_of_a_captured_send(monkeypatch):
     monkeypatch.setenv(FETCH_WAIT_ENV, "flag")
-    bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
+    with torch.cuda.stream(torch.cuda.Stream()):   # the engine's buffers live on a side stream (one can capture)
+        bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
     value = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(bufs.stream):
