@@ -1,18 +1,18 @@
-"""The onboarding and fetch-wait paths A/B'd in one process, in alternated blocks (session 14, issues 18 and 20).
+"""The fetch waits A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in alternated blocks (session
+14, issues 18 and 20).
 
-A variant is `NAME=ONBOARD_PATH:FETCH_WAIT`: the copy engine's `onboard_path` (copy_engine.ONBOARD_PATHS: `job`, the
-default, or `run`, a one-run placement issued without a job) and the bucket buffers' `fetch_wait`
-(buffers.FETCH_WAITS: `sync`, the default; `query`, a spin on cudaStreamQuery; `flag`, a poll of a host word the
-graph sets), both attributes, so one engine per KV dtype serves every variant. A `flag` variant needs
-LAYERFLOW_FETCH_WAIT=flag in the environment (the word's write is part of the buffers' graphs, so every variant's
-graphs then carry it: ~1 us of device time at the end of the graph). Per history length, blocks of CPU-hit + layerwise requests, then GPU hits, run each
-variant in turn, the order rotating from block to block, so drift of the machine spreads over all variants alike. The
-lower bound is the inference benchmark's (stats.lower_bound) from the same run: the transfer probes of every
-variant's requests, the GPU hit of the first variant and its per-layer compute. Every result is compared with the GPU
-hit's scores (0: bitwise). With `--profile` both scenarios' host phases (bench.phases) are kept per variant.
+A variant is `NAME=FETCH_WAIT`: the bucket buffers' `fetch_wait` (buffers.FETCH_WAITS: `sync`, the default; `flag`, a
+poll of a host word the graph sets), an attribute, so one engine per KV dtype serves every variant. A `flag` variant
+needs LAYERFLOW_FETCH_WAIT=flag in the environment (the word's write is part of the buffers' graphs, so every
+variant's graphs then carry it: ~1 us of device time at the end of the graph). Per history length, blocks of CPU-hit
++ layerwise requests, then GPU hits, run each variant in turn, the order rotating from block to block, so drift of the
+machine spreads over all variants alike. The lower bound is the inference benchmark's (stats.lower_bound) from the
+same run: the transfer probes of every variant's requests, the GPU hit of the first variant and its per-layer
+compute. Every result is compared with the GPU hit's scores (0: bitwise). With `--profile` both scenarios' host phases
+(bench.phases) are kept per variant.
 
-    LAYERFLOW_FETCH_WAIT=flag python3 benchmarks/onboard_ab.py --seq-lens 16K,2K --variant old=job:sync \
-        --variant query=run:query --variant flag=run:flag --profile
+    LAYERFLOW_FETCH_WAIT=flag python3 benchmarks/onboard_ab.py --seq-lens 16K,2K --variant sync=sync \
+        --variant flag=flag --profile
 """
 
 from __future__ import annotations
@@ -39,26 +39,23 @@ from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.buffers import Bucket  # noqa: E402
 from layerflow.runtime.buffers import FETCH_WAITS  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
-from layerflow.transfer.copy_engine import ONBOARD_PATHS, CopyEngine  # noqa: E402
+from layerflow.transfer.copy_engine import CopyEngine  # noqa: E402
 
 # The phase rows `--profile` prints (bench.phases names).
 PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.offload", "collect.fetch", "collect.commit",
                 "collect.other")
 
 
-def parse_variant(text: str) -> tuple[str, tuple[str, str]]:
-    """'NAME=ONBOARD_PATH:FETCH_WAIT' -> (NAME, (onboard path, fetch wait))."""
-    name, _, rest = text.partition("=")
-    path, _, wait = rest.partition(":")
-    if not name or path not in ONBOARD_PATHS or wait not in FETCH_WAITS:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=ONBOARD_PATH:FETCH_WAIT, onboard path in "
-                                         f"{ONBOARD_PATHS}, fetch wait in {FETCH_WAITS}")
-    return name, (path, wait)
+def parse_variant(text: str) -> tuple[str, str]:
+    """'NAME=FETCH_WAIT' -> (NAME, fetch wait)."""
+    name, _, wait = text.partition("=")
+    if not name or wait not in FETCH_WAITS:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=FETCH_WAIT, fetch wait in {FETCH_WAITS}")
+    return name, wait
 
 
-def apply(ctx: Context, variant: tuple[str, str]) -> None:
-    """Switch the engine's copy engine and every bucket's buffers to a variant (the next request follows it)."""
-    ctx.copy.inner.onboard_path, wait = variant
+def apply(ctx: Context, wait: str) -> None:
+    """Switch every bucket's buffers to a fetch wait (the next request follows it)."""
     for buffers in ctx.engine._buffers.values():
         buffers.fetch_wait = wait
 
@@ -79,7 +76,7 @@ def _phases(runs: list[Measured]) -> dict[str, float]:
     return {phase: Summary.of([x for m in runs for x in m.phases[phase].samples]).median for phase in runs[0].phases}
 
 
-def measure_length(ctx: Context, chosen: dict[str, tuple[str, str]], blocks: int) -> dict:
+def measure_length(ctx: Context, chosen: dict[str, str], blocks: int) -> dict:
     """Every variant's layerwise and GPU-hit requests at one length, alternated in `blocks` blocks; the bound."""
     variants = list(chosen)
     layerwise: dict[str, list[Measured]] = {n: [] for n in variants}
@@ -119,7 +116,7 @@ def _copy_engine(device: torch.device) -> CopyEngine:
     return CudaCopyEngine(device=device.index or 0)
 
 
-def run_dtype(settings: Settings, variants: dict[str, tuple[str, str]], blocks: int,
+def run_dtype(settings: Settings, variants: dict[str, str], blocks: int,
               device: torch.device) -> list[dict]:
     """One engine with `settings.kv_cache_dtype`, every length of `settings` (host phases with `settings.profile`)."""
     weights = HSTUWeights.init(settings.model, seed=settings.seed)
@@ -179,14 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-candidates", type=int, default=GPU_DEFAULTS["num_candidates"])
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="comma-separated, one engine each")
     parser.add_argument("--variant", type=parse_variant, action="append",
-                        help="NAME=ONBOARD_PATH:FETCH_WAIT, repeatable (default: old=job:sync, new=run:query)")
+                        help="NAME=FETCH_WAIT, repeatable (default: sync=sync, flag=flag)")
     parser.add_argument("--blocks", type=int, default=6, help="alternation blocks per length")
     parser.add_argument("--iters", type=int, default=5, help="timed requests per variant, scenario and block")
     parser.add_argument("--profile", action="store_true", help="keep the requests' host phases too")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    variants = dict(args.variant or [("old", ("job", "sync")), ("new", ("run", "query"))])
+    variants = dict(args.variant or [("sync", "sync"), ("flag", "flag")])
     if args.blocks <= 0:
         raise SystemExit(f"--blocks {args.blocks}: expected blocks > 0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -99,7 +99,7 @@ class TimedCudaCopyEngine(CudaCopyEngine):
         return self._timed(super()._onboard_run, *args)
 
     def _timed(self, issue: Callable[..., Transfer], *args) -> TimedTransfer:
-        """`issue(*args)` as a TimedTransfer (as it is where the run path fell back to a job, timed by `_onboard`)."""
+        """`issue(*args)` as a TimedTransfer (as it is where a one-run onboarding fell back to a job, timed by `_onboard`)."""
         self._issuing.events = events = []
         transfer = issue(*args)
         return transfer if isinstance(transfer, TimedTransfer) else TimedTransfer(transfer, events)

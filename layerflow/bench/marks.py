@@ -155,7 +155,7 @@ class TailMarks:
         stamps.around(below.signals, "acquire", after="signal_acquired")
         stamps.around(copy_engine, "_onboard", "job_checked", "all_issued")
         stamps.around(copy_engine, "_layer_copier", after="copier_built")
-        stamps.around(copy_engine, "_onboard_run", "job_checked", "all_issued")   # the run path's: checked, no job
+        stamps.around(copy_engine, "_onboard_run", "job_checked", "all_issued")   # one run: checked, no job
         stamps.around(copy_engine, "_run_copier", after="copier_built")
         copy_engine.on_layer_issued = lambda layer: stamps.stamp("copy0_issued") if layer == 0 else None
 

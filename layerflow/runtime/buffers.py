@@ -6,9 +6,8 @@ pinned host buffer and reaches the device in a single copy; the scores come back
 addresses, taken once: on the H200 it halves the fill's host time against torch's `copy_` (~0.04 -> ~0.02 ms; a ctypes
 copy that looked the stream up per call was slower, docs/performance.md). The CPU path copies with torch.
 
-The fetch waits for the compute stream by `FETCH_WAITS` ($LAYERFLOW_FETCH_WAIT), for a lower-latency wake on the
-request's tail than the default `sync` (torch's `Stream.synchronize`): `query` spins on cudaStreamQuery through ctypes
-(each call drops the GIL); `flag` polls a pinned host word that the results' send sets right after their copy (a
+The fetch waits for the compute stream by `FETCH_WAITS` ($LAYERFLOW_FETCH_WAIT): `sync` (the default) is torch's
+`Stream.synchronize`; `flag` polls a pinned host word that the results' send sets right after their copy (a
 cuStreamWriteValue32 inside the graph, ordered after the copy with a memory fence; `fill` clears it), from Python,
 holding the GIL while it spins. Only buffers built under `flag` have the word (it is part of their graphs).
 """
@@ -29,7 +28,7 @@ from layerflow.transfer.signals.native_post import NativePoster
 
 
 FETCH_WAIT_ENV = "LAYERFLOW_FETCH_WAIT"
-FETCH_WAITS = ("sync", "query", "flag")
+FETCH_WAITS = ("sync", "flag")
 _IDLE_CHECK = 4096   # flag polls between checks that the compute stream is still busy (a failed batch sets no flag)
 
 
@@ -206,10 +205,7 @@ class BatchBuffers:
 
     def _wait_stream(self) -> None:
         """Block until the compute stream's queued work (the batch and its result copy) has finished."""
-        if self.fetch_wait == "query":
-            while not cudart.stream_idle(self._raw_stream):
-                pass
-        elif self.fetch_wait == "flag":
+        if self.fetch_wait == "flag":
             self._wait_flag()
         elif self.fetch_wait == "sync":
             self.stream.synchronize()

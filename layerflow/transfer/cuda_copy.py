@@ -17,8 +17,8 @@ One H2D and one D2H non-blocking stream per engine, so every onboarding is issue
 modes rely on that). Onboarding issues each layer's copies, then posts that layer's signal on the stream, all before
 returning; the addresses are computed once per transfer in numpy.
 
-The run path (`CopyEngine.onboard_path` "run") issues an onboarding that is one run on both sides through
-`_onboard_run`: a cudaMemcpy2DAsync per layer from the layout's addresses, no CopyJob or numpy plan in between.
+An onboarding that is one run on both sides (`CopyEngine._onboard_run`) is a cudaMemcpy2DAsync per layer straight
+from the layout's addresses, no CopyJob or numpy plan in between.
 
 Ordering: an offload waits for the work already queued on the caller's current torch stream (the block that wrote
 its pages), through an event. An onboarding does not: its destination pages were just allocated to users no queued
@@ -53,7 +53,7 @@ class CudaTransfer(Transfer):
 
     def __init__(self, keep: object, pool: cuda_api.EventPool) -> None:
         self.error: BaseException | None = None
-        self._keep: object = keep   # what the copies read and write (a job, or the run path's tensors)
+        self._keep: object = keep   # what the copies read and write (a job, or a one-run onboarding's tensors)
         self._pool = pool
         self._event: rt.cudaEvent_t | None = None
         self._finished = False
@@ -252,8 +252,8 @@ class CudaCopyEngine(CopyEngine):
 
     def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
                      run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
-        """The run path: one cudaMemcpy2DAsync per layer straight from the layout's addresses (no job, no numpy),
-        unless `path` sends a single run elsewhere."""
+        """One run: a cudaMemcpy2DAsync per layer straight from the layout's addresses (no job, no numpy), unless
+        `path` sends a single run elsewhere."""
         if resolved_path(self.path, 1) is not CopyPath.RUNS:
             return super()._onboard_run(gpu_layers, host, addresses, run, signal, first_layer)
         stream = self.h2d_stream
@@ -321,8 +321,8 @@ class CudaCopyEngine(CopyEngine):
         return _runs_copier(addresses, runs, to_gpu, stream)
 
     def _run_copier(self, addresses: LayerAddresses, run: Run, stream: int) -> Callable[[int], None]:
-        """The run path's per-layer issue function (onboarding): layer l's run as one cudaMemcpy2DAsync, its offsets
-        plain ints. The seam a subclass wraps to time or fail the run path's copies, as `_layer_copier` a job's."""
+        """The per-layer issue function of a one-run onboarding: layer l's run as one cudaMemcpy2DAsync, its offsets
+        plain ints. The seam a subclass wraps to time or fail those copies, as `_layer_copier` a job's."""
         offsets = (run.gpu_page * addresses.page_bytes, run.host_block * addresses.block_pitch, run.pages)
         return _runs_copier(addresses, [offsets], True, stream)
 

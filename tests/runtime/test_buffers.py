@@ -60,8 +60,8 @@ def test_fetch_hands_out_a_copy_the_next_batch_does_not_change():
 def test_the_fetch_wait_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
     monkeypatch.delenv(FETCH_WAIT_ENV, raising=False)
     assert configured_fetch_wait() == "sync"
-    monkeypatch.setenv(FETCH_WAIT_ENV, " Query ")
-    assert BatchBuffers(Bucket(1, 8), 2, torch.device("cpu"), CONFIG).fetch_wait == "query"
+    monkeypatch.setenv(FETCH_WAIT_ENV, " Flag ")
+    assert BatchBuffers(Bucket(1, 8), 2, torch.device("cpu"), CONFIG).fetch_wait == "flag"
     monkeypatch.setenv(FETCH_WAIT_ENV, "poll")
     with pytest.raises(ValueError, match="LAYERFLOW_FETCH_WAIT='poll'"):
         configured_fetch_wait()
@@ -76,7 +76,7 @@ def test_the_flag_wait_on_buffers_built_without_its_word_is_refused(monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wait", ["sync", "query", "flag"])
+@pytest.mark.parametrize("wait", ["sync", "flag"])
 def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait, monkeypatch):
     monkeypatch.setenv(FETCH_WAIT_ENV, wait)
     with torch.cuda.stream(torch.cuda.Stream()):   # the engine's buffers live on a side stream

@@ -61,10 +61,8 @@ def test_host_hit_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
 
 
-@pytest.mark.parametrize("signal,wait", [(SignalMode.WAITVALUE, "query"), (SignalMode.EVENTFD, "flag")])
-def test_the_run_path_and_the_new_fetch_waits_give_the_gpu_hits_scores_bitwise(weights, gpu_hit, signal, wait,
-                                                                              monkeypatch):
-    monkeypatch.setenv("LAYERFLOW_ONBOARD_PATH", "run")
-    monkeypatch.setenv("LAYERFLOW_FETCH_WAIT", wait)
+@pytest.mark.parametrize("signal", [SignalMode.WAITVALUE, SignalMode.EVENTFD])
+def test_the_flag_fetch_wait_gives_the_gpu_hits_scores_bitwise(weights, gpu_hit, signal, monkeypatch):
+    monkeypatch.setenv("LAYERFLOW_FETCH_WAIT", "flag")
     got = serve(weights, Tier.HOST, signal=signal)
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))

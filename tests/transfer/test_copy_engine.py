@@ -50,11 +50,9 @@ def test_a_run_of_bad_indices_is_refused(pages, match):
         plan_runs(pages, (0, 1))
 
 
-@pytest.mark.parametrize("onboard_path", ["job", "run"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_thread_onboard_byte_exact(engine, placement, onboard_path):
+def test_thread_onboard_byte_exact(engine, placement):
     pages, blocks = PLACEMENTS[placement]
-    engine.onboard_path = onboard_path   # run: a one-run placement skips the job's plan, any other takes the job
     gpu, host = make_tensors()
     engine.onboard(gpu, host, pages, blocks).wait(5)
     check_onboarded(gpu, host, pages, blocks)

@@ -1,13 +1,11 @@
-"""The run path of onboarding (`onboard_path="run"`): a placement that is one run on both sides is checked with plain
-ints and issued without a job (on the CPU engine through the default `_onboard_run`, as a job of one run), any other
-placement takes the job path; the same errors and failure reports (the CPU engine's byte-exact copies under both
-paths: test_copy_engine.py)."""
+"""One-run onboarding: a placement that is one run on both sides is checked with plain ints and issued without a job
+(on the CPU engine through the default `_onboard_run`, as a job of one run), any other placement takes the job path;
+the same errors and failure reports (the CPU engine's byte-exact copies of every placement: test_copy_engine.py)."""
 
 import numpy as np
 import pytest
 import torch
 
-from layerflow.transfer.copy_engine import ONBOARD_PATH_ENV, configured_onboard_path
 from layerflow.transfer.copy_plan import Run, single_run
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.eventfd import EventfdSignals
@@ -19,23 +17,8 @@ from tests.transfer.pages import BLOCKS, LAYERS, PAGES, POISON, check_onboarded,
 @pytest.fixture
 def engine():
     eng = ThreadCopyEngine()
-    eng.onboard_path = "run"
     yield eng
     eng.close()
-
-
-def test_the_onboard_path_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
-    monkeypatch.delenv(ONBOARD_PATH_ENV, raising=False)
-    assert configured_onboard_path() == "job"
-    monkeypatch.setenv(ONBOARD_PATH_ENV, " RUN")
-    eng = ThreadCopyEngine()
-    try:
-        assert eng.onboard_path == "run"
-    finally:
-        eng.close()
-    monkeypatch.setenv(ONBOARD_PATH_ENV, "lean")
-    with pytest.raises(ValueError, match="LAYERFLOW_ONBOARD_PATH='lean'"):
-        configured_onboard_path()
 
 
 @pytest.mark.parametrize("pages,blocks,run", [
@@ -56,7 +39,7 @@ def test_a_run_plans_like_its_pages():
     assert (plan.run_gpu.tolist(), plan.run_host.tolist(), plan.run_len.tolist()) == ([4], [9], [3])
 
 
-def test_the_run_path_refuses_a_run_past_either_end_and_a_signal_too_short(engine):
+def test_a_one_run_onboarding_refuses_a_run_past_either_end_and_a_signal_too_short(engine):
     gpu, host = make_tensors()
     with pytest.raises(ValueError, match=f"gpu_pages: index {PAGES} out of range"):
         engine.onboard(gpu, host, list(range(PAGES - 2, PAGES + 1)), [0, 1, 2])
@@ -73,9 +56,8 @@ def test_the_run_path_refuses_a_run_past_either_end_and_a_signal_too_short(engin
     assert bool(all((layer == POISON).all() for layer in gpu))
 
 
-def test_an_injected_failure_on_the_run_path_keeps_earlier_layers_and_reports():
+def test_an_injected_failure_in_a_one_run_onboarding_keeps_earlier_layers_and_reports():
     engine = FaultyThreadCopyEngine(fail_at_layer=1)
-    engine.onboard_path = "run"
     try:
         gpu, host = make_tensors()
         transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
@@ -88,11 +70,10 @@ def test_an_injected_failure_on_the_run_path_keeps_earlier_layers_and_reports():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES", "RUN_BATCH"])
-def test_the_cuda_run_path_onboards_byte_exact_under_every_copy_path(path):
+def test_the_cuda_engine_onboards_a_run_and_a_broken_run_byte_exact_under_every_copy_path(path):
     from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
 
     engine = CudaCopyEngine(path=CopyPath[path])
-    engine.onboard_path = "run"
     try:
         for pages, blocks in ((list(range(10, 200)), list(range(40, 230))), ([7, 3], [1, 2])):   # a run, then not
             gpu, host = make_tensors("cuda", pages=256, blocks=256, layers=4, page=32, heads=4, dim=64,
@@ -104,9 +85,8 @@ def test_the_cuda_run_path_onboards_byte_exact_under_every_copy_path(path):
 
 
 @pytest.mark.gpu
-def test_a_cuda_run_paths_injected_failure_reports_and_keeps_earlier_layers():
+def test_an_injected_failure_in_a_cuda_one_run_onboarding_reports_and_keeps_earlier_layers():
     engine = FaultyCudaCopyEngine(fail_at_layer=2)
-    engine.onboard_path = "run"
     try:
         gpu, host = make_tensors("cuda")
         transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
@@ -118,11 +98,10 @@ def test_a_cuda_run_paths_injected_failure_reports_and_keeps_earlier_layers():
 
 
 @pytest.mark.gpu
-def test_the_timed_engine_marks_every_layer_of_a_run_path_onboarding():
+def test_the_timed_engine_marks_every_layer_of_a_one_run_onboarding():
     from layerflow.bench.copy_timing import Marks, TimedCudaCopyEngine, TimedTransfer
 
     engine = TimedCudaCopyEngine(Marks.LAYERS)
-    engine.onboard_path = "run"
     issued = []
     engine.on_layer_issued = issued.append
     try:
