@@ -30,7 +30,7 @@ DEVICE_MARKS = ("replay_call", "graph_end", "fetch_call", "woke")
 # Host stamps in the order a request passes them (ms from score entry, host clock).
 HOST_STAMPS = ("onboard_call", "host_pinned", "signal_acquired", "job_checked", "copier_built", "copy0_issued",
                "all_issued", "onboard_end", "prepare_end", "fill_end", "replay_call", "launch_end", "fetch_call",
-               "fetch_end", "collect_end")
+               "fetch_waited", "fetch_end", "collect_end")
 
 
 def _stream() -> int:
@@ -137,6 +137,7 @@ class TailMarks:
             found = bufs_of(bucket)
             if not getattr(found, "_tail_marked", False):
                 found.fetch = self._recording(found.fetch, "fetch_call", "woke")
+                self.host.around(found, "_wait_stream", after="fetch_waited")
                 self.host.around(found, "fetch", after="fetch_end")
                 self.host.around(found, "fill", after="fill_end")
                 found._tail_marked = True
