@@ -4,10 +4,11 @@ cuStreamWriteValue32) replayed on a stream of its own, the host waiting for it a
 event recorded as `bench.marks` records "woke".
 
 Per wait (`sync`: torch's Stream.synchronize; `flag`: a poll of the pinned done word; `event`: cudaEventSynchronize
-on the event after the graph), alternated rep by rep, medians in microseconds:
+on the event after the graph) and mark (`raw`: the woke event on the stream's raw handle; `lookup`: its stream looked
+up through torch.cuda.current_stream() as the timeline's marks do; `offload`: raw, with a device-to-host copy of
+`--offload-mib` on a side stream queued behind the graph's end before the wait, as the engine's offload of a batch's
+new pages is: does its traffic delay the host's view of the end?), alternated rep by rep, medians in microseconds:
 - `dev_wake`: the event after the graph -> the event recorded right after the wait returned (the timeline's "wake");
-- `dev_wake_lookup`: the same, the second event's stream looked up through torch.cuda.current_stream() as the
-  timeline's marks do (what that lookup adds to the mark);
 - `host_wait`: host time in the wait call (the graph's sleep makes the host wait before the GPU ends);
 - `host_record`: host time of the second event's record (cuda.bindings; with `+lookup` the stream lookup too).
 And once, on an idle stream: `idle_round_trip` (an event recorded and synchronised on the host: submit -> GPU ->
@@ -32,15 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's
 from layerflow.transfer import cuda_api  # noqa: E402
 from layerflow.transfer.signals.native_post import NativePoster  # noqa: E402
 
-WAITS = ("sync", "flag", "event")
+VARIANTS = (("sync", "raw"), ("sync", "lookup"), ("sync", "offload"), ("flag", "raw"), ("flag", "offload"),
+            ("event", "raw"), ("event", "offload"))
 
 
 class TailGraph:
     """The captured tail (sleep, results copy, done word) on a stream of its own, and the events around it."""
 
-    def __init__(self, sleep_cycles: int, floats: int) -> None:
-        self.stream = torch.cuda.Stream()
+    def __init__(self, sleep_cycles: int, floats: int, offload_bytes: int) -> None:
+        self.stream, self.side = torch.cuda.Stream(), torch.cuda.Stream()
         self.raw = self.stream.cuda_stream
+        self.offload_src = torch.ones(offload_bytes, dtype=torch.uint8, device="cuda")
+        self.offload_dst = torch.zeros(offload_bytes, dtype=torch.uint8, pin_memory=True)
         self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.bits = self.word.numpy()
         self.src = torch.ones(floats, device="cuda")
@@ -67,19 +71,24 @@ class TailGraph:
         else:
             cuda_api.synchronize(self.end)
 
-    def rep(self, how: str, lookup: bool) -> dict[str, float]:
-        """One replay waited for by `how`; the woke event recorded on the raw handle or (lookup) on torch's current
-        stream looked up the way the timeline's marks do."""
+    def rep(self, how: str, mark: str) -> dict[str, float]:
+        """One replay waited for by `how`, marked by `mark` (module docstring)."""
         self.bits[0] = 0
+        lookup = mark == "lookup"
         with torch.cuda.stream(self.stream):
             self.graph.replay()
             cuda_api.record(self.end, self.raw)
+            if mark == "offload":
+                cuda_api.stream_wait(self.side.cuda_stream, self.end)
+                with torch.cuda.stream(self.side):
+                    self.offload_dst.copy_(self.offload_src, non_blocking=True)
             t0 = time.perf_counter()
             self.wait(how)
             t1 = time.perf_counter()
             cuda_api.record(self.woke, torch.cuda.current_stream().cuda_stream if lookup else self.raw)
             t2 = time.perf_counter()
         self.stream.synchronize()
+        self.side.synchronize()
         return {"dev_wake": cuda_api.elapsed_ms(self.end, self.woke) * 1e3, "host_wait": (t1 - t0) * 1e6,
                 "host_record": (t2 - t1) * 1e6}
 
@@ -108,20 +117,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=200, help="replays per wait and mark")
     parser.add_argument("--sleep-cycles", type=int, default=200_000, help="the graph's sleep kernel (~0.1 ms)")
     parser.add_argument("--floats", type=int, default=256, help="results copied to the host (256: 256 scores)")
+    parser.add_argument("--offload-mib", type=float, default=2.0, help="the side copy of the `offload` mark (2 MiB: "
+                                                                        "64 new tokens' bf16 KV of hstu-bench)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("wake_probe needs a GPU")
-    tail = TailGraph(args.sleep_cycles, args.floats)
+    tail = TailGraph(args.sleep_cycles, args.floats, int(args.offload_mib * 2**20))
     samples: dict[str, dict[str, list[float]]] = {}
-    variants = [(how, lookup) for how in WAITS for lookup in (False, True)]
+    variants = list(VARIANTS)
     for _ in range(5):   # warm every variant
-        for how, lookup in variants:
-            tail.rep(how, lookup)
+        for how, mark in variants:
+            tail.rep(how, mark)
     for i in range(args.reps):
-        for how, lookup in variants[i % len(variants):] + variants[:i % len(variants)]:
-            name = how + ("+lookup" if lookup else "")
-            for key, value in tail.rep(how, lookup).items():
+        for how, mark in variants[i % len(variants):] + variants[:i % len(variants)]:
+            name = f"{how}+{mark}"
+            for key, value in tail.rep(how, mark).items():
                 samples.setdefault(name, {}).setdefault(key, []).append(value)
     out = {name: {key: statistics.median(values) for key, values in cols.items()} for name, cols in samples.items()}
     out["idle"] = idle(tail.raw, args.reps)
