@@ -1,16 +1,15 @@
 """One-run onboarding: a placement that is one run on both sides is checked with plain ints and issued without a job
 (on the CPU engine through the default `_onboard_run`, as a job of one run), any other placement takes the job path;
-the same errors and failure reports (the CPU engine's byte-exact copies of every placement: test_copy_engine.py)."""
+the same errors (byte-exact copies of every placement on both engines and the injected failures of one-run
+onboardings: test_copy_engine.py)."""
 
 import numpy as np
 import pytest
 import torch
 
 from layerflow.transfer.copy_plan import Run, single_run
-from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.eventfd import EventfdSignals
 from layerflow.transfer.thread_copy import ThreadCopyEngine
-from tests.faults import FaultyCudaCopyEngine, FaultyThreadCopyEngine
 from tests.transfer.pages import BLOCKS, LAYERS, PAGES, POISON, check_onboarded, make_tensors
 
 
@@ -54,47 +53,6 @@ def test_a_one_run_onboarding_refuses_a_run_past_either_end_and_a_signal_too_sho
     finally:
         signals.close()
     assert bool(all((layer == POISON).all() for layer in gpu))
-
-
-def test_an_injected_failure_in_a_one_run_onboarding_keeps_earlier_layers_and_reports():
-    engine = FaultyThreadCopyEngine(fail_at_layer=1)
-    try:
-        gpu, host = make_tensors()
-        transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
-        with pytest.raises(TransferError, match="injected failure at layer 1"):
-            transfer.wait(5)
-        assert torch.equal(gpu[0][0], host[2, 0]) and bool((gpu[1] == POISON).all())
-    finally:
-        engine.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("path", ["AUTO", "RUNS", "PAGES", "RUN_BATCH"])
-def test_the_cuda_engine_onboards_a_run_and_a_broken_run_byte_exact_under_every_copy_path(path):
-    from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
-
-    engine = CudaCopyEngine(path=CopyPath[path])
-    try:
-        for pages, blocks in ((list(range(10, 200)), list(range(40, 230))), ([7, 3], [1, 2])):   # a run, then not
-            gpu, host = make_tensors("cuda", pages=256, blocks=256, layers=4, page=32, heads=4, dim=64,
-                                     dtype=torch.bfloat16)
-            engine.onboard(gpu, host, pages, blocks).wait(10)
-            check_onboarded(gpu, host, pages, blocks)
-    finally:
-        engine.close()
-
-
-@pytest.mark.gpu
-def test_an_injected_failure_in_a_cuda_one_run_onboarding_reports_and_keeps_earlier_layers():
-    engine = FaultyCudaCopyEngine(fail_at_layer=2)
-    try:
-        gpu, host = make_tensors("cuda")
-        transfer = engine.onboard(gpu, host, [0, 1], [2, 3])
-        with pytest.raises(TransferError, match="injected failure at layer 2"):
-            transfer.wait(5)
-        assert torch.equal(gpu[1][1].cpu(), host[3, 1]) and bool((gpu[2] == POISON).all())
-    finally:
-        engine.close()
 
 
 @pytest.mark.gpu
