@@ -1,12 +1,10 @@
 """The fetch waits A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in alternated blocks (session
 14, issues 18 and 20).
 
-A variant is `NAME=FETCH_WAIT[:gate]`: the bucket buffers' `fetch_wait` (buffers.FETCH_WAITS: `sync`, the default;
-`flag`, a poll of a host word the graph sets) and, with `:gate`, each batch's offloads held on the device until its
-commit (transfer/offload_gate.py), both attributes, so one engine per KV dtype serves every variant. A `flag` variant
+A variant is `NAME=FETCH_WAIT`: the bucket buffers' `fetch_wait` (buffers.FETCH_WAITS: `sync`, the default; `flag`, a
+poll of a host word the graph sets), an attribute, so one engine per KV dtype serves every variant. A `flag` variant
 needs LAYERFLOW_FETCH_WAIT=flag in the environment (the word's write is part of the buffers' graphs, so every
-variant's graphs then carry it: ~1 us of device time at the end of the graph), a `gate` one LAYERFLOW_OFFLOAD_GATE=on
-(the copy engine's gate is made with it; the other variants run with it unset). Per history length, blocks of CPU-hit
+variant's graphs then carry it: ~1 us of device time at the end of the graph). Per history length, blocks of CPU-hit
 + layerwise requests, then GPU hits, run each variant in turn, the order rotating from block to block, so drift of the
 machine spreads over all variants alike. The lower bound is the inference benchmark's (stats.lower_bound) from the
 same run: the transfer probes of every variant's requests, the GPU hit of the first variant and its per-layer
@@ -48,25 +46,18 @@ PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.offload", "
                 "collect.other")
 
 
-def parse_variant(text: str) -> tuple[str, tuple[str, bool]]:
-    """'NAME=FETCH_WAIT[:gate]' -> (NAME, (fetch wait, gated))."""
-    name, _, rest = text.partition("=")
-    wait, _, gate = rest.partition(":")
-    if not name or wait not in FETCH_WAITS or gate not in ("", "gate"):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=FETCH_WAIT[:gate], fetch wait in "
-                                         f"{FETCH_WAITS}")
-    return name, (wait, gate == "gate")
+def parse_variant(text: str) -> tuple[str, str]:
+    """'NAME=FETCH_WAIT' -> (NAME, fetch wait)."""
+    name, _, wait = text.partition("=")
+    if not name or wait not in FETCH_WAITS:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=FETCH_WAIT, fetch wait in {FETCH_WAITS}")
+    return name, wait
 
 
-def apply(ctx: Context, variant: tuple[str, bool], gate: object) -> None:
-    """Switch every bucket's buffers to the variant's fetch wait and the copy engine's offloads to its gate (None:
-    not held); the next request follows it."""
-    wait, gated = variant
+def apply(ctx: Context, wait: str) -> None:
+    """Switch every bucket's buffers to a fetch wait (the next request follows it)."""
     for buffers in ctx.engine._buffers.values():
         buffers.fetch_wait = wait
-    if gated and gate is None:
-        raise SystemExit("a gate variant needs LAYERFLOW_OFFLOAD_GATE=on")
-    ctx.copy.inner.offload_gate = gate if gated else None
 
 
 class GpuHitsOnly(GpuHit):
@@ -85,20 +76,18 @@ def _phases(runs: list[Measured]) -> dict[str, float]:
     return {phase: Summary.of([x for m in runs for x in m.phases[phase].samples]).median for phase in runs[0].phases}
 
 
-def measure_length(ctx: Context, chosen: dict[str, tuple[str, bool]], blocks: int) -> dict:
+def measure_length(ctx: Context, chosen: dict[str, str], blocks: int) -> dict:
     """Every variant's layerwise and GPU-hit requests at one length, alternated in `blocks` blocks; the bound."""
     variants = list(chosen)
-    gate = getattr(ctx.copy.inner, "offload_gate", None)
     layerwise: dict[str, list[Measured]] = {n: [] for n in variants}
     hits: dict[str, list[Measured]] = {n: [] for n in variants}
     for block in range(blocks):
         for name in variants[block % len(variants):] + variants[:block % len(variants)]:
-            apply(ctx, chosen[name], gate)
+            apply(ctx, chosen[name])
             layerwise[name].append(CpuHitLayerwise().measure(ctx))
             hits[name].append(GpuHitsOnly().measure(ctx))
-    apply(ctx, chosen[variants[0]], gate)
+    apply(ctx, chosen[variants[0]])
     compute = GpuHit().measure(replace(ctx, timed_iters=3)).probes.layer_compute
-    ctx.copy.inner.offload_gate = gate   # the engine's close releases it
     transfers = [t for runs in layerwise.values() for m in runs for t in m.probes.transfers]
     t_transfer = Summary.of([t.total_ms for t in transfers]).median
     t_first = Summary.of([t.layer_ms[0] for t in transfers]).median
@@ -127,7 +116,7 @@ def _copy_engine(device: torch.device) -> CopyEngine:
     return CudaCopyEngine(device=device.index or 0)
 
 
-def run_dtype(settings: Settings, variants: dict[str, tuple[str, bool]], blocks: int,
+def run_dtype(settings: Settings, variants: dict[str, str], blocks: int,
               device: torch.device) -> list[dict]:
     """One engine with `settings.kv_cache_dtype`, every length of `settings` (host phases with `settings.profile`)."""
     weights = HSTUWeights.init(settings.model, seed=settings.seed)
@@ -187,14 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-candidates", type=int, default=GPU_DEFAULTS["num_candidates"])
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="comma-separated, one engine each")
     parser.add_argument("--variant", type=parse_variant, action="append",
-                        help="NAME=FETCH_WAIT[:gate], repeatable (default: sync=sync, flag=flag)")
+                        help="NAME=FETCH_WAIT, repeatable (default: sync=sync, flag=flag)")
     parser.add_argument("--blocks", type=int, default=6, help="alternation blocks per length")
     parser.add_argument("--iters", type=int, default=5, help="timed requests per variant, scenario and block")
     parser.add_argument("--profile", action="store_true", help="keep the requests' host phases too")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    variants = dict(args.variant or [("sync", ("sync", False)), ("flag", ("flag", False))])
+    variants = dict(args.variant or [("sync", "sync"), ("flag", "flag")])
     if args.blocks <= 0:
         raise SystemExit(f"--blocks {args.blocks}: expected blocks > 0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

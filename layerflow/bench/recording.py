@@ -77,11 +77,5 @@ class BenchCopyEngine:
             return _Skipped()
         return self.inner.offload(gpu_layers, host, gpu_pages, host_blocks)
 
-    def hold_offloads(self) -> None:
-        self.inner.hold_offloads()
-
-    def release_offloads(self) -> None:
-        self.inner.release_offloads()
-
     def close(self) -> None:
         self.inner.close()

@@ -191,10 +191,8 @@ class KVManager:
         The copy stream waits for the block on the GPU, so issuing the offloads now overlaps their host cost with the
         block instead of adding it after the scores. An onboarded user's first offloaded page also holds onboarded
         tokens: if the batch fails, `abort` drops that user's copy below, which the offload may have overwritten.
-        Earlier batches' deferred onboardings are given back first (their host pins may be needed for room). The
-        tier may hold the offloads back on the device until `commit` / `abort` (`KVTier.hold_offloads`).
+        Earlier batches' deferred onboardings are given back first (their host pins may be needed for room).
         """
-        self.below.hold_offloads()
         self.deferred.release()
         if self.reap_after_launch:
             self._reap_offloads()
@@ -204,7 +202,6 @@ class KVManager:
     def commit(self, plan: BatchPlan) -> None:
         """The block succeeded (`offload_early` recorded its users): release its onboarding (signalled; or keep it for
         after the next launch, runtime/deferred.py) and pins."""
-        self.below.release_offloads()
         if plan.onboarding is not None:
             if not self.deferred.keep(plan.onboarding):
                 plan.onboarding.finish(wait=True)
@@ -222,7 +219,6 @@ class KVManager:
         pages are quarantined, never reused until the producer is done, so they can never corrupt another user's KV.
         The batches chained on this one are aborted first (their pins and pages go back before these users'); a
         second abort of a plan does nothing."""
-        self.below.release_offloads()
         if plan.aborted:
             return
         plan.aborted = True

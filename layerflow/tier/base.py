@@ -105,13 +105,6 @@ class KVTier(ABC):
         offload that would need earlier ones fails with ValueError. `history` (item ids, one per token) goes with
         the copy to a shared tier, so another host can adopt the user."""
 
-    def hold_offloads(self) -> None:
-        """A batch was launched: its offloads may be held back on the device until `release_offloads`, off the
-        path of its results (transfer/offload_gate.py); this default holds nothing."""
-
-    def release_offloads(self) -> None:
-        """The batch's results are in (or it failed): the offloads `hold_offloads` held go."""
-
     @abstractmethod
     def reap(self) -> None:
         """Settle the bookkeeping of offloads that ended (a failed one leaves no copy)."""

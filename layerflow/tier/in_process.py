@@ -96,12 +96,6 @@ class InProcessTier(KVTier):
         self._offloads[user] = transfer
         return transfer
 
-    def hold_offloads(self) -> None:
-        self.engine.hold_offloads()
-
-    def release_offloads(self) -> None:
-        self.engine.release_offloads()
-
     def reap(self) -> None:
         """Unpin the host blocks of finished offloads; a failed offload leaves no host copy."""
         for user, transfer in list(self._offloads.items()):

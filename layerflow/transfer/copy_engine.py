@@ -195,13 +195,6 @@ class CopyEngine(ABC):
         run can be issued without one."""
         return self._onboard(CopyJob(gpu_layers, host, run.plan(), signal, first_layer, addresses))
 
-    def hold_offloads(self) -> None:
-        """Offloads issued from now on may be held back on the device until `release_offloads` (a batch's launch:
-        transfer/offload_gate.py); this default holds nothing."""
-
-    def release_offloads(self) -> None:
-        """Let the offloads `hold_offloads` held go (the batch's results are in, or it failed)."""
-
     @abstractmethod
     def _onboard(self, job: CopyJob) -> Transfer: ...
 

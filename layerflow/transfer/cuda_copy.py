@@ -46,7 +46,6 @@ from layerflow.transfer.copy_engine import CopyEngine, CopyJob, LayerAddresses, 
 from layerflow.transfer.copy_plan import Run, ramp_bounds
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
-from layerflow.transfer.offload_gate import OffloadGate, configured_gate
 from layerflow.transfer.signals.base import SignalHandle
 
 class CudaTransfer(Transfer):
@@ -56,7 +55,6 @@ class CudaTransfer(Transfer):
         self.error: BaseException | None = None
         self._keep: object = keep   # what the copies read and write (a job, or a one-run onboarding's tensors)
         self._pool = pool
-        self.gate: OffloadGate | None = None   # the gate holding this transfer's copies back, opened before a wait
         self._event: rt.cudaEvent_t | None = None
         self._finished = False
 
@@ -76,8 +74,6 @@ class CudaTransfer(Transfer):
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        if self.gate is not None:
-            self.gate.open()
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         if not poll_until(self.done, deadline):
             raise TransferError(f"transfer not done within {timeout} s")
@@ -217,8 +213,7 @@ class _Tables(threading.local):
 
 class CudaCopyEngine(CopyEngine):
     """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device), by `path`
-    (default: `configured_path()`; an attribute, so one engine can be switched between transfers); with
-    `configured_gate()`, offloads pass an OffloadGate (`hold_offloads` / `release_offloads`)."""
+    (default: `configured_path()`; an attribute, so one engine can be switched between transfers)."""
 
     def __init__(self, path: CopyPath | None = None, device: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
@@ -234,19 +229,8 @@ class CudaCopyEngine(CopyEngine):
         self._batch_attrs = rt.cudaMemcpyAttributes()
         self._batch_attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         self._batch = cudart.BatchCopier(self._batch_attrs.getPtr())
-        self.offload_gate = OffloadGate(self.device) if configured_gate() else None
-
-    def hold_offloads(self) -> None:
-        if self.offload_gate is not None:
-            self.offload_gate.close()
-
-    def release_offloads(self) -> None:
-        if self.offload_gate is not None:
-            self.offload_gate.open()
 
     def close(self) -> None:
-        if self.offload_gate is not None:
-            self.offload_gate.release()
         for stream in (self.h2d_stream, self.d2h_stream):
             check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
             cuda_api.destroy_stream(stream)
@@ -262,14 +246,9 @@ class CudaCopyEngine(CopyEngine):
         def copier() -> Callable[[int], None]:
             if not to_gpu:
                 self._after_current_stream(stream)
-                if self.offload_gate is not None:
-                    self.offload_gate.hold(stream)
             return self._layer_copier(job, stream, to_gpu)
 
-        transfer = self._issue_layers(job, copier, job.num_layers, job.signal, job.first_layer, stream)
-        if not to_gpu:
-            transfer.gate = self.offload_gate   # a wait opens it (a no-op where the offload was not held)
-        return transfer
+        return self._issue_layers(job, copier, job.num_layers, job.signal, job.first_layer, stream)
 
     def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
                      run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:

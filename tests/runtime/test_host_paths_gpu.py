@@ -66,9 +66,3 @@ def test_the_flag_fetch_wait_gives_the_gpu_hits_scores_bitwise(weights, gpu_hit,
     monkeypatch.setenv("LAYERFLOW_FETCH_WAIT", "flag")
     got = serve(weights, Tier.HOST, signal=signal)
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
-
-
-def test_held_offloads_give_the_gpu_hits_scores_bitwise(weights, gpu_hit, monkeypatch):
-    monkeypatch.setenv("LAYERFLOW_OFFLOAD_GATE", "on")   # each batch's offloads held until its commit
-    got = serve(weights, Tier.HOST)
-    assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
