@@ -6,7 +6,8 @@ release, around the graph replay and the score fetch, and host stamps along the 
 re-records it), the graph replay, each bucket's `fetch` and the issue steps of the onboarding. Install it before
 `warmup`: the wrapped wait is its own graph variant. The device marks are CUDA events on the compute stream; an event
 recorded by the host on a stream that is idle carries the host's time, so `fetch_call` - `graph_end` > 0 says the host
-reached the fetch after the GPU had finished, and `woke` is the host's return from the fetch's synchronisation.
+reached the fetch after the GPU had finished, and `woke` is the host's return from the fetch (its wait for the done
+word and the results' copy; the host stamps `fetch_waited` and `fetch_end` split the two).
 """
 
 from __future__ import annotations
@@ -136,9 +137,10 @@ class TailMarks:
         def bufs(bucket: Bucket) -> BatchBuffers:
             found = bufs_of(bucket)
             if not getattr(found, "_tail_marked", False):
+                if found._done is not None:
+                    self.host.around(found._done, "wait", after="fetch_waited")
+                self.host.around(found, "fetch", after="fetch_end")   # inside the marks: the copy, not the mark
                 found.fetch = self._recording(found.fetch, "fetch_call", "woke")
-                self.host.around(found, "_wait_stream", after="fetch_waited")
-                self.host.around(found, "fetch", after="fetch_end")
                 self.host.around(found, "fill", after="fill_end")
                 found._tail_marked = True
             return found

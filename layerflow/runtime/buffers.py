@@ -6,38 +6,21 @@ pinned host buffer and reaches the device in a single copy; the scores come back
 addresses, taken once: on the H200 it halves the fill's host time against torch's `copy_` (~0.04 -> ~0.02 ms; a ctypes
 copy that looked the stream up per call was slower, docs/performance.md). The CPU path copies with torch.
 
-The fetch waits for the compute stream by `FETCH_WAITS` ($LAYERFLOW_FETCH_WAIT): `sync` (the default) is torch's
-`Stream.synchronize`; `flag` polls a pinned host word that the results' send sets right after their copy (a
-cuStreamWriteValue32 inside the graph, ordered after the copy with a memory fence; `fill` clears it), from Python,
-holding the GIL while it spins. Only buffers built under `flag` have the word (it is part of their graphs).
+On CUDA the fetch waits for the batch's done word (runtime/done_word.py), which the results' send sets right after
+their copy (inside the graph) and `fill` clears, rather than for the stream's completion.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
 from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
+from layerflow.runtime.done_word import DoneWord
 from layerflow.runtime.staging import HostSlab, StagedBatch, slab_fields
 from layerflow.transfer import cudart
-from layerflow.transfer.errors import TransferError
-from layerflow.transfer.signals.native_post import NativePoster
-
-
-FETCH_WAIT_ENV = "LAYERFLOW_FETCH_WAIT"
-FETCH_WAITS = ("sync", "flag")
-_IDLE_CHECK = 4096   # flag polls between checks that the compute stream is still busy (a failed batch sets no flag)
-
-
-def configured_fetch_wait() -> str:
-    """$LAYERFLOW_FETCH_WAIT (one of FETCH_WAITS, any case), else "sync"; ValueError naming any other value."""
-    value = os.environ.get(FETCH_WAIT_ENV, FETCH_WAITS[0]).strip().lower()
-    if value not in FETCH_WAITS:
-        raise ValueError(f"{FETCH_WAIT_ENV}={value!r}: expected one of {list(FETCH_WAITS)}")
-    return value
 
 
 def token_ladder(smallest: int, largest: int, steps: int = 8) -> tuple[int, ...]:
@@ -70,8 +53,7 @@ class Bucket(NamedTuple):
 
 class BatchBuffers:
     """Static tensors of one bucket; `fill` writes a batch into them without allocating. The engine issues every batch
-    on the stream that was current when its buffers were made. `fetch_wait` (one of FETCH_WAITS, default
-    `configured_fetch_wait()`; an attribute, so one engine can be switched between batches) is how `fetch` waits."""
+    on the stream that was current when its buffers were made."""
 
     def __init__(self, bucket: Bucket, max_pages: int, device: torch.device, model: HSTUConfig):
         b, t = bucket.max_batch, bucket.max_tokens
@@ -112,11 +94,7 @@ class BatchBuffers:
         self._raw_stream = self.stream.cuda_stream if self.stream is not None else None   # 0: the legacy default
         if self._raw_stream is not None:
             cudart.lib()   # loaded at set-up, never by a request's first cudart fill
-        self.fetch_wait = configured_fetch_wait()
-        self._done: tuple[torch.Tensor, object, NativePoster] | None = None   # "flag": the word, its bits, a writer
-        if self._raw_stream is not None and self.fetch_wait == "flag":
-            word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self._done = word, word.numpy(), NativePoster(self._raw_stream)
+        self._done = DoneWord(self._raw_stream) if self._raw_stream is not None else None
 
     @staticmethod
     def _to_device(device: torch.Tensor, host: torch.Tensor) -> None:
@@ -153,7 +131,7 @@ class BatchBuffers:
         """Write a batch (and each user's GPU pages) into the static tensors: one host->device copy. A StagedBatch
         (`stage_items`, its slab one of this bucket's) is already in its slab: only the copy is issued."""
         if self._done is not None:
-            self._done[1][0] = 0   # the batch in flight before this one was fetched: its word was read
+            self._done.clear()
         if isinstance(batch, StagedBatch):
             if batch.bucket != self.bucket:
                 raise ValueError(f"a batch staged for {batch.bucket} filled into the buffers of {self.bucket}")
@@ -188,37 +166,16 @@ class BatchBuffers:
         else:
             self._outputs_host.copy_(self.outputs, non_blocking=True)
         if self._done is not None:
-            word, _, writer = self._done
-            writer.write(torch.cuda.current_stream(self.device).cuda_stream, word.data_ptr(), 1)
+            self._done.set_on(torch.cuda.current_stream(self.device).cuda_stream)
 
     def fetch(self) -> torch.Tensor:
         """The batch's results on the host (sent by `send_results`): candidate scores (fp32), or every query row's
-        output for an embeddings-in model, in a fresh tensor. Synchronises with the compute stream: the designed sync.
-        The copy goes through numpy: `Tensor.clone` of the pinned buffer cost ~22 us on the H200's host."""
+        output for an embeddings-in model, in a fresh tensor. Waits for the batch's done word on CUDA: the designed
+        sync. The copy goes through numpy: `Tensor.clone` of the pinned buffer cost ~22 us on the H200's host."""
         n = self.num_candidates if self.model.embedding_tables else self.num_tokens
-        if self.stream is not None:
-            self._wait_stream()
+        if self._done is not None:
+            self._done.wait()
         host, bits = self._results
         if bits is None:
             return host[:n].clone()
         return torch.from_numpy(bits[:n].copy()).view(host.dtype)
-
-    def _wait_stream(self) -> None:
-        """Block until the compute stream's queued work (the batch and its result copy) has finished."""
-        if self.fetch_wait == "flag":
-            self._wait_flag()
-        elif self.fetch_wait == "sync":
-            self.stream.synchronize()
-        else:
-            raise ValueError(f"fetch_wait={self.fetch_wait!r}: expected one of {list(FETCH_WAITS)}")
-
-    def _wait_flag(self) -> None:
-        """Poll the done word until the results' send set it; TransferError if the stream went idle without it."""
-        if self._done is None:
-            raise ValueError(f"fetch_wait='flag': these buffers were built without the done word (set "
-                             f"{FETCH_WAIT_ENV}=flag before the engine is made)")
-        bits, polls = self._done[1], 0
-        while not bits[0]:
-            polls += 1
-            if polls % _IDLE_CHECK == 0 and cudart.stream_idle(self._raw_stream) and not bits[0]:
-                raise TransferError("the compute stream went idle without setting the results' done word")

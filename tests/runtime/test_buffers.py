@@ -1,11 +1,12 @@
-"""A bucket's buffers on the CPU path: `fill` writes the batch and clears whatever a larger batch left behind."""
+"""A bucket's buffers: `fill` writes the batch and clears whatever a larger batch left behind (CPU path); on the GPU
+`fetch` waits for the batch's done word, set by every replay of a captured send."""
 
 import pytest
 import torch
 
 from layerflow.model import HSTUConfig
 from layerflow.model.batch import JaggedBatch
-from layerflow.runtime.buffers import FETCH_WAIT_ENV, BatchBuffers, Bucket, configured_fetch_wait
+from layerflow.runtime.buffers import BatchBuffers, Bucket
 
 CONFIG = HSTUConfig(num_layers=1, num_heads=1, dqk=8, dv=8, embedding_dim=8, max_seq_len=256, dtype=torch.float32,
                     item_vocab_size=100, position_table_size=256)
@@ -57,31 +58,11 @@ def test_fetch_hands_out_a_copy_the_next_batch_does_not_change():
     assert first.dtype == torch.float32 and first.tolist() == [0.5, -1.0, 2.0]
 
 
-def test_the_fetch_wait_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
-    monkeypatch.delenv(FETCH_WAIT_ENV, raising=False)
-    assert configured_fetch_wait() == "sync"
-    monkeypatch.setenv(FETCH_WAIT_ENV, " Flag ")
-    assert BatchBuffers(Bucket(1, 8), 2, torch.device("cpu"), CONFIG).fetch_wait == "flag"
-    monkeypatch.setenv(FETCH_WAIT_ENV, "poll")
-    with pytest.raises(ValueError, match="LAYERFLOW_FETCH_WAIT='poll'"):
-        configured_fetch_wait()
-
-
-def test_the_flag_wait_on_buffers_built_without_its_word_is_refused(monkeypatch):
-    monkeypatch.delenv(FETCH_WAIT_ENV, raising=False)
-    bufs = BatchBuffers(Bucket(1, 8), 2, torch.device("cpu"), CONFIG)
-    bufs.fetch_wait = "flag"
-    with pytest.raises(ValueError, match="built without the done word"):
-        bufs._wait_flag()
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("wait", ["sync", "flag"])
-def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait, monkeypatch):
-    monkeypatch.setenv(FETCH_WAIT_ENV, wait)
+def test_fetch_waits_for_a_long_kernel_before_reading_the_scores():
     with torch.cuda.stream(torch.cuda.Stream()):   # the engine's buffers live on a side stream
         bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
-    for scores in ([0.5, -1.0, 2.0], [4.0, 3.0, -2.5]):   # the second batch must not see the first one's flag
+    for scores in ([0.5, -1.0, 2.0], [4.0, 3.0, -2.5]):   # the second batch must not see the first one's word
         with torch.cuda.stream(bufs.stream):
             bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
             torch.cuda._sleep(50_000_000)   # ~tens of ms on the stream: the scores land well after fetch is called
@@ -91,8 +72,7 @@ def test_fetch_waits_for_a_long_kernel_before_reading_the_scores(wait, monkeypat
 
 
 @pytest.mark.gpu
-def test_the_flag_is_set_by_every_replay_of_a_captured_send(monkeypatch):
-    monkeypatch.setenv(FETCH_WAIT_ENV, "flag")
+def test_the_done_word_is_set_by_every_replay_of_a_captured_send():
     with torch.cuda.stream(torch.cuda.Stream()):   # the engine's buffers live on a side stream (one can capture)
         bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
     value = torch.zeros(1, device="cuda")

@@ -59,10 +59,3 @@ def gpu_hit(weights):
 def test_host_hit_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
     got = serve(weights, Tier.HOST, signal=signal, graph=graph)
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
-
-
-@pytest.mark.parametrize("signal", [SignalMode.WAITVALUE, SignalMode.EVENTFD])
-def test_the_flag_fetch_wait_gives_the_gpu_hits_scores_bitwise(weights, gpu_hit, signal, monkeypatch):
-    monkeypatch.setenv("LAYERFLOW_FETCH_WAIT", "flag")
-    got = serve(weights, Tier.HOST, signal=signal)
-    assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
