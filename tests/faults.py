@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from layerflow.transfer.copy_engine import CopyJob
+from layerflow.transfer.copy_engine import CopyJob, LayerAddresses
+from layerflow.transfer.copy_plan import Run
 from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.thread_copy import ThreadCopyEngine
@@ -49,6 +50,12 @@ class FaultyCudaCopyEngine(CudaCopyEngine):
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:
         copy_layer = super()._layer_copier(job, stream, to_gpu)
 
+        return self._unless_injected(copy_layer)
+
+    def _run_copier(self, addresses: LayerAddresses, run: Run, stream: int) -> Callable[[int], None]:
+        return self._unless_injected(super()._run_copier(addresses, run, stream))
+
+    def _unless_injected(self, copy_layer: Callable[[int], None]) -> Callable[[int], None]:
         def copy_unless_injected(layer: int) -> None:
             fail_if_injected(self.fail_at_layer, layer)
             copy_layer(layer)

@@ -17,7 +17,8 @@ from typing import Callable
 from cuda.bindings import runtime as rt
 
 from layerflow.transfer import cuda_api
-from layerflow.transfer.copy_engine import CopyJob, Transfer
+from layerflow.transfer.copy_engine import CopyJob, LayerAddresses, Transfer
+from layerflow.transfer.copy_plan import Run
 from layerflow.transfer.cuda_copy import CopyPath, CudaCopyEngine
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 
@@ -94,13 +95,24 @@ class TimedCudaCopyEngine(CudaCopyEngine):
     def _offload(self, job: CopyJob) -> TimedTransfer:
         return self._timed(super()._offload, job)
 
-    def _timed(self, issue: Callable[[CopyJob], Transfer], job: CopyJob) -> TimedTransfer:
+    def _onboard_run(self, *args) -> TimedTransfer:
+        return self._timed(super()._onboard_run, *args)
+
+    def _timed(self, issue: Callable[..., Transfer], *args) -> TimedTransfer:
+        """`issue(*args)` as a TimedTransfer (as it is where a one-run onboarding fell back to a job, timed by `_onboard`)."""
         self._issuing.events = events = []
-        return TimedTransfer(issue(job), events)
+        transfer = issue(*args)
+        return transfer if isinstance(transfer, TimedTransfer) else TimedTransfer(transfer, events)
 
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:
-        copy_layer = super()._layer_copier(job, stream, to_gpu)
-        events, last = self._issuing.events, job.num_layers - 1
+        return self._marked(super()._layer_copier(job, stream, to_gpu), stream, job.num_layers - 1)
+
+    def _run_copier(self, addresses: LayerAddresses, run: Run, stream: int) -> Callable[[int], None]:
+        return self._marked(super()._run_copier(addresses, run, stream), stream, len(addresses.gpu_bases) - 1)
+
+    def _marked(self, copy_layer: Callable[[int], None], stream: int, last: int) -> Callable[[int], None]:
+        """`copy_layer` followed by the host callback and the events of `marks` (a transfer's first event before it)."""
+        events = self._issuing.events
         events.append(_recorded(stream))  # after an offload's wait for the current stream, before the first copy
 
         def copy_and_mark(layer: int) -> None:

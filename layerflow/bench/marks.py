@@ -6,7 +6,8 @@ release, around the graph replay and the score fetch, and host stamps along the 
 re-records it), the graph replay, each bucket's `fetch` and the issue steps of the onboarding. Install it before
 `warmup`: the wrapped wait is its own graph variant. The device marks are CUDA events on the compute stream; an event
 recorded by the host on a stream that is idle carries the host's time, so `fetch_call` - `graph_end` > 0 says the host
-reached the fetch after the GPU had finished, and `woke` is the host's return from the fetch's synchronisation.
+reached the fetch after the GPU had finished, and `woke` is the host's return from the fetch (its wait for the done
+word and the results' copy; the host stamps `fetch_waited` and `fetch_end` split the two).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ DEVICE_MARKS = ("replay_call", "graph_end", "fetch_call", "woke")
 # Host stamps in the order a request passes them (ms from score entry, host clock).
 HOST_STAMPS = ("onboard_call", "host_pinned", "signal_acquired", "job_checked", "copier_built", "copy0_issued",
                "all_issued", "onboard_end", "prepare_end", "fill_end", "replay_call", "launch_end", "fetch_call",
-               "fetch_end", "collect_end")
+               "fetch_waited", "fetch_end", "collect_end")
 
 
 def _stream() -> int:
@@ -136,8 +137,10 @@ class TailMarks:
         def bufs(bucket: Bucket) -> BatchBuffers:
             found = bufs_of(bucket)
             if not getattr(found, "_tail_marked", False):
+                if found._done is not None:
+                    self.host.around(found._done, "wait", after="fetch_waited")
+                self.host.around(found, "fetch", after="fetch_end")   # inside the marks: the copy, not the mark
                 found.fetch = self._recording(found.fetch, "fetch_call", "woke")
-                self.host.around(found, "fetch", after="fetch_end")
                 self.host.around(found, "fill", after="fill_end")
                 found._tail_marked = True
             return found
@@ -155,6 +158,8 @@ class TailMarks:
         stamps.around(below.signals, "acquire", after="signal_acquired")
         stamps.around(copy_engine, "_onboard", "job_checked", "all_issued")
         stamps.around(copy_engine, "_layer_copier", after="copier_built")
+        stamps.around(copy_engine, "_onboard_run", "job_checked", "all_issued")   # one run: checked, no job
+        stamps.around(copy_engine, "_run_copier", after="copier_built")
         copy_engine.on_layer_issued = lambda layer: stamps.stamp("copy0_issued") if layer == 0 else None
 
     def read(self, entry: object) -> TailTimes:

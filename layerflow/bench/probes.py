@@ -78,7 +78,9 @@ class Timeline:
         (`last_compute`: the last layer and the scores) -> the host at the fetch (`host_late`, 0 when it was there
         first) -> the host back from the fetch (`wake`) -> the timed call returned (`post`); `first_wait`: the first
         layer's release after its copy landed (large: the compute is behind the copies); `replay_call`: when the
-        replay could start (device clock, from entry); the host stamps (`host.*`, host clock, from entry)."""
+        replay could start (device clock, from entry); the host stamps (`host.*`, host clock, from entry); across
+        the clocks (both from entry; the entry event's own lag biases them up by a few us): the graph's end -> the
+        host entering the fetch (`host_at_fetch`, < 0: it was waiting) and -> its wait returning (`host_wake`)."""
         if self.tail_marks is None:
             return {}
         t, lags = self.tail_marks, self.release_lags()
@@ -87,6 +89,9 @@ class Timeline:
         out = {"signal_lag": lags[-1], "last_compute": dev["graph_end"] - t.released[-1],
                "host_late": at_fetch - dev["graph_end"], "wake": dev["woke"] - at_fetch, "post": end - dev["woke"],
                "first_wait": lags[0], "replay_call": dev["replay_call"]}
+        for key, stamp in (("host_at_fetch", "fetch_call"), ("host_wake", "fetch_waited")):
+            if stamp in t.host:
+                out[key] = t.host[stamp] - dev["graph_end"]
         return out | {f"host.{name}": t.host[name] for name in HOST_STAMPS if name in t.host}
 
     def release_lags(self) -> tuple[float, ...]:

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from layerflow.transfer.copy_engine import CopyJob
+from layerflow.transfer.copy_engine import CopyEngine, CopyJob
 from layerflow.transfer.copy_plan import plan_runs
 from layerflow.transfer.cuda_copy import CudaCopyEngine, CudaTransfer, resolved_path
 
@@ -53,6 +53,10 @@ class IssueTimedCopyEngine(CudaCopyEngine):
 
     def offload(self, *args, **kwargs):
         return self._recorded(super().offload, False, args, kwargs)
+
+    def _onboard_run(self, gpu_layers, host, addresses, run, signal, first_layer):
+        """A one-run onboarding issued as a job (CopyEngine's default): the steps this engine times are a job's."""
+        return CopyEngine._onboard_run(self, gpu_layers, host, addresses, run, signal, first_layer)
 
     def _recorded(self, call: Callable, to_gpu: bool, args: tuple, kwargs: dict):
         current = self._current

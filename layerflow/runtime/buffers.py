@@ -5,6 +5,9 @@ pinned host buffer and reaches the device in a single copy; the scores come back
 `Tensor.copy_`). On CUDA the integers' copy is one ctypes cudaMemcpyAsync on the buffers' own stream handle and
 addresses, taken once: on the H200 it halves the fill's host time against torch's `copy_` (~0.04 -> ~0.02 ms; a ctypes
 copy that looked the stream up per call was slower, docs/performance.md). The CPU path copies with torch.
+
+On CUDA the fetch waits for the batch's done word (runtime/done_word.py), which the results' send sets right after
+their copy (inside the graph) and `fill` clears, rather than for the stream's completion.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from layerflow.model.batch import JaggedBatch, float_bits
 from layerflow.model.config import HSTUConfig
+from layerflow.runtime.done_word import DoneWord
 from layerflow.runtime.staging import HostSlab, StagedBatch, slab_fields
 from layerflow.transfer import cudart
 
@@ -90,6 +94,7 @@ class BatchBuffers:
         self._raw_stream = self.stream.cuda_stream if self.stream is not None else None   # 0: the legacy default
         if self._raw_stream is not None:
             cudart.lib()   # loaded at set-up, never by a request's first cudart fill
+        self._done = DoneWord(self._raw_stream) if self._raw_stream is not None else None
 
     @staticmethod
     def _to_device(device: torch.Tensor, host: torch.Tensor) -> None:
@@ -125,6 +130,8 @@ class BatchBuffers:
     def fill(self, batch: JaggedBatch | StagedBatch, page_rows: list[tuple[int, ...]]) -> None:
         """Write a batch (and each user's GPU pages) into the static tensors: one host->device copy. A StagedBatch
         (`stage_items`, its slab one of this bucket's) is already in its slab: only the copy is issued."""
+        if self._done is not None:
+            self._done.clear()
         if isinstance(batch, StagedBatch):
             if batch.bucket != self.bucket:
                 raise ValueError(f"a batch staged for {batch.bucket} filled into the buffers of {self.bucket}")
@@ -158,14 +165,16 @@ class BatchBuffers:
             self._scores_host.copy_(self.scores, non_blocking=True)
         else:
             self._outputs_host.copy_(self.outputs, non_blocking=True)
+        if self._done is not None:
+            self._done.set_on(torch.cuda.current_stream(self.device).cuda_stream)
 
     def fetch(self) -> torch.Tensor:
         """The batch's results on the host (sent by `send_results`): candidate scores (fp32), or every query row's
-        output for an embeddings-in model, in a fresh tensor. Synchronises with the compute stream: the designed sync.
-        The copy goes through numpy: `Tensor.clone` of the pinned buffer cost ~22 us on the H200's host."""
+        output for an embeddings-in model, in a fresh tensor. Waits for the batch's done word on CUDA: the designed
+        sync. The copy goes through numpy: `Tensor.clone` of the pinned buffer cost ~22 us on the H200's host."""
         n = self.num_candidates if self.model.embedding_tables else self.num_tokens
-        if self.stream is not None:
-            self.stream.synchronize()
+        if self._done is not None:
+            self._done.wait()
         host, bits = self._results
         if bits is None:
             return host[:n].clone()

@@ -6,6 +6,10 @@ An engine knows tensors and index lists only, never the pools. Data layout (one 
   is `num_layers * layer_page_bytes`.
 A transfer moves the pairs `(gpu_pages[i], host_blocks[i])`; the engines split them into runs contiguous on both sides
 (`copy_plan`). Several layer groups are several calls, each with its `first_layer` (the global index of its layer 0).
+
+An onboarding whose placement is one run on both sides (a host-resident user's common case) is checked with plain
+ints and issued through `_onboard_run` without a numpy plan, so its first copy leaves sooner (on the H200 a 2K bf16
+host hit gained ~0.08 ms); any other placement, and every offload, is validated into a CopyJob and issued from it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from layerflow.transfer.copy_plan import CopyPlan, plan_runs
+from layerflow.transfer.copy_plan import CopyPlan, Run, plan_runs, single_run
 from layerflow.transfer.signals.base import SignalHandle
 
 
@@ -97,19 +101,28 @@ def make_job(gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses
     plan = plan_runs(gpu_pages, host_blocks)
     if plan.num_pages:
         # Every check works on the runs, not the pages: a contiguous user is one run, so this is O(1) for it.
-        num_pages = addresses.gpu_pages
-        gpu_max, host_max = _last_index(plan.run_gpu, plan.run_len), _last_index(plan.run_host, plan.run_len)
-        if gpu_max >= num_pages:
-            raise ValueError(f"gpu_pages: index {gpu_max} out of range [0, {num_pages})")
-        if host_max >= host.shape[0]:
-            raise ValueError(f"host_blocks: index {host_max} out of range [0, {host.shape[0]})")
+        check_bounds(addresses, host, _last_index(plan.run_gpu, plan.run_len),
+                     _last_index(plan.run_host, plan.run_len))
         starts = plan.run_gpu if unique_gpu else plan.run_host
         if _runs_overlap(starts, plan.run_len):
             raise ValueError(f"{'gpu_pages' if unique_gpu else 'host_blocks'}: a destination appears twice")
-    if signal is not None and (first_layer < 0 or first_layer + len(gpu_layers) > signal.num_layers):
-        raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + len(gpu_layers) - 1} "
-                         f"exceed the signal's {signal.num_layers} layers")
+    check_signal_layers(signal, first_layer, len(gpu_layers))
     return CopyJob(gpu_layers, host, plan, signal, first_layer, addresses)
+
+
+def check_bounds(addresses: LayerAddresses, host: torch.Tensor, gpu_max: int, host_max: int) -> None:
+    """The largest GPU page and host block a transfer names exist in the layout."""
+    if gpu_max >= addresses.gpu_pages:
+        raise ValueError(f"gpu_pages: index {gpu_max} out of range [0, {addresses.gpu_pages})")
+    if host_max >= host.shape[0]:
+        raise ValueError(f"host_blocks: index {host_max} out of range [0, {host.shape[0]})")
+
+
+def check_signal_layers(signal: SignalHandle | None, first_layer: int, num_layers: int) -> None:
+    """Layers `first_layer` .. `first_layer + num_layers - 1` are layers of `signal` (when there is one)."""
+    if signal is not None and (first_layer < 0 or first_layer + num_layers > signal.num_layers):
+        raise ValueError(f"first_layer={first_layer}: layers {first_layer}..{first_layer + num_layers - 1} "
+                         f"exceed the signal's {signal.num_layers} layers")
 
 
 def _last_index(starts: np.ndarray, lengths: np.ndarray) -> int:
@@ -161,6 +174,11 @@ class CopyEngine(ABC):
         `signal` (from `LayerSignals.acquire`) is posted per layer as `first_layer + l`; on failure it is poisoned.
         """
         layers, addresses = self._layout(gpu_layers, host)
+        run = single_run(gpu_pages, host_blocks)
+        if run is not None:
+            check_bounds(addresses, host, run.gpu_page + run.pages - 1, run.host_block + run.pages - 1)
+            check_signal_layers(signal, first_layer, len(layers))
+            return self._onboard_run(layers, host, addresses, run, signal, first_layer)
         job = make_job(layers, host, addresses, gpu_pages, host_blocks, signal, first_layer, unique_gpu=True)
         return self._onboard(job)
 
@@ -170,6 +188,12 @@ class CopyEngine(ABC):
         layers, addresses = self._layout(gpu_layers, host)
         job = make_job(layers, host, addresses, gpu_pages, host_blocks, None, 0, unique_gpu=False)
         return self._offload(job)
+
+    def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
+                     run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
+        """An onboarding of one run, already checked. This default issues it as a job; an engine overrides it where a
+        run can be issued without one."""
+        return self._onboard(CopyJob(gpu_layers, host, run.plan(), signal, first_layer, addresses))
 
     @abstractmethod
     def _onboard(self, job: CopyJob) -> Transfer: ...

@@ -4,7 +4,7 @@ batch of per-page copies into chunks that keep the copy engine fed (the copy eng
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -26,6 +26,20 @@ class CopyPlan:
     @property
     def num_runs(self) -> int:
         return int(self.run_len.size)
+
+
+class Run(NamedTuple):
+    """`pages` pairs contiguous on both sides: GPU pages from `gpu_page`, host blocks from `host_block`."""
+
+    gpu_page: int
+    host_block: int
+    pages: int
+
+    def plan(self) -> CopyPlan:
+        """The run as a CopyPlan (one run)."""
+        gpu = np.arange(self.gpu_page, self.gpu_page + self.pages, dtype=np.int64)
+        host = np.arange(self.host_block, self.host_block + self.pages, dtype=np.int64)
+        return CopyPlan(gpu, host, gpu[:1], host[:1], np.array([self.pages], dtype=np.int64))
 
 
 def _as_index(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -51,13 +65,19 @@ def _one_run(values: Sequence[int] | np.ndarray) -> bool:
     return values == type(values)(range(first, last + 1))
 
 
+def single_run(gpu_pages: Sequence[int] | np.ndarray, host_blocks: Sequence[int] | np.ndarray) -> Run | None:
+    """The pairs as one Run when both are non-empty lists or tuples of plain ints counting up by one, of one length
+    (a host-resident user's common placement), else None; no numpy."""
+    if len(gpu_pages) == len(host_blocks) and _one_run(gpu_pages) and _one_run(host_blocks):
+        return Run(gpu_pages[0], host_blocks[0], len(gpu_pages))
+    return None
+
+
 def plan_runs(gpu_pages: Sequence[int] | np.ndarray, host_blocks: Sequence[int] | np.ndarray) -> CopyPlan:
     """Pair `gpu_pages[i]` with `host_blocks[i]`; a run continues while both sides advance by one."""
-    if _one_run(gpu_pages) and _one_run(host_blocks) and len(gpu_pages) == len(host_blocks):
-        n = len(gpu_pages)
-        gpu = np.arange(gpu_pages[0], gpu_pages[0] + n, dtype=np.int64)
-        host = np.arange(host_blocks[0], host_blocks[0] + n, dtype=np.int64)
-        return CopyPlan(gpu, host, gpu[:1], host[:1], np.array([n], dtype=np.int64))
+    run = single_run(gpu_pages, host_blocks)
+    if run is not None:
+        return run.plan()
     gpu = _as_index("gpu_pages", gpu_pages)
     host = _as_index("host_blocks", host_blocks)
     if gpu.size != host.size:

@@ -17,6 +17,9 @@ One H2D and one D2H non-blocking stream per engine, so every onboarding is issue
 modes rely on that). Onboarding issues each layer's copies, then posts that layer's signal on the stream, all before
 returning; the addresses are computed once per transfer in numpy.
 
+An onboarding that is one run on both sides (`CopyEngine._onboard_run`) is a cudaMemcpy2DAsync per layer straight
+from the layout's addresses, no CopyJob or numpy plan in between.
+
 Ordering: an offload waits for the work already queued on the caller's current torch stream (the block that wrote
 its pages), through an event. An onboarding does not: its destination pages were just allocated to users no queued
 kernel touches (batches in flight keep their own users pinned), so the next batch's KV can move while a batch
@@ -39,17 +42,18 @@ import torch
 from cuda.bindings import runtime as rt
 
 from layerflow.transfer import cuda_api, cudart
-from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
-from layerflow.transfer.copy_plan import ramp_bounds
+from layerflow.transfer.copy_engine import CopyEngine, CopyJob, LayerAddresses, Transfer
+from layerflow.transfer.copy_plan import Run, ramp_bounds
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signals.base import SignalHandle
 
 class CudaTransfer(Transfer):
     """Done when the event after the transfer's last copy completed; an issue-time error is reported then too."""
 
-    def __init__(self, job: CopyJob, pool: cuda_api.EventPool) -> None:
+    def __init__(self, keep: object, pool: cuda_api.EventPool) -> None:
         self.error: BaseException | None = None
-        self._job: CopyJob | None = job
+        self._keep: object = keep   # what the copies read and write (a job, or a one-run onboarding's tensors)
         self._pool = pool
         self._event: rt.cudaEvent_t | None = None
         self._finished = False
@@ -66,7 +70,7 @@ class CudaTransfer(Transfer):
             self._pool.give(self._event)
             self._event = None
         self._finished = True
-        self._job = None
+        self._keep = None
         return True
 
     def wait(self, timeout: float | None = None) -> None:
@@ -137,6 +141,26 @@ def _layer_addresses(gpu_bases: tuple[int, ...], gpu_offsets: np.ndarray, host_l
     gpu = np.array(gpu_bases, dtype=u64)[:, None] + gpu_offsets.astype(u64)[None, :]
     host = np.array(host_layers, dtype=u64)[:, None] + host_offsets.astype(u64)[None, :]
     return gpu, host
+
+
+def _runs_copier(addresses: LayerAddresses, runs: list[tuple[int, int, int]], to_gpu: bool,
+                 stream: int) -> Callable[[int], None]:
+    """Per layer, a cudaMemcpy2DAsync per `(gpu byte offset, host byte offset, pages)` run: pages packed on the
+    GPU, a block pitch apart on the host."""
+    page, pitch = addresses.page_bytes, addresses.block_pitch
+    gpu_bases, host_layers = addresses.gpu_bases, addresses.host_layers
+
+    def copy_runs(layer: int) -> None:
+        gpu_base, host_layer = gpu_bases[layer], host_layers[layer]
+        for gpu_off, host_off, rows in runs:
+            if to_gpu:
+                cudart.memcpy_2d_async(gpu_base + gpu_off, page, host_layer + host_off, pitch, page, rows,
+                                       cudart.MEMCPY_HOST_TO_DEVICE, stream)
+            else:
+                cudart.memcpy_2d_async(host_layer + host_off, pitch, gpu_base + gpu_off, page, page, rows,
+                                       cudart.MEMCPY_DEVICE_TO_HOST, stream)
+
+    return copy_runs
 
 
 COPY_PATH_ENV = "LAYERFLOW_COPY_PATH"
@@ -219,24 +243,43 @@ class CudaCopyEngine(CopyEngine):
         return self._issue(job, self.d2h_stream, to_gpu=False)
 
     def _issue(self, job: CopyJob, stream: int, to_gpu: bool) -> CudaTransfer:
+        def copier() -> Callable[[int], None]:
+            if not to_gpu:
+                self._after_current_stream(stream)
+            return self._layer_copier(job, stream, to_gpu)
+
+        return self._issue_layers(job, copier, job.num_layers, job.signal, job.first_layer, stream)
+
+    def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
+                     run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
+        """One run: a cudaMemcpy2DAsync per layer straight from the layout's addresses (no job, no numpy), unless
+        `path` sends a single run elsewhere."""
+        if resolved_path(self.path, 1) is not CopyPath.RUNS:
+            return super()._onboard_run(gpu_layers, host, addresses, run, signal, first_layer)
+        stream = self.h2d_stream
+        return self._issue_layers((gpu_layers, host), lambda: self._run_copier(addresses, run, stream),
+                                  len(gpu_layers), signal, first_layer, stream)
+
+    def _issue_layers(self, keep: object, copier: Callable[[], Callable[[int], None]], num_layers: int,
+                      signal: SignalHandle | None, first_layer: int, stream: int) -> CudaTransfer:
+        """`copier()`'s function called for every layer in order, layer l's signal posted right after it; the
+        returned transfer keeps `keep` (the tensors its copies read and write) alive until it is done."""
         # The engine's device is made current on the issuing thread: its events (and a notifier's) are created there,
         # and one process (the transfer server) drives an engine per GPU from shared threads.
         cuda_api.set_device(self.device)
-        transfer = CudaTransfer(job, self._pool)
+        transfer = CudaTransfer(keep, self._pool)
         layer = 0
         try:
-            if not to_gpu:
-                self._after_current_stream(stream)
-            copy_layer = self._layer_copier(job, stream, to_gpu)
-            for layer in range(job.num_layers):
+            copy_layer = copier()
+            for layer in range(num_layers):
                 copy_layer(layer)
-                if job.signal is not None:
-                    job.signal.complete_layer(job.first_layer + layer, stream)
+                if signal is not None:
+                    signal.complete_layer(first_layer + layer, stream)
         except Exception as exc:  # noqa: BLE001 - any failure must reach the waiters, whatever raised it
             error = exc if isinstance(exc, TransferError) else TransferError(f"issuing layer {layer} failed: {exc!r}")
             transfer.error = error
-            if job.signal is not None:
-                job.signal.fail(error, stream)
+            if signal is not None:
+                signal.fail(error, stream)
         event = self._pool.take()
         cuda_api.record(event, stream)
         transfer._event = event
@@ -275,18 +318,13 @@ class CudaCopyEngine(CopyEngine):
             return _op_batches(copier, ops, stream) if to_gpu else _one_op_batch(copier, ops, stream)
 
         runs = list(zip((plan.run_gpu * page).tolist(), (plan.run_host * pitch).tolist(), plan.run_len.tolist()))
+        return _runs_copier(addresses, runs, to_gpu, stream)
 
-        def copy_runs(layer: int) -> None:
-            gpu_base, host_layer = gpu_bases[layer], host_layers[layer]
-            for gpu_off, host_off, rows in runs:
-                if to_gpu:
-                    cudart.memcpy_2d_async(gpu_base + gpu_off, page, host_layer + host_off, pitch, page, rows,
-                                           cudart.MEMCPY_HOST_TO_DEVICE, stream)
-                else:
-                    cudart.memcpy_2d_async(host_layer + host_off, pitch, gpu_base + gpu_off, page, page, rows,
-                                           cudart.MEMCPY_DEVICE_TO_HOST, stream)
-
-        return copy_runs
+    def _run_copier(self, addresses: LayerAddresses, run: Run, stream: int) -> Callable[[int], None]:
+        """The per-layer issue function of a one-run onboarding: layer l's run as one cudaMemcpy2DAsync, its offsets
+        plain ints. The seam a subclass wraps to time or fail those copies, as `_layer_copier` a job's."""
+        offsets = (run.gpu_page * addresses.page_bytes, run.host_block * addresses.block_pitch, run.pages)
+        return _runs_copier(addresses, [offsets], True, stream)
 
     def _run_ops(self) -> cudart.OpsCopier:
         """The 3D batch copier, made on first use (TransferError where libcudart lacks it)."""

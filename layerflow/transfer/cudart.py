@@ -67,6 +67,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cudaEventRecord.argtypes = [_c.c_void_p, _c.c_void_p]
     lib.cudaStreamWaitEvent.restype = _c.c_int
     lib.cudaStreamWaitEvent.argtypes = [_c.c_void_p, _c.c_void_p, _c.c_uint]
+    lib.cudaStreamQuery.restype = _c.c_int
+    lib.cudaStreamQuery.argtypes = [_c.c_void_p]
     lib.cudaGetErrorString.restype = _c.c_char_p
     lib.cudaGetErrorString.argtypes = [_c.c_int]
 
@@ -194,6 +196,19 @@ def event_record(event: int, stream: int) -> None:
 def stream_wait_event(stream: int, event: int) -> None:
     """cudaStreamWaitEvent(stream, event, 0) on raw handles."""
     _check(lib().cudaStreamWaitEvent(stream or None, event, 0), "cudaStreamWaitEvent")
+
+
+NOT_READY = 600   # cudaErrorNotReady
+
+
+def stream_idle(stream: int) -> bool:
+    """cudaStreamQuery on a raw stream handle: True once all work queued on it has finished, False while some is
+    pending; any other result (a failed kernel) raises TransferError."""
+    err = lib().cudaStreamQuery(stream or None)
+    if err == NOT_READY:
+        return False
+    _check(err, "cudaStreamQuery")
+    return True
 
 
 def launch_host_func(stream: int, fn_addr: int, user_data: int) -> None:

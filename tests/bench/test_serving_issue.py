@@ -50,13 +50,17 @@ def test_the_issue_timed_engine_records_each_transfer_and_its_parts():
         engine.onboard(gpu, host, pages, blocks).wait(10)
         check_onboarded(gpu, host, pages, blocks)
         engine.offload(gpu, host, [4], [30]).wait(10)
-        onboard, offload = engine.records
+        assert torch.equal(host[30, 0], gpu[0][4].cpu())
+        gpu, host = make_tensors("cuda", pages=64, blocks=64, layers=2, page=16, heads=2, dim=32, seed=1)
+        engine.onboard(gpu, host, [20, 21], [40, 41]).wait(10)   # one run: timed as a job all the same
+        check_onboarded(gpu, host, [20, 21], [40, 41])
+        onboard, offload, one_run = engine.records
+        assert (one_run.to_gpu, one_run.pages, one_run.runs, one_run.path) == (True, 2, 1, "run_batch")
         assert (onboard.to_gpu, onboard.pages, onboard.runs, onboard.path) == (True, 5, 3, "run_batch")
         assert (offload.to_gpu, offload.pages, offload.runs) == (False, 1, 1)
         assert all(0 < r.calls_s < r.issue_s < r.total_s and 0 < r.setup_s < r.issue_s for r in engine.records)
         assert all(r.setup_s < r.layer0_s < r.total_s for r in engine.records)
         summary = summarize_issue(engine.records)
-        assert summary["onboard"]["transfers"] == 1 and summary["onboard"]["runs_histogram"]["<=4"] == 1
-        assert torch.equal(host[30, 0], gpu[0][4].cpu())
+        assert summary["onboard"]["transfers"] == 2 and summary["onboard"]["runs_histogram"]["<=4"] == 1
     finally:
         engine.close()

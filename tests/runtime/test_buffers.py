@@ -1,5 +1,7 @@
-"""A bucket's buffers on the CPU path: `fill` writes the batch and clears whatever a larger batch left behind."""
+"""A bucket's buffers: `fill` writes the batch and clears whatever a larger batch left behind (CPU path); on the GPU
+`fetch` waits for the batch's done word, set by every replay of a captured send."""
 
+import pytest
 import torch
 
 from layerflow.model import HSTUConfig
@@ -54,3 +56,35 @@ def test_fetch_hands_out_a_copy_the_next_batch_does_not_change():
     bufs.send_results()
     assert bufs.fetch().tolist() == [9.0]
     assert first.dtype == torch.float32 and first.tolist() == [0.5, -1.0, 2.0]
+
+
+@pytest.mark.gpu
+def test_fetch_waits_for_a_long_kernel_before_reading_the_scores():
+    with torch.cuda.stream(torch.cuda.Stream()):   # the engine's buffers live on a side stream
+        bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
+    for scores in ([0.5, -1.0, 2.0], [4.0, 3.0, -2.5]):   # the second batch must not see the first one's word
+        with torch.cuda.stream(bufs.stream):
+            bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
+            torch.cuda._sleep(50_000_000)   # ~tens of ms on the stream: the scores land well after fetch is called
+            bufs.scores[:3] = torch.tensor(scores, device="cuda")
+            bufs.send_results()
+        assert bufs.fetch().tolist() == scores
+
+
+@pytest.mark.gpu
+def test_the_done_word_is_set_by_every_replay_of_a_captured_send():
+    with torch.cuda.stream(torch.cuda.Stream()):   # the engine's buffers live on a side stream (one can capture)
+        bufs = BatchBuffers(Bucket(1, 64), 8, torch.device("cuda"), CONFIG)
+    value = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(bufs.stream):
+        bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
+        with torch.cuda.graph(graph, stream=bufs.stream):
+            torch.cuda._sleep(20_000_000)
+            bufs.scores[:3] = value
+            bufs.send_results()
+        for step in range(1, 4):
+            bufs.fill(JaggedBatch.from_lists(CONFIG, [0], [[1]], [[2, 3, 4]]), [(0,)])
+            value.fill_(float(step))
+            graph.replay()
+            assert bufs.fetch().tolist() == [float(step)] * 3

@@ -139,8 +139,9 @@ class LayerSignals(ABC):
         timeout = self.timeout_s if timeout is None else timeout
         with self._cond:
             counter = self._next
-            free = self._cond.wait_for(lambda: self._is_free(counter), timeout)
-            if not free:
+            # The common case (the counter is free) without wait_for's frames and predicate: they cost microseconds
+            # on the first copy's path.
+            if not (self._is_free(counter) or self._cond.wait_for(lambda: self._is_free(counter), timeout)):
                 raise TransferError(f"signal counter {counter} still in use after {timeout:.3f} s "
                                     f"(released={self._released[counter]}, "
                                     f"posted={self.num_layers - self._unposted[counter]}/{self.num_layers})")
