@@ -34,12 +34,15 @@ import threading
 import time
 import weakref
 from collections import deque
+from functools import partial
 from typing import Callable
 
 import torch
 
-from layerflow.transfer.copy_engine import CopyEngine, CopyJob, Transfer
+from layerflow.transfer.copy_engine import CopyEngine, CopyJob, LayerAddresses, Transfer
+from layerflow.transfer.copy_plan import Run
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.signals.base import SignalHandle
 
 
 class IssuedTransfer(Transfer):
@@ -192,32 +195,45 @@ class IssueThreadCopyEngine(CopyEngine):
 
     def _onboard(self, job: CopyJob) -> Transfer:
         transfer = IssuedTransfer()
-        self._queue.submit(lambda: self._issue(job, True, None, transfer), onboard=True)
+        self._queue.submit(lambda: self._issue(partial(self.inner._onboard, job), job.signal, None, transfer),
+                           onboard=True)
+        return transfer
+
+    def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
+                     run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
+        """A one-run onboarding keeps the inner engine's run path (no job) on the issue thread."""
+        transfer = IssuedTransfer()
+        start = partial(self.inner._onboard_run, gpu_layers, host, addresses, run, signal, first_layer)
+        self._queue.submit(lambda: self._issue(start, signal, None, transfer), onboard=True)
         return transfer
 
     def _offload(self, job: CopyJob) -> Transfer:
         transfer = IssuedTransfer()
         if self._fence is None:
-            self._queue.submit(lambda: self._issue(job, False, None, transfer), onboard=False)
+            self._queue.submit(lambda: self._issue(partial(self.inner._offload, job), None, None, transfer),
+                               onboard=False)
             return transfer
         fence = self._fence.mark()
         try:
-            self._queue.submit(lambda: self._issue(job, False, fence, transfer), onboard=False)
+            self._queue.submit(lambda: self._issue(partial(self.inner._offload, job), None, fence, transfer),
+                               onboard=False)
         except BaseException:
             self._fence.drop(fence)
             raise
         return transfer
 
-    def _issue(self, job: CopyJob, to_gpu: bool, fence: object | None, transfer: IssuedTransfer) -> None:
-        """On the issue thread: the inner engine's issue of `job`; what it raises fails this transfer alone."""
+    def _issue(self, start: Callable[[], Transfer], signal: SignalHandle | None, fence: object | None,
+               transfer: IssuedTransfer) -> None:
+        """On the issue thread: `start()` issues on the inner engine; what it raises fails this transfer alone (and
+        poisons `signal`)."""
         try:
             if fence is not None:
                 self._fence.enter(fence)
-            inner = self.inner._onboard(job) if to_gpu else self.inner._offload(job)
+            inner = start()
         except Exception as exc:  # noqa: BLE001 - any failure must reach this transfer's waiters, whatever raised it
             error = exc if isinstance(exc, TransferError) else TransferError(f"issuing the copies failed: {exc!r}")
-            if job.signal is not None:
-                job.signal.fail(error)
+            if signal is not None:
+                signal.fail(error)
             transfer._settle(None, error)
             return
         transfer._settle(inner)
