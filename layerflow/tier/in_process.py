@@ -1,7 +1,8 @@
 """The tier below the GPU kept in this process: the host cache (pinned host pool, optional SSD) and a copy engine.
 
-The copies write this process's signal ring directly. Onboardings run on the calling thread (an SSD read-back blocks
-it, group by group, each group copied on as it lands); offloads are asynchronous and settled by `reap`.
+The copies write this process's signal ring directly. An onboarding's bookkeeping runs on the calling thread (an SSD
+read-back blocks it, group by group, each group copied on as it lands); its copies are issued there too, or on the copy
+engine's own thread when it is one (`transfer/issue_thread.py`); offloads are asynchronous and settled by `reap`.
 """
 
 from __future__ import annotations
