@@ -2,10 +2,8 @@
 results' copy, and the host's wait for it.
 
 Why: torch's Stream.synchronize learns of the stream's end through the driver's completion write, which queues
-behind the device-to-host copies of the offload issued after the launch (H200, benchmarks/wake_probe.py: a
-synchronize saw a graph's end 42 us late with a 2 MiB offload behind it, the word 3.5 us; session 14's A/B: the
-layerwise request 0.01-0.07 ms and the GPU hit ~0.01 ms faster). The word is written inside the graph, before any of
-them. The wait spins in C (csrc/spin_word.c, through ctypes, which drops the GIL for the call, so a serving thread
+behind the device-to-host copies of the offload issued after the launch (benchmarks/wake_probe.py; figures in
+docs/performance.md). The word is written inside the graph, before any of them. The wait spins in C (csrc/spin_word.c, through ctypes, which drops the GIL for the call, so a serving thread
 runs meanwhile; in Python, holding the GIL, where no C compiler is found); between spins it checks the stream, so a
 stream that went idle without setting the word (a failed batch) raises TransferError instead of hanging.
 """
