@@ -115,3 +115,45 @@ def test_host_hits_issued_by_the_copy_thread_score_bitwise_as_issued_by_the_call
             assert engine.kv.gpu.num_pinned == 0
             scores.append(got)
     assert all(torch.equal(a, b) for a, b in zip(*scores))
+
+
+def test_a_users_offloads_queued_behind_each_other_leave_the_host_copy_of_offloads_waited_for():
+    """User 0 in every batch, each batch prepared (chained) while the last computes, copy thread on: its offloads
+    are issued without waiting for its previous one. Evicted from the GPU afterwards, it scores from the host bitwise
+    as on an engine that waited for every offload before the next batch."""
+    weights = HSTUWeights.init(FP32, seed=3)
+    rng = random.Random(3)
+    histories = {u: [rng.randrange(5000) for _ in range(rng.randrange(700, 900))] for u in range(5)}
+    batches = [[Request(u, [rng.randrange(5000) for _ in range(37)], [rng.randrange(5000) for _ in range(20)])
+                for u in (0, other)] for other in (1, 2, 3, 4, 1, 2)]
+    last = Request(0, [rng.randrange(5000) for _ in range(5)], [rng.randrange(5000) for _ in range(20)])
+    scores = []
+    for queued in (True, False):
+        with Engine(weights, replace(CONFIG, copy_thread=True), token_buckets=(64, 256),
+                    batch_buckets=(1, 2)) as engine:
+            engine.warmup()
+            for u, h in histories.items():
+                engine.score([Request(u, h, [])])
+            engine.kv.wait_offloads()
+            got = []
+            if queued:
+                flight = engine.launch(engine.prepare(batches[0]))
+                for batch in batches[1:]:
+                    plan = engine.prepare(batch, chain=True)
+                    got += engine.collect(flight)
+                    flight = engine.launch(plan)
+                got += engine.collect(flight)
+            else:
+                for batch in batches:
+                    got += engine.score(batch)
+                    engine.kv.wait_offloads()
+            engine.kv.wait_offloads()
+            engine.kv.evict_from_gpu(0)
+            assert engine.kv.tier(0) is Tier.HOST
+            got += engine.score([last])
+            assert engine.kv.gpu.num_pinned == 0
+            scores.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*scores))
+    history = histories[0] + [i for batch in batches for i in batch[0].items] + last.items
+    ref = full_forward(weights, [history], [last.candidates]).scores
+    assert torch.allclose(scores[0][-1], ref, rtol=2e-3, atol=2e-3)
