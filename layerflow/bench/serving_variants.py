@@ -4,60 +4,56 @@ by wrappers on one engine's instances (never their classes), so every variant ru
 A variant is two choices:
 - `offload_wait`: what a user's offload does about the user's previous one. None: nothing (the library: the tier
   orders them, runtime/kv_manager.py); "plain": waits until it was issued and has landed, issued in its turn on the
-  copy thread (onboardings first; session 14's KV manager); "expedited": waits, asking the copy thread to issue it
-  next (`IssuedTransfer.wait`).
-- `due`: when the scheduler prepares a partial batch behind the one in flight. "landed": once the batch in flight's
-  onboarding has landed, or it has computed (the library); "computed": only once it has computed, or at once when it
-  onboards nothing (session 14's scheduler); "always": at once (whatever is queued).
+  copy thread (session 14's KV manager); "expedited": waits, asking the copy thread to issue it next
+  (`IssuedTransfer.wait`).
+- `offloads_first`: the copy thread issues every queued offload before any queued onboarding (False: onboardings
+  first, the library's order, transfer/issue_thread.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from layerflow.bench.serving_timeline import TimedAsyncEngine
-from layerflow.serving.flights import InFlight
 from layerflow.tier.base import KVTier, settle
 from layerflow.tier.copies import AllOf
 from layerflow.transfer.copy_engine import Transfer
-from layerflow.transfer.issue_thread import IssuedTransfer
+from layerflow.transfer.issue_thread import IssuedTransfer, IssueThreadCopyEngine
 
 OFFLOAD_WAITS = (None, "plain", "expedited")
-DUE_RULES = ("landed", "computed", "always")
 
 
 @dataclass(frozen=True)
 class Variant:
     offload_wait: str | None
-    due: str
+    offloads_first: bool = False
 
 
 VARIANTS: dict[str, Variant] = {
-    "wait": Variant("plain", "computed"),         # session 14
-    "promote": Variant("expedited", "computed"),
-    "queued": Variant(None, "computed"),
-    "landed": Variant(None, "landed"),            # the library
-    "eager": Variant(None, "always"),
+    "wait": Variant("plain"),            # session 14
+    "promote": Variant("expedited"),
+    "queued": Variant(None),             # the library
+    "first": Variant(None, True),
+    "wait-first": Variant("plain", True),
 }
 
 
-class VariantAsyncEngine(TimedAsyncEngine):
-    """A TimedAsyncEngine preparing partial batches by the `due` rule (DUE_RULES)."""
-
-    def __init__(self, *args, due: str = "landed", **kwargs) -> None:
-        if due not in DUE_RULES:
-            raise ValueError(f"due={due!r}: expected one of {DUE_RULES}")
-        self._due = due   # set before the scheduler thread starts
-        super().__init__(*args, **kwargs)
-
-    def _next_is_due(self, in_flight: InFlight) -> bool:
-        if self._due == "computed":
-            return not in_flight.prepared.onboards() or in_flight.computed()
-        if self._due == "always":
-            return True
-        return super()._next_is_due(in_flight)
+@contextlib.contextmanager
+def offloads_first(tier: KVTier, first: bool) -> Iterator[None]:
+    """Inside (with `first`): the tier's copy thread, if it has one, issues queued offloads before queued onboardings
+    (its count of offloads to issue first held at its maximum)."""
+    engine = getattr(tier, "engine", None)
+    queue = engine._queue if isinstance(engine, IssueThreadCopyEngine) else None
+    if not first or queue is None:
+        yield
+        return
+    queue._urgent = sys.maxsize
+    try:
+        yield
+    finally:
+        queue._urgent = 0
 
 
 def _leaves(transfer: Transfer) -> Iterator[Transfer]:

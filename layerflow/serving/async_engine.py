@@ -184,8 +184,8 @@ class AsyncEngine:
 
     def _next_is_due(self, in_flight: InFlight) -> bool:
         """Prepare a partial next batch now? Only while waiting for more requests would idle the copy engine or the
-        GPU: the batch in flight's onboarding has landed (or there is none), or it has computed."""
-        return in_flight.prepared.onboarded() or in_flight.computed()
+        GPU: the batch in flight onboards nothing, or has computed."""
+        return not in_flight.prepared.onboards() or in_flight.computed()
 
     def _pause(self) -> None:
         self.queue.wait_for_put(POLL_S)

@@ -44,10 +44,6 @@ class Prepared:
         """It copies KV from host or SSD: its copies occupy the copy engine until its layers have landed."""
         return self.plan.onboarding is not None
 
-    def onboarded(self) -> bool:
-        """Its copies have landed (or there are none): the copy engine is free of it."""
-        return self.plan.onboarding is None or self.plan.onboarding.landed()
-
 
 @dataclass
 class InFlight:

@@ -78,11 +78,6 @@ class Onboarding(ABC):
     def fenced(self) -> bool:
         """After a `finish` that returned False: True once the producer is done with the GPU pages."""
 
-    def landed(self) -> bool:
-        """True once every copy has landed (the copy engine is free of it), without blocking; False while not, or
-        when the tier cannot tell."""
-        return False
-
 
 class KVTier(ABC):
     """Host memory (and SSD) below the GPU pool. Called from the manager's thread only."""

@@ -36,9 +36,6 @@ class _LocalOnboarding(Onboarding):
         self.handle.release()
         return self.fenced()
 
-    def landed(self) -> bool:
-        return self.copies.done()
-
     def fenced(self) -> bool:
         if not self._released:
             if not self.copies.done():

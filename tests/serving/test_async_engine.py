@@ -13,7 +13,6 @@ from layerflow.runtime.request import Request
 from layerflow.serving.async_engine import POLICIES, AsyncEngine
 from layerflow.serving.errors import DeadlineExceeded, ShuttingDown
 from layerflow.tier.base import Tier
-from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 from layerflow.transfer.thread_copy import ThreadCopyEngine
@@ -476,55 +475,17 @@ class ComputesOnRequest(AsyncEngine):
         super().close()
 
 
-class _LandsOnRequest(Transfer):
-    """An onboarding's transfer that reports landed only once `landed` is set (its copies ran already)."""
+def test_behind_an_onboarding_batch_a_partial_one_is_prepared_only_once_it_computed(weights):
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, ComputesOnRequest(engine) as serving:
+        on_host(engine, {1: 40})
+        setup = len(engine.launched)
+        first = serving.submit(Request(1, [3], [4]))                # onboards: its copies occupy the copy engine
+        wait_until(lambda: len(engine.launched) == setup + 1, "the onboarding batch launched")
+        second = serving.submit(Request(2, [5], [6]))
+        time.sleep(0.05)
+        assert serving.metrics.prefetched._value.get() == 0 and len(serving.queue) == 1
+        serving.computed.set()
+        assert first.result(WAIT_S).tier is Tier.HOST and second.result(WAIT_S).batch_size == 1
+        assert serving.metrics.prefetched._value.get() == 1
+        assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
 
-    def __init__(self, inner: Transfer, landed: threading.Event) -> None:
-        self.inner, self.landed = inner, landed
-
-    def done(self) -> bool:
-        return self.landed.is_set() and self.inner.done()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self.landed.wait(WAIT_S if timeout is None else timeout):
-            raise TransferError("the test never let the onboarding land")
-        self.inner.wait(timeout)
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.inner.error
-
-
-class LandingCopies(ThreadCopyEngine):
-    """Onboardings count as in flight on the copy engine until `landed` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.landed = threading.Event()
-        self.landed.set()
-
-    def _onboard(self, job) -> Transfer:
-        return _LandsOnRequest(super()._onboard(job), self.landed)
-
-
-def test_behind_an_onboarding_batch_a_partial_one_is_prepared_once_its_copies_landed_before_it_computed(weights):
-    copies = LandingCopies()
-    try:
-        with HeldEngine(weights, config(serve_max_batch_size=4), copy_engine=copies) as engine, \
-                ComputesOnRequest(engine) as serving:
-            on_host(engine, {1: 40})
-            setup = len(engine.launched)
-            copies.landed.clear()
-            first = serving.submit(Request(1, [3], [4]))             # onboards: its copies occupy the copy engine
-            wait_until(lambda: len(engine.launched) == setup + 1, "the onboarding batch launched")
-            second = serving.submit(Request(2, [5], [6]))
-            time.sleep(0.05)
-            assert serving.metrics.prefetched._value.get() == 0 and len(serving.queue) == 1
-            copies.landed.set()                                      # the copy engine is free: waiting idles it
-            wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the partial batch prepared, though "
-                       "the batch in flight has not computed")
-            serving.computed.set()
-            assert first.result(WAIT_S).tier is Tier.HOST and second.result(WAIT_S).batch_size == 1
-            assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
-    finally:
-        copies.close()
