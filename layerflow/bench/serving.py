@@ -39,8 +39,7 @@ from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
 from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
-from layerflow.bench.serving_timeline import TimedAsyncEngine
-from layerflow.bench.serving_variants import VARIANTS, offload_waits, offloads_first
+from layerflow.bench.serving_variants import VARIANTS, offload_waits, offloads_first, scheduler_class
 from layerflow.bench.stats import percentile
 from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
                                         stream_engine)
@@ -83,7 +82,7 @@ class ServingSettings:
     blocks: int = 1
     unloaded: int = 0
     copy_threads: tuple[bool, ...] = (True,)
-    variants: tuple[str, ...] = ("queued",)
+    variants: tuple[str, ...] = ("queued-behind",)
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -294,7 +293,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                 (block, e, p, v) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
                 for p in settings.policies for v in (settings.variants[::-1] if block % 2 else settings.variants)):
             variant = VARIANTS[name]
-            serving = TimedAsyncEngine(engine, policy=policy)
+            serving = scheduler_class(variant)(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,

@@ -1,13 +1,15 @@
 """The serving behaviours the serving benchmark compares in one process: the library's and those it replaced, put back
 by wrappers on one engine's instances (never their classes), so every variant runs on the same engine and histories.
 
-A variant is two choices:
+A variant is three choices:
 - `offload_wait`: what a user's offload does about the user's previous one. None: nothing (the library: the tier
   orders them, runtime/kv_manager.py); "plain": waits until it was issued and has landed, issued in its turn on the
   copy thread (session 14's KV manager); "expedited": waits, asking the copy thread to issue it next
   (`IssuedTransfer.wait`).
 - `offloads_first`: the copy thread issues every queued offload before any queued onboarding (False: onboardings
   first, the library's order, transfer/issue_thread.py).
+- `behind`: a second batch is prepared behind a prepared one that onboards nothing (the library,
+  serving/async_engine.py); False: at most one batch is prepared ahead (session 14).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.tier.base import KVTier, settle
 from layerflow.tier.copies import AllOf
 from layerflow.transfer.copy_engine import Transfer
@@ -29,15 +32,30 @@ OFFLOAD_WAITS = (None, "plain", "expedited")
 class Variant:
     offload_wait: str | None
     offloads_first: bool = False
+    behind: bool = True
 
 
 VARIANTS: dict[str, Variant] = {
-    "wait": Variant("plain"),            # session 14
-    "promote": Variant("expedited"),
-    "queued": Variant(None),             # the library
-    "first": Variant(None, True),
-    "wait-first": Variant("plain", True),
+    "wait": Variant("plain", behind=False),           # session 14
+    "promote": Variant("expedited", behind=False),
+    "queued": Variant(None, behind=False),
+    "first": Variant(None, True, behind=False),
+    "wait-first": Variant("plain", True, behind=False),
+    "wait-behind": Variant("plain"),
+    "queued-behind": Variant(None),                   # the library
+    "first-behind": Variant(None, True),
 }
+
+
+class OneAheadAsyncEngine(TimedAsyncEngine):
+    """A TimedAsyncEngine that never prepares a second batch ahead (session 14's scheduler)."""
+
+    def _may_prepare_behind(self) -> bool:
+        return False
+
+
+def scheduler_class(variant: Variant) -> type[TimedAsyncEngine]:
+    return TimedAsyncEngine if variant.behind else OneAheadAsyncEngine
 
 
 @contextlib.contextmanager

@@ -489,3 +489,61 @@ def test_behind_an_onboarding_batch_a_partial_one_is_prepared_only_once_it_compu
         assert serving.metrics.prefetched._value.get() == 1
         assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
 
+
+
+def test_behind_a_prepared_batch_of_gpu_hits_one_that_onboards_is_prepared_while_the_first_computes(weights):
+    with HeldEngine(weights, config(serve_max_batch_size=2)) as engine, ComputesOnRequest(engine) as serving:
+        on_host(engine, {1: 40})
+        for user in (2, 3, 5):
+            engine.score([history(user, 40)])                       # GPU hits
+        setup = len(engine.launched)
+        engine.collect_gate.close()
+        futures = [serving.submit(Request(2, [1], [2]))]
+        wait_until(lambda: len(engine.launched) == setup + 1, "the first batch launched")
+        futures.append(serving.submit(Request(3, [3], [4])))         # prepared ahead: onboards nothing
+        wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the GPU hit prepared ahead")
+        futures.append(serving.submit(Request(5, [5], [6])))         # GPU hits only: not prepared behind
+        time.sleep(0.05)
+        assert serving.metrics.prefetched._value.get() == 1 and serving._behind is None
+        futures.append(serving.submit(Request(1, [7], [8])))         # onboards: prepared behind, its copies queued
+        assert engine.collect_gate.entered.wait(WAIT_S)             # then the scheduler went to collect the first
+        assert [p.user for p in serving._behind.batch] == [5, 1] and serving.metrics.prefetched._value.get() == 2
+        assert len(engine.launched) == setup + 1
+        serving.computed.set()
+        engine.collect_gate.open()
+        results = [f.result(WAIT_S) for f in futures]
+        assert engine.kv.gpu.num_pinned == 0
+    assert [r.tier for r in results] == [Tier.GPU, Tier.GPU, Tier.GPU, Tier.HOST]
+    assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[2], [3], [5, 1]]
+    requests = [Request(2, [1], [2]), Request(3, [3], [4]), Request(5, [5], [6]), Request(1, [7], [8])]
+    expected = sequential_scores(weights, [history(u, 40) for u in (1, 2, 3, 5)] + requests)[4:]
+    assert all(close_to(r.scores, e) for r, e in zip(results, expected))
+
+
+def test_a_failed_batch_in_flight_requeues_both_batches_prepared_behind_it_in_order(weights):
+    with FailingCollect(weights, config(serve_max_batch_size=2)) as engine, ComputesOnRequest(engine) as serving:
+        on_host(engine, {1: 40})
+        for user in (2, 3):
+            engine.score([history(user, 40)])
+        setup = len(engine.launched)
+        engine.failing = {2}
+        engine.collect_gate.close()
+        futures = [serving.submit(Request(2, [1], [2]))]
+        wait_until(lambda: len(engine.launched) == setup + 1, "the failing batch launched")
+        futures.append(serving.submit(Request(3, [3], [4])))
+        wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the GPU hit prepared ahead")
+        futures.append(serving.submit(Request(1, [7], [8])))
+        assert engine.collect_gate.entered.wait(WAIT_S)
+        assert [p.user for p in serving._behind.batch] == [1]
+        serving.computed.set()
+        engine.collect_gate.open()
+        with pytest.raises(TransferError, match="injected failure found at the collect"):
+            futures[0].result(WAIT_S)
+        results = [f.result(WAIT_S) for f in futures[1:]]
+        assert engine.kv.gpu.num_pinned == 0
+    # the failed batch, its retry alone, then the two batches prepared behind it, requeued in order and taken as one
+    assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[2], [2], [3, 1]]
+    assert [r.tier for r in results] == [Tier.GPU, Tier.HOST]
+    expected = sequential_scores(weights, [history(u, 40) for u in (1, 3)] + [Request(3, [3], [4]),
+                                                                             Request(1, [7], [8])])[2:]
+    assert all(close_to(r.scores, e) for r, e in zip(results, expected))
