@@ -39,7 +39,7 @@ from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
 from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
-from layerflow.bench.serving_variants import VARIANTS, offload_waits, offloads_first, scheduler_class
+from layerflow.bench.serving_timeline import TimedAsyncEngine
 from layerflow.bench.stats import percentile
 from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
                                         stream_engine)
@@ -68,8 +68,7 @@ class ServingSettings:
     many alternated blocks repeat every run; `unloaded`: how many requests of the stream are first served one at a
     time (each sent once the last was answered) for the unloaded latency (0: none); `copy_threads`: the Config
     `copy_thread` values compared, one engine each (the copies issued by the scheduler thread or by a copy thread,
-    layerflow.transfer.issue_thread); `variants`: the serving behaviours compared on each engine
-    (layerflow.bench.serving_variants.VARIANTS; the default is the library's)."""
+    layerflow.transfer.issue_thread)."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
@@ -82,7 +81,6 @@ class ServingSettings:
     blocks: int = 1
     unloaded: int = 0
     copy_threads: tuple[bool, ...] = (True,)
-    variants: tuple[str, ...] = ("queued-behind",)
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -102,9 +100,6 @@ class ServingSettings:
         if self.copy_paths and True in self.copy_threads:
             raise ValueError(f"copy_paths={self.copy_paths!r} with a copy thread: the issue is timed on the calling "
                              f"thread")
-        if not self.variants or any(v not in VARIANTS for v in self.variants) \
-                or len(set(self.variants)) != len(self.variants):
-            raise ValueError(f"variants={self.variants!r}: expected distinct names of {tuple(VARIANTS)}")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
@@ -121,8 +116,7 @@ class ServingSettings:
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
                 "copy_paths": list(self.copy_paths), "copy_timeline": self.copy_timeline, "blocks": self.blocks,
-                "unloaded": self.unloaded, "copy_threads": list(self.copy_threads),
-                "variants": list(self.variants)}
+                "unloaded": self.unloaded, "copy_threads": list(self.copy_threads)}
 
 
 GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
@@ -233,7 +227,6 @@ def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
     path = f", copy path {run['copy_path']}" if "copy_path" in run else ""
     path += ", copy thread" if run.get("copy_thread") else ""
-    path += f", {run['variant']}" if "variant" in run else ""
     print(f"policy {run['policy']}{path}, {run['transport']}, {run['offered_rate']:g}/s: "
           f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
           f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
@@ -289,11 +282,10 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             for u in visits:
                 first.kv.truncate(u, workload.history_len)
         # Odd blocks take the engines in reverse order, so neither mode always runs first in its block.
-        for block, (copy_thread, engine, copies, timer), policy, name in (
-                (block, e, p, v) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
-                for p in settings.policies for v in (settings.variants[::-1] if block % 2 else settings.variants)):
-            variant = VARIANTS[name]
-            serving = scheduler_class(variant)(engine, policy=policy)
+        for block, (copy_thread, engine, copies, timer), policy in (
+                (block, e, p) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
+                for p in settings.policies):
+            serving = TimedAsyncEngine(engine, policy=policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
@@ -307,11 +299,9 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         copies.begin()
                     if timer is not None:
                         timer.start()
-                    with offload_waits(engine.kv.below, variant.offload_wait), \
-                            offloads_first(engine.kv.below, variant.offloads_first):
-                        records = over_http(server.url, arrivals) if transport == "http" \
-                            else in_process(serving, arrivals)
-                    extra = {"block": block, "copy_thread": copy_thread, "variant": name}
+                    records = over_http(server.url, arrivals) if transport == "http" \
+                        else in_process(serving, arrivals)
+                    extra = {"block": block, "copy_thread": copy_thread}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
                     if settings.copy_paths:

@@ -25,7 +25,6 @@ from layerflow.runtime.quarantine import Quarantine
 from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.base import KVTier, Load, Tier, settle
-from layerflow.tier.copies import AllOf
 from layerflow.tier.gpu_pool import GpuKVPool
 from layerflow.transfer.errors import TransferError
 
@@ -359,17 +358,14 @@ class KVManager:
         return self.quarantine.pages
 
     def _offload(self, user: int, entry: UserEntry, pages: tuple[int, ...]) -> None:
-        """Copy the pages this batch wrote down to the tier below (asynchronously). The user's previous offload is not
-        waited for: the tier orders a user's offloads (KVTier.offload), and the entry's transfer covers both until
-        they have ended, so the pages stay unevictable until then. Why: a user in consecutive batches (the hot
-        user under Zipf load) would otherwise hold the launch until its last offload, still queued behind the next
-        batch's onboarding on the copy thread, has landed (docs/serving.md)."""
+        """Copy the pages this batch wrote down to the tier below (asynchronously)."""
         if not len(entry.history):
             return
+        if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
+            settle(entry.offload)
+            self._reap_offloads()
         items = entry.history if isinstance(entry.history, ItemHistory) else None
-        offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page, history=items)
-        previous = entry.offload
-        entry.offload = offload if previous is None or previous.done() else AllOf([previous, offload])
+        entry.offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page, history=items)
         self._offloading.add(user)
 
     def _reap_offloads(self) -> None:

@@ -93,7 +93,6 @@ class AsyncEngine:
         self.queue = RequestQueue(config.serve_max_queue, max_batch, max_tokens, config.serve_max_wait_ms / 1e3)
         self._flight: InFlight | None = None
         self._prepared: Prepared | None = None
-        self._behind: Prepared | None = None   # prepared behind `_prepared` when that one onboards nothing
         self._retry: list[Pending] = []
         self._deferred = False       # the prefetch did not fit beside the batch in flight: wait for its collect
         self._sampled = 0.0
@@ -158,7 +157,7 @@ class AsyncEngine:
                 batch, self._retry = self._retry, []   # retries run alone: after the batches in flight and prepared
                 self._retry_alone(batch)
             elif self._flight is None and self._prepared is not None:
-                prepared, self._prepared, self._behind = self._prepared, self._behind, None
+                prepared, self._prepared = self._prepared, None
                 self._launch(prepared)
             elif self._flight is None:
                 taken = self._take(wait=True)
@@ -168,8 +167,6 @@ class AsyncEngine:
                     self._prepared = self._prepare(taken, prefetch=False)
             elif self.prefetch and self._prepared is None and not self._deferred and not self._retry:
                 self._prefetch_or_poll()
-            elif self._may_prepare_behind():
-                self._prepare_behind_or_poll()
             else:
                 self._collect()
 
@@ -190,30 +187,14 @@ class AsyncEngine:
         GPU: the batch in flight onboards nothing, or has computed."""
         return not in_flight.prepared.onboards() or in_flight.computed()
 
-    def _may_prepare_behind(self) -> bool:
-        """A second batch may be prepared ahead while the batch in flight computes, behind a prepared one that onboards
-        nothing: its copies then queue right behind the batch in flight's, where the copy engine would otherwise idle
-        until that prepared batch is launched (the module docstring)."""
-        return (self.prefetch and self._behind is None and self._prepared is not None and not self._deferred
-                and not self._retry and not self._prepared.onboards() and not self._flight.computed())
-
-    def _prepare_behind_or_poll(self) -> None:
-        """Prepare the queued requests behind the prepared batch if some of them onboard (a batch of GPU hits there
-        would only split the next batch), else pause until a request arrives or the next poll."""
-        taken = self._take(wait=False)
-        if taken and any(p.user not in self.engine.kv.gpu for p in taken):
-            self._behind = self._prepare(taken, prefetch=True)
-            return
-        if taken:
-            self._requeue(taken)
-        self._pause()
-
     def _pause(self) -> None:
         self.queue.wait_for_put(POLL_S)
 
     def _busy(self) -> set[int]:
         """Users the next batch must skip: prepared or waiting for a retry (those in flight are chained on)."""
-        batches = [self._retry] + [ahead.batch for ahead in (self._prepared, self._behind) if ahead is not None]
+        batches = [self._retry]
+        if self._prepared is not None:
+            batches.append(self._prepared.batch)
         return {p.user for batch in batches for p in batch}
 
     def _take(self, wait: bool, full_only: bool = False) -> list[Pending] | None:
@@ -300,12 +281,10 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - the engine rolled the batch back
             log.warning("a batch of %d failed (%s): retrying its requests alone", len(prepared.batch), e)
             self.metrics.failed_batches.inc()
-            # Pages back, so the retries find the pool as it was; the nearer batch is requeued last, at the head.
-            for prepared_ahead in (self._behind, self._prepared):
-                if prepared_ahead is not None:
-                    self.engine.cancel(prepared_ahead.plan)
-                    self._requeue(prepared_ahead.batch)
-            self._prepared = self._behind = None
+            if self._prepared is not None:   # pages back: the retries must find the pool as it was
+                self.engine.cancel(self._prepared.plan)
+                self._requeue(self._prepared.batch)
+            self._prepared = None
             self._retry.extend(prepared.batch)
             return
         now = time.monotonic()
@@ -378,9 +357,8 @@ class AsyncEngine:
         self.queue.close()
         reason = ShuttingDown(f"the serving scheduler stopped: {error!r}")
         waiting = list(self._retry) + self.queue.clear()
-        for prepared in (self._prepared, self._behind):
-            if prepared is not None:
-                waiting += prepared.batch
+        if self._prepared is not None:
+            waiting += self._prepared.batch
         if self._flight is not None:
             waiting += self._flight.prepared.batch
         for p in waiting:

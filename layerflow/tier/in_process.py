@@ -53,7 +53,7 @@ class InProcessTier(KVTier):
                  signals: LayerSignals, timeout_s: float, owns_engine: bool = True) -> None:
         self.cache, self.engine, self.signals, self.owns_engine = cache, engine, signals, owns_engine
         self.copier = GroupCopier(engine, layout, gpu_kv, cache.host.blocks, timeout_s)
-        self._offloads: dict[int, list[Transfer]] = {}   # per user, in issue order
+        self._offloads: dict[int, Transfer] = {}
 
     def locate(self, user: int, tokens: int) -> Tier:
         tier, held = self.cache.lookup(user)
@@ -83,9 +83,10 @@ class InProcessTier(KVTier):
 
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0,
                 history: Sequence[int] | None = None) -> Transfer:
-        """Copies only the pages from the first one the host copy does not hold yet; a user's offloads are issued on
-        one stream in order, each reaped (and unpinned) once, in that order, so an earlier one still in flight is not
-        waited for."""
+        """Copies only the pages from the first one the host copy does not hold yet."""
+        if user in self._offloads:  # one offload per user at a time, each reaped (and unpinned) once
+            settle(self._offloads[user])
+            self.reap()
         slot = self.cache.begin_offload(user, tokens, valid_from, history)
         n = -(-tokens // self.cache.page_size)
         try:
@@ -93,21 +94,18 @@ class InProcessTier(KVTier):
         except BaseException:
             self.cache.end_offload(user, ok=False)
             raise
-        self._offloads.setdefault(user, []).append(transfer)
+        self._offloads[user] = transfer
         return transfer
 
     def reap(self) -> None:
-        """Unpin the host blocks of finished offloads, each user's in order; a failed offload leaves no host copy."""
-        for user, transfers in list(self._offloads.items()):
-            while transfers and transfers[0].done():
-                transfer = transfers.pop(0)
-                self.cache.end_offload(user, ok=transfer.error is None)
-            if not transfers:
+        """Unpin the host blocks of finished offloads; a failed offload leaves no host copy."""
+        for user, transfer in list(self._offloads.items()):
+            if transfer.done():
                 del self._offloads[user]
+                self.cache.end_offload(user, ok=transfer.error is None)
 
     def _settle_user(self, user: int) -> None:
-        for transfer in self._offloads.get(user, ()):
-            settle(transfer)
+        settle(self._offloads.get(user))
         self.reap()
 
     def truncate(self, user: int, tokens: int) -> None:
@@ -125,9 +123,8 @@ class InProcessTier(KVTier):
         return self.cache.usage()
 
     def close(self) -> None:
-        for transfers in self._offloads.values():
-            for transfer in transfers:
-                settle(transfer)
+        for transfer in self._offloads.values():
+            settle(transfer)
         self.reap()
         if self.owns_engine:
             self.engine.close()

@@ -13,9 +13,7 @@ What still holds:
   themselves, on the copy stream, so a graph launched before its onboarding was issued just waits longer on the GPU.
 - Onboardings go first: a queued onboarding is issued before any queued offload (each kind in its order), because
   the next batch's copies are what the copy engine waits for, while an offload only has to land before its user's
-  pages are reused (the KV manager evicts only users whose offload finished). Except an offload someone waits for
-  (`wait()` on a transfer not issued yet): it and the offloads queued before it go next, ahead of queued onboardings,
-  so a caller that needs a user's pages is not kept behind copies it does not need (offloads stay in their order).
+  pages are reused, which the KV manager waits for (it evicts only users whose offload finished).
 - An offload waits for the work queued on the caller's current stream when it was asked for (CUDA: an event recorded
   there by the caller, waited by the issue thread's current stream, which the inner engine orders its offload after).
 - The inner engine is only ever used from the issue thread, until `close()`, which drains the queue first.
@@ -50,11 +48,10 @@ from layerflow.transfer.signals.base import SignalHandle
 class IssuedTransfer(Transfer):
     """A transfer queued for the issue thread: done once it was issued and the inner transfer is done."""
 
-    def __init__(self, expedite: Callable[[IssuedTransfer], None] | None = None) -> None:
+    def __init__(self) -> None:
         self._issued = threading.Event()
         self._inner: Transfer | None = None
         self._failure: BaseException | None = None
-        self._expedite = expedite   # asks the issue thread to issue this transfer next (an offload waited for)
 
     @property
     def error(self) -> BaseException | None:
@@ -67,8 +64,6 @@ class IssuedTransfer(Transfer):
 
     def wait(self, timeout: float | None = None) -> None:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        if not self._issued.is_set() and self._expedite is not None:
-            self._expedite(self)
         if not self._issued.wait(timeout):
             raise TransferError(f"transfer not issued within {timeout} s")
         if self._failure is not None:
@@ -116,15 +111,13 @@ class _StreamFence:
 
 
 class _IssueQueue:
-    """Work for one daemon thread: onboardings before offloads, each kind in submission order, except the offloads
-    up to one `expedite`d (they go first); `stop()` runs what was already submitted, then joins. `setup` runs first on
-    the thread; what it raises, `start` raises."""
+    """Work for one daemon thread: onboardings before offloads, each kind in submission order; `stop()` runs what
+    was already submitted, then joins. `setup` runs first on the thread; what it raises, `start` raises."""
 
     def __init__(self, name: str, setup: Callable[[], None] | None) -> None:
         self._cond = threading.Condition()
         self._onboards: deque[Callable[[], None]] = deque()
-        self._offloads: deque[tuple[Callable[[], None], object]] = deque()   # (work, the key `expedite` names)
-        self._urgent = 0   # how many queued offloads, from the oldest, go before the queued onboardings
+        self._offloads: deque[Callable[[], None]] = deque()
         self._stopping = False
         self._setup, self._setup_error = setup, None
         self._ready = threading.Event()
@@ -137,24 +130,12 @@ class _IssueQueue:
             self.stop()
             raise self._setup_error
 
-    def submit(self, work: Callable[[], None], onboard: bool, key: object = None) -> None:
-        """Queue `work`; an offload's `key` lets `expedite` find it."""
+    def submit(self, work: Callable[[], None], onboard: bool) -> None:
         with self._cond:
             if self._stopping:
                 raise TransferError("copy engine closed: no transfer can be issued")
-            if onboard:
-                self._onboards.append(work)
-            else:
-                self._offloads.append((work, key))
+            (self._onboards if onboard else self._offloads).append(work)
             self._cond.notify()
-
-    def expedite(self, key: object) -> None:
-        """The queued offload submitted with `key`, and every offload queued before it, go before the queued
-        onboardings (nothing happens if it was already taken)."""
-        with self._cond:
-            index = next((i for i, (_, k) in enumerate(self._offloads) if k is key), None)
-            if index is not None:
-                self._urgent = max(self._urgent, index + 1)
 
     def stop(self) -> None:
         with self._cond:
@@ -178,11 +159,7 @@ class _IssueQueue:
                     self._cond.wait()
                 if not (self._onboards or self._offloads):
                     return
-                if self._offloads and (self._urgent or not self._onboards):
-                    work = self._offloads.popleft()[0]
-                    self._urgent = max(0, self._urgent - 1)
-                else:
-                    work = self._onboards.popleft()
+                work = (self._onboards or self._offloads).popleft()
             work()
             work = None   # an idle thread must not keep its last job's tensors alive
 
@@ -231,15 +208,15 @@ class IssueThreadCopyEngine(CopyEngine):
         return transfer
 
     def _offload(self, job: CopyJob) -> Transfer:
-        transfer = IssuedTransfer(self._queue.expedite)
+        transfer = IssuedTransfer()
         if self._fence is None:
             self._queue.submit(lambda: self._issue(partial(self.inner._offload, job), None, None, transfer),
-                               onboard=False, key=transfer)
+                               onboard=False)
             return transfer
         fence = self._fence.mark()
         try:
             self._queue.submit(lambda: self._issue(partial(self.inner._offload, job), None, fence, transfer),
-                               onboard=False, key=transfer)
+                               onboard=False)
         except BaseException:
             self._fence.drop(fence)
             raise

@@ -165,37 +165,3 @@ def test_bad_copy_thread_modes_are_refused(copy_threads):
         ServingSettings(workload(), (1.0,), copy_threads=copy_threads)
     with pytest.raises(ValueError, match="with a copy thread"):
         ServingSettings(workload(), (1.0,), copy_paths=("runs",), copy_threads=(False, True))
-
-
-def test_each_variant_runs_in_every_block_the_order_alternating_and_leaves_no_wrapper_behind():
-    settings = ServingSettings(workload(num_requests=12, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
-                               ("inprocess",), policies=("guarded",), blocks=2, variants=("wait", "queued", "first"))
-    data = run_serving(settings, CPU)
-    assert [(r["block"], r["variant"]) for r in data["runs"]] == [
-        (0, "wait"), (0, "queued"), (0, "first"), (1, "first"), (1, "queued"), (1, "wait")]
-    assert all(r["answered"] == 12 and not r["errors"] and r["tiers"].get("host", 0) > 0 for r in data["runs"])
-
-
-def test_the_variant_wrappers_wait_for_a_users_previous_offload_and_are_removed_on_exit():
-    from layerflow.bench.serving_variants import offload_waits, offloads_first
-    from layerflow.transfer.issue_thread import IssueThreadCopyEngine
-
-    with Engine(HSTUWeights.init(MODEL, seed=0), config()) as engine:
-        tier = engine.kv.below
-        assert isinstance(tier.engine, IssueThreadCopyEngine)
-        gen = torch.Generator().manual_seed(1)
-        ids = lambda n: torch.randint(0, MODEL.item_vocab_size, (n,), generator=gen).tolist()
-        with offload_waits(tier, "plain"), offloads_first(tier, True):
-            assert "offload" in vars(tier) and tier.engine._queue._urgent > 0
-            first = engine.score([Request(0, ids(30), ids(3))])
-            previous = tier._offloads.get(0, [None])[-1]
-            engine.score([Request(0, ids(2), ids(3))])
-            assert previous is None or previous.done()   # waited for before the next offload was issued
-        assert "offload" not in vars(tier) and tier.engine._queue._urgent == 0
-        assert len(first) == 1
-
-
-@pytest.mark.parametrize("variants", [(), ("wait", "wait"), ("landed",)])
-def test_bad_variants_are_refused(variants):
-    with pytest.raises(ValueError, match="variants="):
-        ServingSettings(workload(), (1.0,), variants=variants)

@@ -92,47 +92,6 @@ def test_queued_onboardings_go_before_queued_offloads_each_in_order_on_the_issue
                             [("h2d", 5), ("h2d", 2), ("h2d", 9), ("d2h", 4), ("d2h", 7)]]
 
 
-
-def test_an_offload_waited_for_goes_before_queued_onboardings_with_the_offloads_queued_before_it(engine, inner):
-    gpu, host = make_tensors()
-    inner.gate.clear()
-    first = engine.onboard(gpu, host, [5], [5])
-    while engine._queue._onboards:   # taken by the thread: it waits at the gate
-        threading.Event().wait(0.001)
-    transfers = [engine.onboard(gpu, host, [2], [2]), engine.offload(gpu, host, [4], [1]),
-                 engine.onboard(gpu, host, [9], [9]), engine.offload(gpu, host, [7], [3]),
-                 engine.offload(gpu, host, [8], [4])]
-    waited = transfers[3]
-    waiter = threading.Thread(target=waited.wait, args=(5,))
-    waiter.start()
-    while not engine._queue._urgent:   # the waiter asked for it
-        threading.Event().wait(0.001)
-    inner.gate.set()
-    waiter.join(5)
-    for t in [first, *transfers]:
-        t.wait(5)
-    assert [(d, p) for _, d, p in inner.issued] == [("h2d", 5), ("d2h", 4), ("d2h", 7), ("h2d", 2), ("h2d", 9),
-                                                   ("d2h", 8)]
-    assert torch.equal(host[3, 0], gpu[0][7])
-
-
-def test_waiting_for_an_issued_or_unqueued_offload_changes_no_order(engine, inner):
-    gpu, host = make_tensors()
-    done = engine.offload(gpu, host, [4], [1])
-    done.wait(5)
-    inner.gate.clear()
-    transfers = [engine.onboard(gpu, host, [5], [5])]
-    while engine._queue._onboards:   # taken by the thread: it waits at the gate
-        threading.Event().wait(0.001)
-    transfers += [engine.onboard(gpu, host, [2], [2]), engine.offload(gpu, host, [7], [3])]
-    done.wait(5)   # already issued: asks for nothing
-    assert engine._queue._urgent == 0
-    inner.gate.set()
-    for t in transfers:
-        t.wait(5)
-    assert [(d, p) for _, d, p in inner.issued] == [("d2h", 4), ("h2d", 5), ("h2d", 2), ("d2h", 7)]
-
-
 def test_a_call_returns_before_its_copies_are_issued(engine, inner):
     gpu, host = make_tensors()
     inner.gate.clear()
