@@ -45,6 +45,17 @@ QK_ENV = "LAYERFLOW_FP8_QK"
 DEFAULT_QK = "bf16"
 E4M3_QK = "fp8x2"
 QK_TERMS = {"bf16": 0, "fp8x2": 2}
+# How the block's warps order a tile's work: "ws" (gluon_fp8_ws: a tile's two dots in turn over shared K/V slots the
+# loader fills) or "pv" (gluon_fp8_pv: S(t) and P(t-1) V(t-1) in flight together, SiLU(t) while P V runs; K and V
+# slots of their own, the key codes copied straight into the e4m3 K slots; with qk "fp8x2" and the "async" scale
+# copy and "decode" scale site only).
+SCHEDULES = ("ws", "pv")
+SCHEDULE_ENV = "LAYERFLOW_FP8_SCHEDULE"
+DEFAULT_SCHEDULE = "ws"
+# (keys per tile, K/V slots, value code slots) under "pv", at D <= 128 and at D=256. At D=256 64-key tiles leave the
+# block's warps too few registers to keep the V dot in flight during the SiLU (the sm_90 build serialises the wgmma:
+# ptxas C7512), 32-key tiles do not.
+PV_TILES = {False: (64, 2, 2), True: (32, 2, 4)}
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 LOADER_WARPS = (4, 8)
@@ -67,7 +78,8 @@ class Fp8Tiling:
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
     each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
     on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
-    (DECODES) and how Q K^T runs (QKS: with "fp8x2" the K slots hold e4m3 codes and only V is decoded)."""
+    (DECODES), how Q K^T runs (QKS: with "fp8x2" the K slots hold e4m3 codes and only V is decoded) and how the
+    block's warps order a tile's work (SCHEDULES; under "pv" `code_stages` counts the value code slots alone)."""
 
     block_n: int = 32
     stages: int = 2
@@ -80,6 +92,7 @@ class Fp8Tiling:
     unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
     decode: str = DEFAULT_DECODE
     qk: str = DEFAULT_QK
+    schedule: str = DEFAULT_SCHEDULE
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -123,7 +136,14 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
                        unmasked_whole_tiles=_env_flag(WHOLE_TILES_ENV, DEFAULT_UNMASKED_WHOLE_TILES),
                        decode=_env_choice(DECODE_ENV, DECODES,
                                           BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE),
-                       qk=qk)
+                       qk=qk, schedule=_env_choice(SCHEDULE_ENV, SCHEDULES, DEFAULT_SCHEDULE))
+    if tiling.schedule == "pv":
+        if qk != "fp8x2":
+            raise ValueError(f"${SCHEDULE_ENV}='pv' with qk={qk!r}: the pv schedule runs Q K^T on fp8 MMAs (e4m3 "
+                             "pages, qk 'fp8x2' only)")
+        block_n, stages, code_stages = PV_TILES[head_dim > 128]
+        return replace(tiling, block_n=block_n, stages=stages, code_stages=code_stages,
+                       silu=_env_choice(SILU_ENV, SILUS, DEFAULT_SILU))
     wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
     if head_dim > 128 and fp8_tiling_reason(wide) is None and \
             fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
@@ -139,6 +159,10 @@ def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, item
     beyond the buffers)."""
     tile_bytes = tiling.block_n * head_dim
     terms = QK_TERMS.get(tiling.qk, 0)
+    if tiling.schedule == "pv":   # e4m3 K slots and scale words, model-dtype V slots; value code slots
+        queries = terms * block_m * (head_dim + 4)
+        slot = tile_bytes * (1 + itemsize) + tiling.block_n * 4
+        return queries + tiling.stages * slot + tiling.code_stages * (tile_bytes + tiling.block_n * 4) + 2 * 1024
     if terms:
         queries = terms * block_m * (head_dim + 4)
         slot = tile_bytes * (1 + itemsize) + tiling.block_n * 4
@@ -173,6 +197,11 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: decode must be one of {DECODES} (field or ${DECODE_ENV})"
     if tiling.qk not in QKS:
         return f"{tiling}: qk must be one of {QKS} (field or ${QK_ENV})"
+    if tiling.schedule not in SCHEDULES:
+        return f"{tiling}: schedule must be one of {SCHEDULES} (field or ${SCHEDULE_ENV})"
+    if tiling.schedule == "pv" and (tiling.qk != "fp8x2" or tiling.scale_copy != "async"):
+        return (f"{tiling}: schedule='pv' runs Q K^T on fp8 MMAs over key codes copied with their scale words "
+                "(qk 'fp8x2' and scale_copy 'async' only)")
     if tiling.qk != "bf16" and tiling.scale_site == "dots":
         return (f"{tiling}: qk={tiling.qk!r} applies the key scales to S and decodes V with its scales "
                 "(scale_site 'decode' only)")
