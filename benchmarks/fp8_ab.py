@@ -69,11 +69,18 @@ VARIANTS = {
     "fp8 pv s3": Variant(True, ((SCHEDULE_ENV, "pv"),), tiling=(("stages", 3),)),
     "fp8 pv tanh": Variant(True, ((SCHEDULE_ENV, "pv"), (SILU_ENV, "tanh"))),
     "fp8 pv64": Variant(True, ((SCHEDULE_ENV, "pv"),), tiling=(("block_n", 64), ("code_stages", 2))),
+    "fp8 pv no-decode": Variant(True, ((SCHEDULE_ENV, "pv"),), ablation="no-decode"),
+    "fp8 pv c8": Variant(True, ((SCHEDULE_ENV, "pv"),), tiling=(("code_stages", 8),)),
+    "fp8 tanh": Variant(True, ((SILU_ENV, "tanh"),)),
+    "fp8 pvs": Variant(True, ((SCHEDULE_ENV, "pvs"),)),
+    "fp8 pvs masked": Variant(True, ((SCHEDULE_ENV, "pvs"),),
+                              tiling=(("silu", "exact"), ("unmasked_whole_tiles", False))),
+    "fp8 pvs no-decode": Variant(True, ((SCHEDULE_ENV, "pvs"),), ablation="no-decode"),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
 ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
 ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 decode")
-BASES = ("fp8 main", "fp8 ws32", "bf16")      # what every fp8 row's output is compared with
+BASES = ("fp8 main", "fp8 tanh", "bf16")      # what every fp8 row's output is compared with
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ def _gluon_fp8_kernel(
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
     DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, DECODE_BITS: gl.constexpr,
-    QK_TERMS: gl.constexpr, PV: gl.constexpr, num_warps: gl.constexpr,
+    QK_TERMS: gl.constexpr, PV: gl.constexpr, P_SMEM: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -118,6 +118,12 @@ def _gluon_fp8_kernel(
         v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
         v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
         v_words = gl.allocate_shared_memory(gl.int32, [CODE_STAGES, BLOCK_N], scale_smem)
+        if P_SMEM:
+            p_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_N), element_bitwidth=16,
+                                                        rank=2)
+            p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], p_smem)
+        else:  # unused: P stays in registers
+            p_ring = v_ring
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -130,10 +136,10 @@ def _gluon_fp8_kernel(
         fence_async_shared()
         gl.thread_barrier()
         gl.warp_specialize([
-            (_fp8_pv_consumer, (q_smem, q_scales, k_ring, k_words, v_ring, k_ready, v_ready, k_empty, v_empty,
-                                num_tiles, num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split,
-                                split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE,
-                                s_layout, o_layout, p_layout)),
+            (_fp8_pv_consumer, (q_smem, q_scales, k_ring, k_words, v_ring, p_ring, k_ready, v_ready, k_empty,
+                                v_empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n,
+                                dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N,
+                                STAGES, TANH, WHOLE, P_SMEM, s_layout, o_layout, p_layout)),
             (_fp8_pv_producer, (k_ring, k_words, v_ring, v_codes, v_words, k_ready, v_ready, k_empty, v_empty,
                                 num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
                                 v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
@@ -229,7 +235,8 @@ class GluonFp8Attention(GluonLauncher):
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
                                 DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
                                 WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits",
-                                QK_TERMS=QK_TERMS[t.qk], PV=t.schedule == "pv", num_warps=num_warps)
+                                QK_TERMS=QK_TERMS[t.qk], PV=t.schedule != "ws",
+                                P_SMEM=t.schedule == "pvs", num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,

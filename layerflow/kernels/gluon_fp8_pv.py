@@ -35,6 +35,13 @@ def _key_scales(k_words, key_cols, s_layout: gl.constexpr):
 
 
 @gluon.jit
+def _scaled(s, first, alpha, k_words, key_cols, s_layout: gl.constexpr):
+    """alpha S: the first query term's row scales and alpha times the K slot's key scales applied to `s` at once,
+    before the slot goes back (so the scales are not held through the SiLU: registers the V dot in flight needs)."""
+    return s * first * (alpha * _key_scales(k_words, key_cols, s_layout))[None, :]
+
+
+@gluon.jit
 def _scores(q_terms, k_slot, ratio, s_zero):
     """Issue S = Q K^T of one K slot on fp8 MMAs, unscaled by the first term's row scales: the second term's dot,
     waited for and rescaled by `ratio`, then the first's accumulated onto it asynchronously (the caller waits)."""
@@ -45,14 +52,17 @@ def _scores(q_terms, k_slot, ratio, s_zero):
 
 
 @gluon.jit
-def _fp8_pv_consumer(q_terms, q_scales, k_ring, k_words, v_ring, k_ready, v_ready, k_empty, v_empty, num_tiles,
-                     num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
-                     q_start, row0, q_len, head, H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr,
-                     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _fp8_pv_consumer(q_terms, q_scales, k_ring, k_words, v_ring, p_ring, k_ready, v_ready, k_empty, v_empty,
+                     num_tiles, num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split,
+                     split_stride, q_start, row0, q_len, head, H: gl.constexpr, D: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TANH: gl.constexpr,
+                     WHOLE: gl.constexpr, P_SMEM: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                     p_layout: gl.constexpr):
     """The block's warps: tile 0's S and P, then per tile t >= 1 S(t) and P(t-1) V(t-1) in flight together with
     P(t) computed between the two waits, the last tile's P V, and the block's partial. WHOLE skips the mask on the
-    tiles every row sees whole (gluon_tiles._tile_silu)."""
+    tiles every row sees whole (gluon_tiles._tile_silu). P_SMEM: P is the V dot's operand from shared memory (two
+    buffers in p_ring) instead of registers, so no P is held in registers while the V dot runs (the "pvs" schedule:
+    64-key tiles at D=256 without the wgmma serialised for registers); else p_ring is unused."""
     dtype: gl.constexpr = v_ring.dtype
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -66,11 +76,17 @@ def _fp8_pv_consumer(q_terms, q_scales, k_ring, k_words, v_ring, k_ready, v_read
         fence_async_shared()        # the K slot's cp.async writes, before the tensor cores read it
         s = _scores(q_terms, k_ring.index(0), ratio, s_zero)
         s = warpgroup_mma_wait(0, deps=[s])
-        col_alpha = (alpha * _key_scales(k_words.index(0), key_cols, s_layout))[None, :]
+        s = _scaled(s, first, alpha, k_words.index(0), key_cols, s_layout)
         gl.thread_barrier()
         mbarrier.arrive(k_empty.index(0), count=1)
-        p = _tile_p(s * first, col_alpha, 0, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH,
-                    WHOLE, dtype, p_layout)
+        if P_SMEM:
+            p_ring.index(0).store(_tile_p(s, 1.0, 0, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N,
+                                          TANH, WHOLE, dtype, s_layout))
+            fence_async_shared()
+            gl.thread_barrier()
+        else:
+            p = _tile_p(s, 1.0, 0, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH, WHOLE, dtype,
+                        p_layout)
         for tile in range(1, num_tiles):
             slot = tile % STAGES
             prev = (tile - 1) % STAGES
@@ -78,20 +94,32 @@ def _fp8_pv_consumer(q_terms, q_scales, k_ring, k_words, v_ring, k_ready, v_read
             mbarrier.wait(v_ready.index(prev), ((tile - 1) // STAGES) & 1)
             fence_async_shared()
             s = _scores(q_terms, k_ring.index(slot), ratio, s_zero)
-            acc = warpgroup_mma(p, v_ring.index(prev), acc, is_async=True)
+            if P_SMEM:
+                acc = warpgroup_mma(p_ring.index((tile - 1) % 2), v_ring.index(prev), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(p, v_ring.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
-            col_alpha = (alpha * _key_scales(k_words.index(slot), key_cols, s_layout))[None, :]
+            s = _scaled(s, first, alpha, k_words.index(slot), key_cols, s_layout)
             gl.thread_barrier()
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p_next = _tile_p(s * first, col_alpha, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols,
-                             BLOCK_N, TANH, WHOLE, dtype, p_layout)
-            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            if P_SMEM:   # P(t) into the buffer P(t - 2) V(t - 2) read (done), while P(t - 1) V(t - 1) reads the other
+                p_ring.index(tile % 2).store(_tile_p(s, 1.0, tile, whole, num_hist, lo, r, self_end, hist_end,
+                                                     key_cols, BLOCK_N, TANH, WHOLE, dtype, s_layout))
+                fence_async_shared()
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            else:
+                p_next = _tile_p(s, 1.0, tile, whole, num_hist, lo, r, self_end, hist_end, key_cols, BLOCK_N, TANH,
+                                 WHOLE, dtype, p_layout)
+                acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+                p = p_next
             gl.thread_barrier()
             mbarrier.arrive(v_empty.index(prev), count=1)
-            p = p_next
         last = (num_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_ring.index(last), acc)
+        if P_SMEM:
+            acc = warpgroup_mma(p_ring.index((num_tiles - 1) % 2), v_ring.index(last), acc)
+        else:
+            acc = warpgroup_mma(p, v_ring.index(last), acc)
     _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
 
 

@@ -68,3 +68,28 @@ def test_one_graph_replays_any_lengths_like_eager(monkeypatch):
     """test_gluon_fp8_gpu's replay across lengths over the "rows" split table, under the pv schedule."""
     monkeypatch.setenv(SCHEDULE_ENV, "pv")
     replays_any_lengths_like_eager(monkeypatch, "bits")
+
+
+PVS = dict(schedule="pvs", **WS)
+
+
+@pytest.mark.parametrize("history", [16384, 2048])
+def test_pvs_with_the_exact_masked_silu_gives_the_ws_schedules_result_bit_for_bit(history):
+    """P through shared memory: the same bf16 P as in registers, so the same sums."""
+    batch = fp8_batch([history + 64], [64], [256], 256, E4M3)
+    pvs = run(batch, "gluon", 256, E4M3, Fp8Tiling(64, 2, 1, unmasked_whole_tiles=False, **PVS))
+    ws = run(batch, "gluon", 256, E4M3, Fp8Tiling(64, 2, 1, **WS))
+    assert torch.equal(pvs[:batch.total_tokens], ws[:batch.total_tokens])
+
+
+@pytest.mark.parametrize("history", [16384, 2048])
+def test_the_default_pvs_tiling_agrees_with_the_ws_schedules_tanh_silu(monkeypatch, history):
+    """The default "pvs" tiling (tanh SiLU) against ws with the tanh SiLU: alpha and the key scales are applied to S
+    before its halving there, after it in ws (the same values but for subnormal products)."""
+    monkeypatch.setenv(SCHEDULE_ENV, "pvs")
+    batch = fp8_batch([history + 64], [64], [256], 256, E4M3)
+    attn = attention(batch, "gluon", 256, E4M3)
+    assert (attn.gluon.tiling.schedule, attn.gluon.tiling.silu, attn.gluon.tiling.block_n) == ("pvs", "tanh", 64)
+    out = attn.run(batch.q, batch.k, batch.v, batch.kv_cache, *batch.lengths, torch.zeros_like(batch.q))
+    ws = run(batch, "gluon", 256, E4M3, Fp8Tiling(64, 2, 1, silu="tanh", **WS))
+    assert relative_error(out, ws, batch.total_tokens) < 1e-6
