@@ -83,18 +83,10 @@ def main() -> None:
                                                                         TANH=True, WHOLE=True, DECODE_BITS=True,
                                                                         table=True),
                     "64x2:c1:async:wt:rows:last:bits:qk2:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, WHOLE=True,
-                                                                        DECODE_BITS=True, QK_TERMS=2, table=True),
-                    "64x2:c2:async:wt:rows:last:bits:qk2:pv:w4 m128": dict(BLOCK_N=64, CODE_STAGES=2, WHOLE=True,
-                                                                           DECODE_BITS=True, QK_TERMS=2, PV=True,
-                                                                           table=True),
-                    "64x2:c1:async:tanh:wt:rows:last:bits:qk2:pvs:w4 m128": dict(BLOCK_N=64, CODE_STAGES=1, TANH=True,
-                                                                                 WHOLE=True, DECODE_BITS=True,
-                                                                                 QK_TERMS=2, PV=True, P_SMEM=True,
-                                                                                 table=True)}
+                                                                        DECODE_BITS=True, QK_TERMS=2, table=True)}
     for label, knobs in fp8_variants.items():
         knobs = {"BLOCK_M": 128, "BLOCK_N": 32, "CODE_STAGES": 4, "ASYNC_SCALES": True, "DOT_SCALES": False,
-                 "TANH": False, "WHOLE": False, "DECODE_BITS": False, "QK_TERMS": 0, "PV": False, "P_SMEM": False,
-                 **knobs}
+                 "TANH": False, "WHOLE": False, "DECODE_BITS": False, "QK_TERMS": 0, **knobs}
         table = knobs.pop("table", False)
         types = dict(fp8_types, split_table_ptr="*i32", active_splits_ptr="*i32") if table else fp8_types
         constexprs = dict(shape, NUM_SPLITS=11, STAGES=2, ROWS=32 + fp8_scale_rows(32, 256), FP8=1,

@@ -43,7 +43,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from layerflow.kernels.gluon_fp8_qk import _scores_layout, _store_query_terms
 from layerflow.kernels.gluon_fp8_tiles import _code_layout, _code_smem_layout
-from layerflow.kernels.gluon_fp8_pv import _fp8_pv_consumer, _fp8_pv_producer
 from layerflow.kernels.gluon_fp8_ws import _fp8_consumer, _fp8_one_slot_producer, _fp8_producer
 from layerflow.kernels.gluon_fp8_tiling import QK_TERMS, Fp8Tiling, default_fp8_tiling, fp8_tiling_reason, \
     fp8_unsupported_reason
@@ -64,7 +63,7 @@ def _gluon_fp8_kernel(
     INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr, ASYNC_SCALES: gl.constexpr,
     FILL_ROWS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
     DOT_SCALES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, DECODE_BITS: gl.constexpr,
-    QK_TERMS: gl.constexpr, PV: gl.constexpr, P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+    QK_TERMS: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -103,6 +102,13 @@ def _gluon_fp8_kernel(
         q_tile = gl.load(q_ptr + q_token[:, None] * q_stride + head * D + d_cols[None, :],
                          mask=(row0 + q_rows < q_len)[:, None], other=0.0)
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout, q_tile)
+    k_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
+    v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
+    # "async": each key's slot holds the int32 word its scale byte lies in; "load": the fp32 scale itself.
+    scale_dtype: gl.constexpr = gl.int32 if ASYNC_SCALES else gl.float32
+    k_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
+    v_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
+
     r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
     key_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     page_row = page_table_ptr + user * page_table_stride
@@ -112,93 +118,51 @@ def _gluon_fp8_kernel(
         inv_n = gl.load(inv_n_ptr + user)
     else:
         inv_n = gl.load(inv_n_ptr)
-    if PV:   # the "pv" schedule (gluon_fp8_pv): e4m3 K slots filled by cp.async, bf16 V slots, V code slots
+    if QK_TERMS > 0:
         k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], code_smem)
-        k_words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], scale_smem)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
-        v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
-        v_words = gl.allocate_shared_memory(gl.int32, [CODE_STAGES, BLOCK_N], scale_smem)
-        if P_SMEM:
-            p_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BLOCK_N), element_bitwidth=16,
-                                                        rank=2)
-            p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], p_smem)
-        else:  # unused: P stays in registers
-            p_ring = v_ring
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(t), count=1)
-            mbarrier.init(v_ready.index(t), count=1)
-            mbarrier.init(k_empty.index(t), count=1)
-            mbarrier.init(v_empty.index(t), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
+    else:
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
+    if DOT_SCALES:
+        k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
+        v_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
+    elif QK_TERMS > 0:  # the keys' scales apply to S, the values' in the decode
+        k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
+        v_dot_scales = v_scales
+    else:  # unused: the decode applies the scales
+        k_dot_scales, v_dot_scales = k_scales, v_scales
+    if QK_TERMS == 0:  # unused: the queries are in the model's dtype
+        q_scales = k_dot_scales
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(STAGES):
+        mbarrier.init(ready.index(t), count=1)
+        mbarrier.init(empty.index(t), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    if CODE_STAGES == 1:
         gl.warp_specialize([
-            (_fp8_pv_consumer, (q_smem, q_scales, k_ring, k_words, v_ring, p_ring, k_ready, v_ready, k_empty,
-                                v_empty, num_tiles, num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n,
-                                dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N,
-                                STAGES, TANH, WHOLE, P_SMEM, s_layout, o_layout, p_layout)),
-            (_fp8_pv_producer, (k_ring, k_words, v_ring, v_codes, v_words, k_ready, v_ready, k_empty, v_empty,
-                                num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
-                                v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
-                                FILL_ROWS, FP8, DECODE_BITS)),
+            (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
+                             num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
+                             q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
+                             QK_TERMS, s_layout, o_layout, p_layout)),
+            (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
+                                      v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
+                                      scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
+                                      PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
+                                      QK_TERMS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
-        # the "ws" schedule (gluon_fp8_ws): code slots, K and V filled into shared slots, each tile's dots in turn
-        k_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
-        v_codes = gl.allocate_shared_memory(gl.uint8, [CODE_STAGES, BLOCK_N, D], code_smem)
-        # "async": each key's slot holds the int32 word its scale byte lies in; "load": the fp32 scale itself.
-        scale_dtype: gl.constexpr = gl.int32 if ASYNC_SCALES else gl.float32
-        k_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
-        v_scales = gl.allocate_shared_memory(scale_dtype, [CODE_STAGES, BLOCK_N], scale_smem)
-
-        if QK_TERMS > 0:
-            k_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], code_smem)
-        else:
-            k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], smem_layout)
-        if DOT_SCALES:
-            k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
-            v_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
-        elif QK_TERMS > 0:  # the keys' scales apply to S, the values' in the decode
-            k_dot_scales = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_smem)
-            v_dot_scales = v_scales
-        else:  # unused: the decode applies the scales
-            k_dot_scales, v_dot_scales = k_scales, v_scales
-        if QK_TERMS == 0:  # unused: the queries are in the model's dtype
-            q_scales = k_dot_scales
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(STAGES):
-            mbarrier.init(ready.index(t), count=1)
-            mbarrier.init(empty.index(t), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-        if CODE_STAGES == 1:
-            gl.warp_specialize([
-                (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
-                                 num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
-                                 q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
-                                 QK_TERMS, s_layout, o_layout, p_layout)),
-                (_fp8_one_slot_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales,
-                                          v_scales, ready, empty, num_tiles, num_hist, lo, hi, page_row, cache_h,
-                                          scales_h, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D,
-                                          PAGE, ROWS, BLOCK_N, STAGES, FILL_ROWS, FP8, DOT_SCALES, DECODE_BITS,
-                                          QK_TERMS)),
-            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
-        else:
-            gl.warp_specialize([
-                (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
-                                 num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
-                                 q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
-                                 QK_TERMS, s_layout, o_layout, p_layout)),
-                (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
-                                 empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
-                                 v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
-                                 FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, DECODE_BITS, QK_TERMS)),
-            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+        gl.warp_specialize([
+            (_fp8_consumer, (q_smem, q_scales, k_ring, v_ring, k_dot_scales, v_dot_scales, ready, empty, num_tiles,
+                             num_hist, lo, alpha, r, self_end, hist_end, key_cols, inv_n, dst_ptr, split, split_stride,
+                             q_start, row0, q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, DOT_SCALES, TANH, WHOLE,
+                             QK_TERMS, s_layout, o_layout, p_layout)),
+            (_fp8_producer, (k_ring, v_ring, k_dot_scales, v_dot_scales, k_codes, v_codes, k_scales, v_scales, ready,
+                             empty, num_tiles, num_hist, lo, hi, page_row, cache_h, scales_h, k_ptr, v_ptr, k_stride,
+                             v_stride, q_start, q_len, head, row0, H, D, PAGE, ROWS, BLOCK_N, STAGES, CODE_STAGES,
+                             FILL_ROWS, FP8, ASYNC_SCALES, DOT_SCALES, DECODE_BITS, QK_TERMS)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
 def fill_rows(block_n: int, head_dim: int, warps: int) -> int:
@@ -235,8 +199,7 @@ class GluonFp8Attention(GluonLauncher):
                                 PRODUCER_WARPS=t.producer_warps, PRODUCER_REGISTERS=t.producer_registers,
                                 DOT_SCALES=t.scale_site == "dots", TANH=t.silu == "tanh",
                                 WHOLE=t.unmasked_whole_tiles, DECODE_BITS=t.decode == "bits",
-                                QK_TERMS=QK_TERMS[t.qk], PV=t.schedule != "ws",
-                                P_SMEM=t.schedule == "pvs", num_warps=num_warps)
+                                QK_TERMS=QK_TERMS[t.qk], num_warps=num_warps)
 
 
 def select_fp8_kernel(choice: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,

@@ -18,22 +18,14 @@ QUERY_CHUNK = gl.constexpr(32)    # query rows quantised per step (bounds the re
 
 
 @gluon.jit
-def _e4m3_row_bytes(x):
-    """(e4m3 codes, scale byte per row, int32) of fp32 rows `x` by the cache's rule (layerflow.kernels.fp8.quantise):
-    the scale 2^k, k the smallest with max|x| * 2^-k <= 448, clamped to [-126, 126], stored as k + 127; codes
-    rounded to nearest even."""
+def _e4m3_rows(x):
+    """(e4m3 codes, fp32 scale per row) of fp32 rows `x` by the cache's rule (layerflow.kernels.fp8.quantise): the
+    scale 2^k, k the smallest with max|x| * 2^-k <= 448, clamped to [-126, 126]; codes rounded to nearest even."""
     bits = gl.max(gl.abs(x), axis=1).to(gl.int32, bitcast=True)
     k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32) - 8
     k = gl.minimum(gl.maximum(k, -126), 126)
     codes = (x * _scale_of(127 - k)[:, None]).to(gl.float8e4nv)
-    return codes, k + 127
-
-
-@gluon.jit
-def _e4m3_rows(x):
-    """(e4m3 codes, fp32 scale per row) of fp32 rows `x` by the cache's rule (_e4m3_row_bytes)."""
-    codes, scale_bytes = _e4m3_row_bytes(x)
-    return codes, _scale_of(scale_bytes)
+    return codes, _scale_of(k + 127)
 
 
 @gluon.jit

@@ -45,23 +45,6 @@ QK_ENV = "LAYERFLOW_FP8_QK"
 DEFAULT_QK = "bf16"
 E4M3_QK = "fp8x2"
 QK_TERMS = {"bf16": 0, "fp8x2": 2}
-# How the block's warps order a tile's work: "ws" (gluon_fp8_ws: a tile's two dots in turn over shared K/V slots the
-# loader fills) or "pv" (gluon_fp8_pv: S(t) and P(t-1) V(t-1) in flight together, SiLU(t) while P V runs; K and V
-# slots of their own, the key codes copied straight into the e4m3 K slots; with qk "fp8x2" and the "async" scale
-# copy and "decode" scale site only), or "pvs": "pv" with P handed to the V dot through shared memory.
-SCHEDULES = ("ws", "pv", "pvs")
-SCHEDULE_ENV = "LAYERFLOW_FP8_SCHEDULE"
-DEFAULT_SCHEDULE = "ws"
-# (keys per tile, K/V slots, value code slots) under "pv", at D <= 128 and at D=256. At D=256 64-key tiles leave the
-# block's warps too few registers to keep the V dot in flight during the SiLU (the sm_90 build serialises the wgmma:
-# ptxas C7512), 32-key tiles do not.
-PV_TILES = {False: (64, 2, 2), True: (32, 2, 4)}
-# "pvs" holds no P in registers while the V dot runs, which leaves room for 64-key tiles at D=256; its two P buffers
-# take the second value code slot's place.
-PVS_TILES = {False: (64, 2, 2), True: (64, 2, 1)}   # beside 128-row blocks; "pv" beside 64-row ones (see below)
-# The exact SiLU on unmasked whole tiles under "pvs", and "pvs" beside 64-row blocks, crash the sm_90 assembler
-# (Triton 3.6's ptxas, SIGSEGV); the tanh SiLU (the bf16 kernel's at D=256) beside 128-row blocks builds.
-SILU_PVS = "tanh"
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
 LOADER_WARPS = (4, 8)
@@ -84,8 +67,7 @@ class Fp8Tiling:
     scale bytes travel (SCALE_COPIES), the loader's warps (one or two warpgroups share the decode) and their registers
     each, where the scales are applied (SCALE_SITES), the SiLU (SILUS), whether the block's warps skip the mask
     on the history tiles every row of the block sees whole (gluon_tiles._whole_tiles), how the loader decodes
-    (DECODES), how Q K^T runs (QKS: with "fp8x2" the K slots hold e4m3 codes and only V is decoded) and how the
-    block's warps order a tile's work (SCHEDULES; under "pv" `code_stages` counts the value code slots alone)."""
+    (DECODES) and how Q K^T runs (QKS: with "fp8x2" the K slots hold e4m3 codes and only V is decoded)."""
 
     block_n: int = 32
     stages: int = 2
@@ -98,7 +80,6 @@ class Fp8Tiling:
     unmasked_whole_tiles: bool = DEFAULT_UNMASKED_WHOLE_TILES
     decode: str = DEFAULT_DECODE
     qk: str = DEFAULT_QK
-    schedule: str = DEFAULT_SCHEDULE
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: the `tl` tiling's (this kernel has no query block of its own)."""
@@ -142,17 +123,7 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
                        unmasked_whole_tiles=_env_flag(WHOLE_TILES_ENV, DEFAULT_UNMASKED_WHOLE_TILES),
                        decode=_env_choice(DECODE_ENV, DECODES,
                                           BF16_DECODE if dtype == torch.bfloat16 else DEFAULT_DECODE),
-                       qk=qk, schedule=_env_choice(SCHEDULE_ENV, SCHEDULES, DEFAULT_SCHEDULE))
-    if tiling.schedule != "ws":
-        if qk != "fp8x2":
-            raise ValueError(f"${SCHEDULE_ENV}={tiling.schedule!r} with qk={qk!r}: the pv schedules run Q K^T on fp8 "
-                             "MMAs (e4m3 pages, qk 'fp8x2' only)")
-        if tiling.schedule == "pvs" and block_m == 64:
-            tiling = replace(tiling, schedule="pv")
-        block_n, stages, code_stages = (PV_TILES if tiling.schedule == "pv" else PVS_TILES)[head_dim > 128]
-        silu = SILU_PVS if tiling.schedule == "pvs" else DEFAULT_SILU
-        return replace(tiling, block_n=block_n, stages=stages, code_stages=code_stages,
-                       silu=_env_choice(SILU_ENV, SILUS, silu))
+                       qk=qk)
     wide = replace(tiling, block_n=64, code_stages=WIDE_CODE_STAGES.get(block_m, 4))
     if head_dim > 128 and fp8_tiling_reason(wide) is None and \
             fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
@@ -168,12 +139,6 @@ def fp8_shared_memory_bytes(block_m: int, head_dim: int, tiling: Fp8Tiling, item
     beyond the buffers)."""
     tile_bytes = tiling.block_n * head_dim
     terms = QK_TERMS.get(tiling.qk, 0)
-    if tiling.schedule != "ws":   # e4m3 K slots and scale words, model-dtype V slots; value code slots; P buffers
-        queries = terms * block_m * (head_dim + 4)
-        slot = tile_bytes * (1 + itemsize) + tiling.block_n * 4
-        p_buffers = 2 * block_m * tiling.block_n * itemsize if tiling.schedule == "pvs" else 0
-        return (queries + tiling.stages * slot + tiling.code_stages * (tile_bytes + tiling.block_n * 4) + p_buffers
-                + 2 * 1024)
     if terms:
         queries = terms * block_m * (head_dim + 4)
         slot = tile_bytes * (1 + itemsize) + tiling.block_n * 4
@@ -208,14 +173,6 @@ def fp8_tiling_reason(tiling: Fp8Tiling) -> str | None:
         return f"{tiling}: decode must be one of {DECODES} (field or ${DECODE_ENV})"
     if tiling.qk not in QKS:
         return f"{tiling}: qk must be one of {QKS} (field or ${QK_ENV})"
-    if tiling.schedule not in SCHEDULES:
-        return f"{tiling}: schedule must be one of {SCHEDULES} (field or ${SCHEDULE_ENV})"
-    if tiling.schedule != "ws" and (tiling.qk != "fp8x2" or tiling.scale_copy != "async"):
-        return (f"{tiling}: schedule={tiling.schedule!r} runs Q K^T on fp8 MMAs over key codes copied with their scale words "
-                "(qk 'fp8x2' and scale_copy 'async' only)")
-    if tiling.schedule == "pvs" and tiling.silu == "exact" and tiling.unmasked_whole_tiles:
-        return (f"{tiling}: schedule='pvs' with the exact SiLU on unmasked whole tiles crashes the sm_90 assembler "
-                "(take silu 'tanh' or unmasked_whole_tiles False)")
     if tiling.qk != "bf16" and tiling.scale_site == "dots":
         return (f"{tiling}: qk={tiling.qk!r} applies the key scales to S and decodes V with its scales "
                 "(scale_site 'decode' only)")
@@ -239,8 +196,6 @@ def fp8_unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: t
     if tiling.scale_copy == "async" and page_size is not None and page_size % 4:
         return (f"{tiling} at page_size={page_size}: scale_copy='async' copies 4-byte words of scales, so pages must "
                 "hold a multiple of 4 tokens")
-    if tiling.schedule == "pvs" and block_m == 64:
-        return f"{tiling} at block_m=64: the sm_90 assembler crashes building schedule 'pvs' beside 64-row blocks"
     if block_m // 16 + tiling.producer_warps > MAX_WARPS:
         return (f"{tiling} at block_m={block_m}: over {MAX_WARPS} warps (the dots' accumulators would not fit "
                 "the registers left per thread)")
