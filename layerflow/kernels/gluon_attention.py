@@ -62,6 +62,7 @@ class GluonTiling:
     (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk. `fold_splits` ("pv"): the
     launch sums its split partials itself (gluon_fold), so its output is final without a split-sum kernel, where
     PagedAttention can run every program of a launch at once (elsewhere the partials are summed as without it).
+    `fold_wide`: the fold's sums by 16-byte loads of 16 splits at once, two slices of rows in flight.
     """
 
     block_n: int = 32
@@ -74,6 +75,7 @@ class GluonTiling:
     unmasked_whole_tiles: bool = False
     self_last: bool = False
     fold_splits: bool = False
+    fold_wide: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -117,7 +119,8 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, TANH: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr,
+    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, FOLD: gl.constexpr, FOLD_GROUPS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -184,7 +187,7 @@ def _gluon_attention_kernel(
             (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
                             alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0,
                             q_len, head, out, tile_barrier, num_splits, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE,
-                            FOLD, load_layout, s_layout, o_layout, p_layout)),
+                            FOLD, FOLD_GROUPS, load_layout, s_layout, o_layout, p_layout)),
             (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi, page_row,
                             cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
                             ROWS, BLOCK_N, STAGES, TMA)),
@@ -235,6 +238,8 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
     if (tiling.loader == "tma" or tiling.unmasked_whole_tiles or tiling.fold_splits) and tiling.variant != "pv":
         return f"{tiling}: the TMA loader, unmasked whole tiles and folded splits need variant 'pv'"
+    if tiling.fold_wide and not tiling.fold_splits:
+        return f"{tiling}: fold_wide is a way of fold_splits"
     return registers_reason(tiling)
 
 
@@ -288,7 +293,8 @@ class GluonAttention(GluonLauncher):
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
                                       WARP_SPECIALIZE=t.variant == "pv", TMA=t.loader == "tma", TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      SELF_LAST=t.self_last, FOLD=fold, num_warps=BLOCK_M // 16)
+                                      SELF_LAST=t.self_last, FOLD=(2 if t.fold_wide else 1) if fold else 0,
+                                      FOLD_GROUPS=-(-NUM_SPLITS // 16) if fold else 0, num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

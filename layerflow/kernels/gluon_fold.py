@@ -17,6 +17,8 @@ from triton.experimental.gluon import language as gl
 # Splits loaded at once per row slice (each thread holds SPLIT_GROUP x 8 fp32 of them): more splits are summed group
 # by group, in order.
 SPLIT_GROUP = gl.constexpr(8)
+# The wide fold's (_fold_partials_wide) splits per load group (each thread holds WIDE_GROUP x 4 fp32 of them).
+WIDE_GROUP = gl.constexpr(16)
 
 
 @gluon.jit
@@ -70,3 +72,59 @@ def _fold_partials(partial_ptr, out_ptr, barrier_ptr, split, num_splits, split_s
         token = (q_start + row0 + r).to(gl.int64)
         gl.store(out_ptr + token[:, None] * (H * D) + head * D + cols[None, :], total.to(out_ptr.dtype.element_ty),
                  mask=(r < tile_rows)[:, None])
+
+
+@gluon.jit
+def _unit_sum(partial_ptr, unit, units, num_splits, split_stride, q_start, row0, tile_rows, head, H: gl.constexpr,
+              D: gl.constexpr, UNIT: gl.constexpr, GROUPS: gl.constexpr, layout: gl.constexpr):
+    """The sum over the splits of the tile's rows unit * UNIT .. (UNIT rows, the layout's), GROUPS groups of
+    WIDE_GROUP splits loaded one after the other in straight-line code; zero for a unit past `units`."""
+    splits = gl.arange(0, WIDE_GROUP, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    rows = unit * UNIT + gl.arange(0, UNIT, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    at = (q_start + row0 + rows).to(gl.int64)[None, :, None] * (H * D) + head * D + cols[None, None, :]
+    row_ok = ((rows < tile_rows) & (unit < units))[None, :, None]
+    total = gl.zeros([UNIT, D], gl.float32, gl.SliceLayout(0, layout))
+    for group in gl.static_range(GROUPS):
+        s = group * WIDE_GROUP + splits
+        parts = gl.load(partial_ptr + s.to(gl.int64)[:, None, None] * split_stride + at,
+                        mask=(s < num_splits)[:, None, None] & row_ok, other=0.0, cache_modifier=".cg")
+        total += gl.sum(parts, axis=0)
+    return total
+
+
+@gluon.jit
+def _store_unit(total, out_ptr, unit, units, q_start, row0, tile_rows, head, H: gl.constexpr, D: gl.constexpr,
+                UNIT: gl.constexpr, layout: gl.constexpr):
+    """Rows unit * UNIT .. of the tile's output: `total` in out_ptr's dtype (nothing for a unit past `units`)."""
+    rows = unit * UNIT + gl.arange(0, UNIT, layout=gl.SliceLayout(1, gl.SliceLayout(0, layout)))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, layout)))
+    token = (q_start + row0 + rows).to(gl.int64)
+    gl.store(out_ptr + token[:, None] * (H * D) + head * D + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=((rows < tile_rows) & (unit < units))[:, None])
+
+
+@gluon.jit
+def _fold_partials_wide(partial_ptr, out_ptr, barrier_ptr, split, num_splits, split_stride, q_start, row0, q_len,
+                        head, H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
+    """_fold_partials with 16-byte loads of up to GROUPS * WIDE_GROUP splits at once per unit of rows, two units
+    of the program's (unit split, split + 2 num_splits, ...; and the one num_splits after each) loaded before either
+    is stored."""
+    _tile_barrier(barrier_ptr, num_splits)
+    num_warps: gl.constexpr = gl.num_warps()
+    cols_per_warp: gl.constexpr = 32 if D // 4 >= 32 else D // 4
+    rows_per_warp: gl.constexpr = 32 // cols_per_warp
+    col_warps: gl.constexpr = D // (4 * cols_per_warp)
+    row_warps: gl.constexpr = num_warps // col_warps
+    UNIT: gl.constexpr = rows_per_warp * row_warps
+    layout: gl.constexpr = gl.BlockedLayout([WIDE_GROUP, 1, 4], [1, rows_per_warp, cols_per_warp],
+                                            [1, row_warps, col_warps], [2, 1, 0])
+    tile_rows = gl.minimum(q_len - row0, BLOCK_M)
+    units = gl.cdiv(tile_rows, UNIT)
+    for unit in range(split, units, 2 * num_splits):
+        first = _unit_sum(partial_ptr, unit, units, num_splits, split_stride, q_start, row0, tile_rows, head, H, D,
+                          UNIT, GROUPS, layout)
+        second = _unit_sum(partial_ptr, unit + num_splits, units, num_splits, split_stride, q_start, row0,
+                           tile_rows, head, H, D, UNIT, GROUPS, layout)
+        _store_unit(first, out_ptr, unit, units, q_start, row0, tile_rows, head, H, D, UNIT, layout)
+        _store_unit(second, out_ptr, unit + num_splits, units, q_start, row0, tile_rows, head, H, D, UNIT, layout)

@@ -18,13 +18,13 @@ pytestmark = pytest.mark.gpu
 
 D = 256
 FOLD = replace(default_gluon_tiling(D, PAGE), fold_splits=True)
+FOLDS = [FOLD, replace(FOLD, fold_wide=True)]
 
 
-def attention(batch: PagedBatch, folded: bool, **capacity) -> PagedAttention:
-    users, tokens = batch.page_table.shape[0], batch.q.shape[0]
-    return PagedAttention(capacity.get("max_batch", users), capacity.get("max_tokens", tokens),
-                          batch.page_table.shape[1], H, D, PAGE, torch.bfloat16, "cuda", D ** -0.5, MAX_SEQ_LEN,
-                          kernel="gluon", gluon_tiling=FOLD if folded else default_gluon_tiling(D, PAGE))
+def attention(batch: PagedBatch, folded: bool, fold=FOLD) -> PagedAttention:
+    return PagedAttention(batch.page_table.shape[0], batch.q.shape[0], batch.page_table.shape[1], H, D, PAGE,
+                          torch.bfloat16, "cuda", D ** -0.5, MAX_SEQ_LEN, kernel="gluon",
+                          gluon_tiling=fold if folded else default_gluon_tiling(D, PAGE))
 
 
 def outputs(batch: PagedBatch, attn: PagedAttention) -> torch.Tensor:
@@ -37,8 +37,8 @@ def reference(batch: PagedBatch) -> torch.Tensor:
                                      max_seq_len=MAX_SEQ_LEN)
 
 
-def check_folded(batch: PagedBatch) -> None:
-    folded, plain = attention(batch, True), attention(batch, False)
+def check_folded(batch: PagedBatch, fold=FOLD) -> None:
+    folded, plain = attention(batch, True, fold), attention(batch, False)
     assert folded.fold_barriers is not None and plain.fold_barriers is None
     out = outputs(batch, folded)
     total = batch.total_tokens
@@ -47,9 +47,10 @@ def check_folded(batch: PagedBatch) -> None:
     assert not folded.fold_barriers[0::2].any(), "a tile's arrivals were not reset by its last program"
 
 
+@pytest.mark.parametrize("fold", FOLDS, ids=["rows", "wide"])
 @pytest.mark.parametrize("candidates", [0, 256])
-def test_folded_launch_matches_the_reference_at_the_benchmark_shape(candidates):
-    check_folded(appended_batch([16384 + 64], [64], [candidates], D, torch.bfloat16))
+def test_folded_launch_matches_the_reference_at_the_benchmark_shape(candidates, fold):
+    check_folded(appended_batch([16384 + 64], [64], [candidates], D, torch.bfloat16), fold)
 
 
 def test_folded_launch_matches_on_a_ragged_batch_with_empty_users():
@@ -85,7 +86,7 @@ def test_one_graph_replays_twice_per_batch_like_eager():
                               max_pages_per_user=max_pages, spare_pages=num_pages - pages)
 
     static = batch_of(cases[0])
-    attn = attention(static, True, max_batch=max_batch, max_tokens=max_tokens)
+    attn = attention(static, True)
     assert attn.fold_barriers is not None
     static_out = torch.zeros_like(static.q)
     graph = captured(lambda: attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out))
