@@ -195,7 +195,7 @@ FP8_SWEEP = {
 
 GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), tanh (tanh SiLU), "
                  "rN (the loader's registers per thread), wt (no mask on whole tiles), sl (self tiles on the last "
-                 "split), fold (the launch sums its split partials), fw (the fold's wide loads)")
+                 "split), fold (the launch sums its split partials))
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -224,8 +224,6 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["self_last"] = True
         elif word == "fold":
             options["fold_splits"] = True
-        elif word == "fw":
-            options["fold_wide"] = True
         elif word[:1] == "r" and word[1:].isdigit():
             options["producer_registers"] = int(word[1:])
         else:
@@ -255,8 +253,6 @@ def gluon_label(tiling: dict) -> str:
         words.append("sl")
     if tiling.get("fold_splits"):
         words.append("fold")
-    if tiling.get("fold_wide"):
-        words.append("fw")
     return ":".join(words)
 
 

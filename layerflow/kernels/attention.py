@@ -302,11 +302,11 @@ class PagedAttention:
         self.partials = None if self.num_splits == 1 else torch.empty(shape, dtype=torch.float32, device=self.device) \
             if workspace is None else workspace.view(shape)
         # A launch that sums its own partials (GluonTiling.fold_splits) waits for its other programs: only where every
-        # launch fits one program per SM. Two int32 per (query block, head): the tiles' barriers (gluon_fold).
+        # launch fits one program per SM. An int64 per (query block, head): the tiles' barriers (gluon_fold).
         fold = self.partials is not None and getattr(self.gluon and self.gluon.tiling, "fold_splits", False) and \
             largest_launch(table if rows else None, self.num_splits, self.query_slots, num_heads) <= \
             sm_count(self.device)
-        self.fold_barriers = torch.zeros(self.query_slots * num_heads * 2, dtype=torch.int32, device=self.device) \
+        self.fold_barriers = torch.zeros(self.query_slots * num_heads, dtype=torch.int64, device=self.device) \
             if fold else None
 
     @classmethod

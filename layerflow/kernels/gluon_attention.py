@@ -62,7 +62,6 @@ class GluonTiling:
     (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk. `fold_splits` ("pv"): the
     launch sums its split partials itself (gluon_fold), so its output is final without a split-sum kernel, where
     PagedAttention can run every program of a launch at once (elsewhere the partials are summed as without it).
-    `fold_wide`: the fold's sums by 16-byte loads of 16 splits at once, two slices of rows in flight.
     """
 
     block_n: int = 32
@@ -75,7 +74,6 @@ class GluonTiling:
     unmasked_whole_tiles: bool = False
     self_last: bool = False
     fold_splits: bool = False
-    fold_wide: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -176,7 +174,7 @@ def _gluon_attention_kernel(
             pool = cache_h
         # Under FOLD the (query block, head) tile's barrier (gluon_fold), and the output its programs sum into.
         if FOLD:
-            tile_barrier = barriers_ptr + (gl.program_id(1) * H + head) * 2
+            tile_barrier = barriers_ptr + gl.program_id(1) * H + head
             out = out_ptr
         else:
             tile_barrier = history_lens_ptr
@@ -238,8 +236,6 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
     if (tiling.loader == "tma" or tiling.unmasked_whole_tiles or tiling.fold_splits) and tiling.variant != "pv":
         return f"{tiling}: the TMA loader, unmasked whole tiles and folded splits need variant 'pv'"
-    if tiling.fold_wide and not tiling.fold_splits:
-        return f"{tiling}: fold_wide is a way of fold_splits"
     return registers_reason(tiling)
 
 
@@ -293,7 +289,7 @@ class GluonAttention(GluonLauncher):
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
                                       WARP_SPECIALIZE=t.variant == "pv", TMA=t.loader == "tma", TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      SELF_LAST=t.self_last, FOLD=(2 if t.fold_wide else 1) if fold else 0,
+                                      SELF_LAST=t.self_last, FOLD=fold,
                                       FOLD_GROUPS=-(-NUM_SPLITS // 16) if fold else 0, num_warps=BLOCK_M // 16)
 
 

@@ -66,7 +66,7 @@ def test_the_split_fold_is_taken_only_where_every_launch_fits_one_wave(monkeypat
         return PagedAttention(1, tokens, 528, 4, 256, 32, torch.bfloat16, "cpu", ALPHA, 16896)
 
     folded = layer(320, fold)
-    assert folded.num_splits == 11 and folded.fold_barriers.tolist() == [0] * (3 * 4 * 2)
+    assert folded.num_splits == 11 and folded.fold_barriers.tolist() == [0] * (3 * 4)
     assert layer(512, fold).fold_barriers is None
     assert layer(320, default_gluon_tiling(256, 32)).fold_barriers is None
 

@@ -18,13 +18,12 @@ pytestmark = pytest.mark.gpu
 
 D = 256
 FOLD = replace(default_gluon_tiling(D, PAGE), fold_splits=True)
-FOLDS = [FOLD, replace(FOLD, fold_wide=True)]
 
 
-def attention(batch: PagedBatch, folded: bool, fold=FOLD) -> PagedAttention:
+def attention(batch: PagedBatch, folded: bool) -> PagedAttention:
     return PagedAttention(batch.page_table.shape[0], batch.q.shape[0], batch.page_table.shape[1], H, D, PAGE,
                           torch.bfloat16, "cuda", D ** -0.5, MAX_SEQ_LEN, kernel="gluon",
-                          gluon_tiling=fold if folded else default_gluon_tiling(D, PAGE))
+                          gluon_tiling=FOLD if folded else default_gluon_tiling(D, PAGE))
 
 
 def outputs(batch: PagedBatch, attn: PagedAttention) -> torch.Tensor:
@@ -37,33 +36,42 @@ def reference(batch: PagedBatch) -> torch.Tensor:
                                      max_seq_len=MAX_SEQ_LEN)
 
 
-def check_folded(batch: PagedBatch, fold=FOLD) -> None:
-    folded, plain = attention(batch, True, fold), attention(batch, False)
+def arrivals(attn: PagedAttention) -> torch.Tensor:
+    """The tiles' barriers' arrival counts (the low 32 bits of each word; 0 once every launch has left)."""
+    return attn.fold_barriers & 0xFFFFFFFF
+
+
+def check_folded(batch: PagedBatch) -> None:
+    folded, plain = attention(batch, True), attention(batch, False)
     assert folded.fold_barriers is not None and plain.fold_barriers is None
     out = outputs(batch, folded)
     total = batch.total_tokens
     assert relative_error(out, reference(batch), total) < TOLERANCE[torch.bfloat16]
     assert relative_error(out, outputs(batch, plain), total) < 4e-3     # the split order: bf16's last bit at most
-    assert not folded.fold_barriers[0::2].any(), "a tile's arrivals were not reset by its last program"
+    assert not arrivals(folded).any(), "a tile's arrivals were not reset by its last program"
 
 
-@pytest.mark.parametrize("fold", FOLDS, ids=["rows", "wide"])
 @pytest.mark.parametrize("candidates", [0, 256])
-def test_folded_launch_matches_the_reference_at_the_benchmark_shape(candidates, fold):
-    check_folded(appended_batch([16384 + 64], [64], [candidates], D, torch.bfloat16), fold)
+def test_folded_launch_matches_the_reference_at_the_benchmark_shape(candidates):
+    check_folded(appended_batch([16384 + 64], [64], [candidates], D, torch.bfloat16))
 
 
-def test_folded_launch_matches_on_a_ragged_batch_with_empty_users():
-    check_folded(appended_batch([0, 300, 1500 + 64], [0, 17, 64], [256, 3, 1], D, torch.bfloat16))
+@pytest.mark.parametrize("lengths", [([0], [0], [256]), ([300], [17], [3]), ([2048 + 64], [64], [256])],
+                         ids=["0-history", "17-appended", "2k"])
+def test_folded_launch_matches_on_short_and_empty_histories(lengths):
+    """BS=1 (a 320-token bucket is what folds with 4 heads on 132 SMs: a ragged batch's launches do not fit one
+    wave, test_a_launch_too_large_for_one_wave_sums_as_without_the_fold)."""
+    check_folded(appended_batch(*lengths, D, torch.bfloat16, max_tokens=320, max_pages_per_user=16384 // PAGE + 4))
 
 
-def test_folded_launch_is_deterministic_and_resets_its_barriers():
-    batch = appended_batch([2048 + 64, 0, 700], [64, 0, 17], [256, 3, 0], D, torch.bfloat16)
+def test_folded_launch_is_deterministic_and_moves_each_generation_once_per_launch():
+    batch = appended_batch([2048 + 64], [64], [256], D, torch.bfloat16)
     attn = attention(batch, True)
     first = outputs(batch, attn)
     for _ in range(3):
         assert torch.equal(outputs(batch, attn), first)
-    assert not attn.fold_barriers[0::2].any()
+    assert not arrivals(attn).any()
+    assert ((attn.fold_barriers >> 32) == 4).all()
 
 
 def test_a_launch_too_large_for_one_wave_sums_as_without_the_fold():
@@ -74,10 +82,11 @@ def test_a_launch_too_large_for_one_wave_sums_as_without_the_fold():
 
 
 def test_one_graph_replays_twice_per_batch_like_eager():
-    """The barriers' arrivals are back at 0 and their generations moved on after every replay, so back-to-back
-    replays over changing lengths (the "rows" rule's split count changes with them) give eager's bits."""
-    max_batch, max_tokens, max_pages, num_pages = 2, 2 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
-    cases = [([16384 + 64], [64], [256]), ([2048, 5000], [64, 64], [256, 0]), ([0, 300], [0, 17], [256, 3]),
+    """The barriers' arrivals are back at 0 after every replay, so back-to-back replays over changing lengths (the
+    "rows" rule's split count changes with them: 11 splits at 3 query blocks, 16 at 2, 33 at 1) give eager's bits;
+    a BS=1 320-token bucket, the one whose every launch fits one wave."""
+    max_batch, max_tokens, max_pages, num_pages = 1, 320, 16384 // PAGE + 4, 16384 // PAGE + 64
+    cases = [([16384 + 64], [64], [256]), ([2048 + 64], [64], [128]), ([0], [0], [256]), ([300], [17], [3]),
              ([8192 + 64], [64], [0])]
 
     def batch_of(case) -> PagedBatch:
@@ -97,5 +106,5 @@ def test_one_graph_replays_twice_per_batch_like_eager():
         for _ in range(2):
             replay_on(graph, static, fresh, static_out)
             assert torch.equal(static_out[:total], eager[:total]), f"replay != eager: {case}"
-            assert not attn.fold_barriers[0::2].any()
+            assert not arrivals(attn).any()
         assert relative_error(eager, reference(fresh), total) < TOLERANCE[torch.bfloat16]

@@ -98,7 +98,6 @@ def test_a_launcher_of_a_bad_variant_is_refused(tiling):
 def test_folded_splits_need_the_pv_variant():
     assert "folded splits" in tiling_reason(GluonTiling(64, 3, fold_splits=True))
     assert tiling_reason(GluonTiling(64, 2, "pv", fold_splits=True)) is None
-    assert "fold_wide" in tiling_reason(GluonTiling(64, 2, "pv", fold_wide=True))
 
 
 @pytest.mark.parametrize("registers", [20, 100, 264])
