@@ -52,7 +52,6 @@ from layerflow.runtime.engine import TOKEN_BUCKETS, Engine  # noqa: E402
 from layerflow.bench.phases import PhaseTimer, row_names, rows as phase_rows  # noqa: E402
 
 SELF_TILES = ("last", "first")
-PARTIAL_SUMS = ("gate", "fold")     # who sums the split partials: the output gate, or the attention launch itself
 
 
 @dataclass(frozen=True)
@@ -61,29 +60,27 @@ class Variant:
     tokens: int
     splits: str = SPLIT_RULES[0]
     self_tiles: str = SELF_TILES[0]
-    partial_sums: str = PARTIAL_SUMS[0]
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """'NAME=TOKENS[:SPLIT_RULE[:first|last[:gate|fold]]]'."""
-        form = "NAME=TOKENS[:SPLIT_RULE[:first|last[:gate|fold]]]"
+        """'NAME=TOKENS[:SPLIT_RULE[:first|last]]'."""
+        form = "NAME=TOKENS[:SPLIT_RULE[:first|last]]"
         try:
             name, rest = text.split("=", 1)
             tokens, *options = rest.split(":")
             variant = cls(name, int(tokens), *options)
         except (ValueError, TypeError):
             raise argparse.ArgumentTypeError(f"variant {text!r}: expected {form}") from None
-        if variant.splits not in SPLIT_RULES or variant.self_tiles not in SELF_TILES or \
-                variant.partial_sums not in PARTIAL_SUMS:
+        if variant.splits not in SPLIT_RULES or variant.self_tiles not in SELF_TILES:
             raise argparse.ArgumentTypeError(f"variant {text!r}: split rule in {SPLIT_RULES}, self tiles in "
-                                             f"{SELF_TILES}, partial sums in {PARTIAL_SUMS}")
+                                             f"{SELF_TILES}")
         return variant
 
 
 @contextlib.contextmanager
 def launch_settings(variant: Variant):
     """Every PagedAttention built inside takes the variant's split rule and, over the model's dtype (the Gluon
-    kernel's pages), its self-tile split and who sums the partials."""
+    kernel's pages), its self-tile split."""
     real_init = PagedAttention.__init__
 
     def init(self, *args, **kwargs):
@@ -91,8 +88,7 @@ def launch_settings(variant: Variant):
         head_dim, page_size = args[4], args[5]
         if kwargs.get("kv_dtype") is None:
             kwargs.setdefault("gluon_tiling", replace(default_gluon_tiling(head_dim, page_size),
-                                                      self_last=variant.self_tiles == "last",
-                                                      fold_splits=variant.partial_sums == "fold"))
+                                                      self_last=variant.self_tiles == "last"))
         real_init(self, *args, **kwargs)
 
     PagedAttention.__init__ = init

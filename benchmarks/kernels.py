@@ -143,7 +143,6 @@ def attention_row(case: Case, copy_bw: float, iters: int, reference: bool) -> di
     gluon = case.attn.gluon
     row = dict(batch=case.batch, history=case.history, appended=APPENDED, candidates=case.candidates,
                head_dim=case.head_dim, heads=HEADS, num_splits=case.attn.num_splits,
-               folded=case.attn.fold_barriers is not None,
                kernel="gluon" if gluon else "triton", gluon_tiling=asdict(gluon.tiling) if gluon else None,
                kv_cache_dtype=str(case.kv_dtype or DTYPE), fp16_scores=case.attn.fp16_scores,
                fp16_values=case.attn.value_unit != 1.0,
@@ -195,7 +194,7 @@ FP8_SWEEP = {
 
 GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), tanh (tanh SiLU), "
                  "rN (the loader's registers per thread), wt (no mask on whole tiles), sl (self tiles on the last "
-                 "split), fold (the launch sums its split partials))
+                 "split)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -222,8 +221,6 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["unmasked_whole_tiles"] = True
         elif word == "sl":
             options["self_last"] = True
-        elif word == "fold":
-            options["fold_splits"] = True
         elif word[:1] == "r" and word[1:].isdigit():
             options["producer_registers"] = int(word[1:])
         else:
@@ -251,8 +248,6 @@ def gluon_label(tiling: dict) -> str:
         words.append("wt")
     if tiling.get("self_last"):
         words.append("sl")
-    if tiling.get("fold_splits"):
-        words.append("fold")
     return ":".join(words)
 
 

@@ -59,27 +59,16 @@ def main() -> None:
         "64x2:pv:tma:tanh:r96 m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, TANH=True,
                                            PRODUCER_REGISTERS=96), 128),
         "64x2:pv m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=False, TANH=False), 128),
-        "64x2:pv:tma:tanh:wt:sl:rows:fold m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True,
-                                                       TANH=True, WHOLE=True, SELF_LAST=True, table=True, fold=True),
-                                                  128),
-        "64x2:pv:tma:tanh:wt:sl:rows:fold m64": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True,
-                                                      TANH=True, WHOLE=True, SELF_LAST=True, table=True, fold=True),
-                                                 64),
     }
     for name, (tiling, block_m) in variants.items():
         tiling = dict(tiling)
         table = tiling.pop("table", False)
-        fold = tiling.pop("fold", False)
         types = dict(bf16, cache_desc=mangle_type(desc)) if tiling["TMA"] else bf16
         if table:
             types = dict(types, split_table_ptr="*i32", active_splits_ptr="*i32")
-        if fold:
-            types = dict(types, out_ptr="*bf16", barriers_ptr="*i64")
         constexprs = dict(shape, ROWS=32, BLOCK_M=block_m,
                           **{"PRODUCER_REGISTERS": 64, "WHOLE": False, "SELF_LAST": False, **tiling},
-                          **({} if tiling["TMA"] else {"cache_desc": None}),
-                          **({"FOLD": True, "FOLD_GROUPS": 1} if fold else
-                             {"FOLD": False, "FOLD_GROUPS": 0, "out_ptr": None, "barriers_ptr": None}))
+                          **({} if tiling["TMA"] else {"cache_desc": None}))
         code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
         print(f"bf16 {name}: {code}")
     fp8_types = dict(zip(POINTERS, ["*bf16"] * 3 + ["*u8"] + ["*i32"] * 4 + ["*fp32"] * 2))

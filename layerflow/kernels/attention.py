@@ -20,8 +20,8 @@ import triton.language as tl
 
 from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
 from layerflow.kernels.gluon_attention import GluonTiling, select_kernel
-from layerflow.kernels.splits import SplitPartials, _query_blocks, _row_splits, largest_launch, rows_table, \
-    split_rule, sum_splits, wave_splits
+from layerflow.kernels.splits import SplitPartials, _query_blocks, _row_splits, rows_table, split_rule, sum_splits, \
+    wave_splits
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.config import HSTUConfig
@@ -301,13 +301,6 @@ class PagedAttention:
         shape = (self.num_splits, max_tokens, num_heads, head_dim)
         self.partials = None if self.num_splits == 1 else torch.empty(shape, dtype=torch.float32, device=self.device) \
             if workspace is None else workspace.view(shape)
-        # A launch that sums its own partials (GluonTiling.fold_splits) waits for its other programs: only where every
-        # launch fits one program per SM. An int64 per (query block, head): the tiles' barriers (gluon_fold).
-        fold = self.partials is not None and getattr(self.gluon and self.gluon.tiling, "fold_splits", False) and \
-            largest_launch(table if rows else None, self.num_splits, self.query_slots, num_heads) <= \
-            sm_count(self.device)
-        self.fold_barriers = torch.zeros(self.query_slots * num_heads, dtype=torch.int64, device=self.device) \
-            if fold else None
 
     @classmethod
     def for_model(cls, config: HSTUConfig, max_batch: int, max_tokens: int, max_pages_per_user: int, page_size: int,
@@ -377,8 +370,7 @@ class PagedAttention:
             reduce: bool = True) -> torch.Tensor | SplitPartials:
         """out[t] = sum_j SiLU(alpha q_t . k_j) / N v_j over the keys token t sees; `inv_n`: 1/N on the device ([1] or
         [max_batch]; None: 1/max_seq_len). `reduce=False` returns a split kernel's partials unsummed (SplitPartials),
-        for a consumer that sums them as it reads them (the output gate); one split, or a launch that sums its own
-        (`fold_barriers`): `out`."""
+        for a consumer that sums them as it reads them (the output gate); one split: `out`."""
         inv_n = self.constant_inv_n if inv_n is None else inv_n
         self._check(q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, out, inv_n)
         t = self.tiling
@@ -386,7 +378,6 @@ class PagedAttention:
         split_stride = self.max_tokens * self.num_heads * self.head_dim
         precision = "ieee" if self.dtype == torch.float32 else None
         grid = (self.num_splits, self.query_slots, self.num_heads)
-        folded = {} if self.fold_barriers is None else dict(out_ptr=out, barriers_ptr=self.fold_barriers)
         (self.gluon or _paged_attention_kernel)[grid](
             q, k, v, kv_cache, page_table, q_offsets, history_lens, appended_lens, inv_n, dst,
             q.stride(0), k.stride(0), v.stride(0), page_table.stride(0), split_stride, self.max_batch, self.alpha,
@@ -397,10 +388,8 @@ class PagedAttention:
             WINDOW=self.mask.max_attn_len, CONTEXTUAL=self.mask.contextual_len,
             ROWS=self.rows, FP8=kernel_code(self.kv_dtype), F16_QK=self.fp16_scores, V_UNIT=self.value_unit,
             split_table_ptr=self.split_table, active_splits_ptr=self.active_splits,
-            num_warps=t.num_warps, num_stages=t.num_stages, **folded,
+            num_warps=t.num_warps, num_stages=t.num_stages,
         )
-        if self.fold_barriers is not None:
-            return out
         if self.partials is not None and not reduce:
             return SplitPartials(self.partials, self.active_splits)
         if self.partials is not None:

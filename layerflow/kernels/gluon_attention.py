@@ -59,9 +59,7 @@ class GluonTiling:
     thread under "pv" (a multiple of 8 in [24, 256]); the consumers get what the SM has left.
     `unmasked_whole_tiles` ("pv"): no mask on the history tiles every row of the block sees whole. `self_last`:
     the candidates' self tiles count in the split of the block's tiles and the last split runs them
-    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk. `fold_splits` ("pv"): the
-    launch sums its split partials itself (gluon_fold), so its output is final without a split-sum kernel, where
-    PagedAttention can run every program of a launch at once (elsewhere the partials are summed as without it).
+    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk.
     """
 
     block_n: int = 32
@@ -73,7 +71,6 @@ class GluonTiling:
     producer_registers: int = 64
     unmasked_whole_tiles: bool = False
     self_last: bool = False
-    fold_splits: bool = False
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -113,12 +110,11 @@ def _slot_barriers(STAGES: gl.constexpr):
 def _gluon_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, page_table_ptr, q_offsets_ptr, history_lens_ptr, appended_lens_ptr, inv_n_ptr,
     dst_ptr, q_stride, k_stride, v_stride, page_table_stride, split_stride, max_batch, alpha, num_splits, cache_desc,
-    split_table_ptr, active_splits_ptr, out_ptr, barriers_ptr,
+    split_table_ptr, active_splits_ptr,
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, TANH: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, FOLD: gl.constexpr, FOLD_GROUPS: gl.constexpr,
-    num_warps: gl.constexpr,
+    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -172,20 +168,13 @@ def _gluon_attention_kernel(
             pool = cache_desc
         else:
             pool = cache_h
-        # Under FOLD the (query block, head) tile's barrier (gluon_fold), and the output its programs sum into.
-        if FOLD:
-            tile_barrier = barriers_ptr + gl.program_id(1) * H + head
-            out = out_ptr
-        else:
-            tile_barrier = history_lens_ptr
-            out = dst_ptr
         fence_async_shared()
         gl.thread_barrier()
         gl.warp_specialize([
             (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
                             alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0,
-                            q_len, head, out, tile_barrier, num_splits, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE,
-                            FOLD, FOLD_GROUPS, load_layout, s_layout, o_layout, p_layout)),
+                            q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE, load_layout, s_layout,
+                            o_layout, p_layout)),
             (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi, page_row,
                             cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
                             ROWS, BLOCK_N, STAGES, TMA)),
@@ -234,8 +223,8 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
-    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles or tiling.fold_splits) and tiling.variant != "pv":
-        return f"{tiling}: the TMA loader, unmasked whole tiles and folded splits need variant 'pv'"
+    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant != "pv":
+        return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'pv'"
     return registers_reason(tiling)
 
 
@@ -266,15 +255,11 @@ class GluonAttention(GluonLauncher):
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
                 split_table_ptr: torch.Tensor | None = None, active_splits_ptr: torch.Tensor | None = None,
-                out_ptr: torch.Tensor | None = None, barriers_ptr: torch.Tensor | None = None,
                 **tl_tiling) -> None:
         if WINDOW or CONTEXTUAL or FP8:
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the Gluon kernel serves the "
                              "default mask over a bf16/fp16 cache only")
         t = self.tiling
-        fold = barriers_ptr is not None
-        if fold and (out_ptr is None or t.variant != "pv"):
-            raise ValueError(f"{t}: folding the splits needs variant 'pv' and an out_ptr beside the barriers")
         cache_desc = None
         if t.loader == "tma":
             if 2 * PAGE < t.block_n:
@@ -283,14 +268,12 @@ class GluonAttention(GluonLauncher):
             cache_desc = TensorDescriptor(kv_cache, [kv_cache.numel() // (H * D), H * D], [H * D, 1],
                                           [min(PAGE, t.block_n), D], SMEM_LAYOUT.value)
         _gluon_attention_kernel[grid](*args, num_splits=NUM_SPLITS, cache_desc=cache_desc,
-                                      split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr,
-                                      out_ptr=out_ptr, barriers_ptr=barriers_ptr, H=H, D=D,
+                                      split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H, D=D,
                                       PAGE=PAGE, BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
                                       WARP_SPECIALIZE=t.variant == "pv", TMA=t.loader == "tma", TANH=t.tanh_silu,
                                       PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      SELF_LAST=t.self_last, FOLD=fold,
-                                      FOLD_GROUPS=-(-NUM_SPLITS // 16) if fold else 0, num_warps=BLOCK_M // 16)
+                                      SELF_LAST=t.self_last, num_warps=BLOCK_M // 16)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

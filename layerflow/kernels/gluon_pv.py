@@ -15,7 +15,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from layerflow.kernels.gluon_fold import _fold_partials
 from layerflow.kernels.gluon_tiles import (_masked_silu, _query_rows, _row_bounds, _store_partial, _tile_page_pair,
                                           _tile_pages, _tile_silu, _whole_tiles)
 
@@ -23,16 +22,13 @@ from layerflow.kernels.gluon_tiles import (_masked_silu, _query_rows, _row_bound
 @gluon.jit
 def _pv_consumer(q_smem, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, num_tiles, num_hist, lo, hi, alpha,
                  appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0, q_len, head,
-                 out_ptr, barrier_ptr, num_splits, H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr,
-                 FOLD: gl.constexpr, FOLD_GROUPS: gl.constexpr, q_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                 p_layout: gl.constexpr):
+                 H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, TANH: gl.constexpr, WHOLE: gl.constexpr, q_layout: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """The block's warps under "pv": the query block into q_smem (q_ptr / q_stride its rows, loaded in q_layout)
     while the loader's first copies are in flight, tile 0's S and P, then per tile t >= 1 S(t) and P(t-1) V(t-1)
     issued together with P(t) computed between the two waits, then the last tile's P V and the block's partial. TANH
-    picks the SiLU, WHOLE skips the mask on the tiles every row sees whole (_tile_silu). FOLD: the block's rows of
-    out_ptr are then summed over the num_splits partials (at most FOLD_GROUPS * 16; gluon_fold, at the tile's
-    barrier barrier_ptr)."""
+    picks the SiLU, WHOLE skips the mask on the tiles every row sees whole (_tile_silu)."""
     dtype: gl.constexpr = q_smem.dtype
     q_smem.store(_query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M, q_layout))
     fence_async_shared()
@@ -72,9 +68,6 @@ def _pv_consumer(q_smem, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, num
         fence_async_shared()
         acc = warpgroup_mma(p, v_ring.index(last), acc)
     _store_partial(acc, inv_n, dst_ptr, split, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M, o_layout)
-    if FOLD:
-        _fold_partials(dst_ptr, out_ptr, barrier_ptr, split, num_splits, split_stride, q_start, row0, q_len, head,
-                       H, D, BLOCK_M, FOLD_GROUPS)
 
 
 @gluon.jit

@@ -54,14 +54,6 @@ def rows_table(query_slots: int, heads: int, slots: int, max_splits: int) -> lis
     return [1] + [wave_splits(n * heads, slots, max_splits) for n in range(1, query_slots + 1)]
 
 
-def largest_launch(table: list[int] | None, num_splits: int, query_slots: int, heads: int) -> int:
-    """The most programs one launch runs past its exits: under the "rows" rule (`table`, rows_table's) the largest
-    of its split counts x real query blocks x heads, else (None) every program of the capacity's grid."""
-    if table is None:
-        return num_splits * query_slots * heads
-    return max(splits * blocks * heads for blocks, splits in enumerate(table))
-
-
 @triton.jit
 def _query_blocks(q_offsets_ptr, max_batch, BATCH_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """(users, valid, blocks): each user's query blocks, ceil(len / BLOCK_M), over BATCH_P2 lanes (0 past the batch)."""

@@ -5,7 +5,6 @@ Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set 
 """
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ if not torch.cuda.is_available():
 from layerflow.kernels import AttentionTiling, PagedAttention, kv_append, paged_attention_reference  # noqa: E402
 from layerflow.kernels import attention  # noqa: E402
 from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm  # noqa: E402
-from layerflow.kernels.gluon_attention import GluonAttention, GluonTiling, default_gluon_tiling  # noqa: E402
-from layerflow.kernels.splits import SplitPartials, largest_launch, rows_table, wave_splits  # noqa: E402
+from layerflow.kernels.splits import SplitPartials, rows_table, wave_splits  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,28 +45,6 @@ def test_bucket_and_rows_rules_on_the_h200s_512_token_bucket(monkeypatch):
     assert rows.active_splits.tolist() == [15]
     # the tl kernel's page-table slice covers the chunk of the fewest splits a launch with real rows takes (11 here)
     assert rows.chunk_pages == bucket.chunk_pages == 64
-
-
-def test_largest_launch_is_the_tables_most_programs_else_the_grids():
-    assert largest_launch([1, 15, 15, 11, 15], 15, 4, 4) == 15 * 4 * 4
-    assert largest_launch([1, 33, 16, 11], 11, 3, 4) == 132
-    assert largest_launch(None, 11, 3, 4) == 132 and largest_launch(None, 15, 4, 4) == 240
-
-
-def test_the_split_fold_is_taken_only_where_every_launch_fits_one_wave(monkeypatch):
-    """A folded launch's programs wait for each other: the 320-token bucket (at most 132 programs a launch) folds,
-    the 512-token one (240 at 4 real blocks) and a tiling without the fold keep the split sums."""
-    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
-    fold = replace(default_gluon_tiling(256, 32), fold_splits=True)
-
-    def layer(tokens: int, tiling: GluonTiling) -> PagedAttention:
-        monkeypatch.setattr(attention, "select_kernel", lambda *args, **kwargs: GluonAttention(tiling))
-        return PagedAttention(1, tokens, 528, 4, 256, 32, torch.bfloat16, "cpu", ALPHA, 16896)
-
-    folded = layer(320, fold)
-    assert folded.num_splits == 11 and folded.fold_barriers.tolist() == [0] * (3 * 4)
-    assert layer(512, fold).fold_barriers is None
-    assert layer(320, default_gluon_tiling(256, 32)).fold_barriers is None
 
 
 def test_a_split_rule_not_known_is_named():

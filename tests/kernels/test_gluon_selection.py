@@ -95,11 +95,6 @@ def test_a_launcher_of_a_bad_variant_is_refused(tiling):
         GluonAttention(tiling)
 
 
-def test_folded_splits_need_the_pv_variant():
-    assert "folded splits" in tiling_reason(GluonTiling(64, 3, fold_splits=True))
-    assert tiling_reason(GluonTiling(64, 2, "pv", fold_splits=True)) is None
-
-
 @pytest.mark.parametrize("registers", [20, 100, 264])
 def test_a_launcher_of_a_bad_loader_register_count_is_refused(registers):
     with pytest.raises(ValueError, match=f"producer_registers.*{registers}|{registers}.*producer_registers"):
