@@ -109,6 +109,7 @@ class TailMarks:
         self.waits = ReleaseMarks(engine.layer_wait, engine.weights.config.num_layers)
         self.events = {name: cuda_api.create_event(timing=True) for name in DEVICE_MARKS}
         self.host = HostStamps()
+        self.copy_engine = copy_engine
         engine.layer_wait = self.waits
         self._wrap_device(engine)
         self._wrap_host(engine, copy_engine)

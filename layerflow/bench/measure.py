@@ -29,9 +29,11 @@ from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
+from layerflow.runtime.tiers import issues_on_copy_thread, resolve_signal
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.cuda_copy import CudaCopyEngine
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 
 
@@ -146,11 +148,12 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
                 scenarios: list[Scenario], clock: Clock, timer: TransferTimer, progress: tqdm,
                 results: Results) -> None:
     timeline = settings.timeline and config.enable_layerwise
-    copy = BenchCopyEngine(_copy_engine(device, timeline))
+    inner = _copy_engine(device, timeline)
+    copy = BenchCopyEngine(on_copy_thread(inner, config, device))
     bucket = Bucket(settings.batch_size, settings.query_tokens)
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(bucket.max_batch,), token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine:
-        tail = TailMarks(engine, copy.inner) if timeline else None   # before warmup: a graph variant of its own
+        tail = TailMarks(engine, inner) if timeline else None   # before warmup: a graph variant of its own
         engine.warmup()
         phases = phase_timer(engine, settings)
         for index, seq_len in enumerate(settings.seq_lens):
@@ -166,6 +169,14 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
                 results.measured.append(scenario.measure(ctx))
             copy.skip_offloads = False
             workload.drop(engine)
+
+
+def on_copy_thread(engine: CopyEngine, config: Config, device: torch.device) -> CopyEngine:
+    """`engine` as the engine's tier would run its default one: issued on a copy thread where the config's
+    `copy_thread` applies (runtime/tiers.issues_on_copy_thread), so the benchmark times the shipped issue path."""
+    if issues_on_copy_thread(config, resolve_signal(config, device)):
+        return IssueThreadCopyEngine(engine, device)
+    return engine
 
 
 def _copy_engine(device: torch.device, timeline: bool) -> CopyEngine:
