@@ -195,6 +195,11 @@ class CopyEngine(ABC):
         run can be issued without one."""
         return self._onboard(CopyJob(gpu_layers, host, run.plan(), signal, first_layer, addresses))
 
+    def issue_deferred(self) -> None:
+        """Issue what an onboarding left for later (an engine that issues a lead of layers first, cuda_copy.py): the
+        caller calls it once the work it wanted to start first (its batch's launch) is issued; the default has
+        nothing deferred."""
+
     @abstractmethod
     def _onboard(self, job: CopyJob) -> Transfer: ...
 
