@@ -242,7 +242,10 @@ class Engine:
             self._check_open()
             if self._flight is None and self._failover is not None:
                 self._failover.check(self.kv)
-            return self.kv.prepare(requests, chain)
+            plan = self.kv.prepare(requests, chain)
+            if self._flight is not None:   # its launch waits for the flight: the lead would leave the copies idle
+                self.kv.below.issue_deferred()
+            return plan
 
     def launch(self, plan: BatchPlan) -> Flight:
         """Run a prepared batch on the device (waiting for the batch in flight to be collected first)."""
@@ -360,5 +363,8 @@ class Engine:
             self.graphs.replay(bufs, wait)
         else:
             self.pipeline.forward(bufs, wait)
+        # The onboarding's layers past its lead (the copies a layerwise block waits for on the device), before the
+        # offloads: the lead was issued ahead so that this launch left sooner.
+        self.kv.below.issue_deferred()
         self.kv.offload_early(plan)
         return Flight(plan, bufs, wait)

@@ -78,6 +78,9 @@ class InProcessTier(KVTier):
             raise
         return onboarding
 
+    def issue_deferred(self) -> None:
+        self.engine.issue_deferred()
+
     def adopt(self, user: int) -> tuple[int, list[int]] | None:
         return self.cache.adopt(user)
 
