@@ -29,11 +29,10 @@ from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
-from layerflow.runtime.tiers import issues_on_copy_thread, resolve_signal
+from layerflow.runtime.tiers import issue_path
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.cuda_copy import CudaCopyEngine
-from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 from layerflow.transfer.thread_copy import ThreadCopyEngine
 
 
@@ -149,7 +148,7 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
                 results: Results) -> None:
     timeline = settings.timeline and config.enable_layerwise
     inner = _copy_engine(device, timeline)
-    copy = BenchCopyEngine(on_copy_thread(inner, config, device))
+    copy = BenchCopyEngine(issue_path(inner, config, device))   # as the tier issues its own engine
     bucket = Bucket(settings.batch_size, settings.query_tokens)
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(bucket.max_batch,), token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine:
@@ -169,14 +168,6 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
                 results.measured.append(scenario.measure(ctx))
             copy.skip_offloads = False
             workload.drop(engine)
-
-
-def on_copy_thread(engine: CopyEngine, config: Config, device: torch.device) -> CopyEngine:
-    """`engine` as the engine's tier would run its default one: issued on a copy thread where the config's
-    `copy_thread` applies (runtime/tiers.issues_on_copy_thread), so the benchmark times the shipped issue path."""
-    if issues_on_copy_thread(config, resolve_signal(config, device)):
-        return IssueThreadCopyEngine(engine, device)
-    return engine
 
 
 def _copy_engine(device: torch.device, timeline: bool) -> CopyEngine:

@@ -77,5 +77,8 @@ class BenchCopyEngine:
             return _Skipped()
         return self.inner.offload(gpu_layers, host, gpu_pages, host_blocks)
 
+    def issue_deferred(self) -> None:
+        self.inner.issue_deferred()
+
     def close(self) -> None:
         self.inner.close()
