@@ -142,7 +142,12 @@ def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:
 
 
 class CopyEngine(ABC):
-    """Moves KV pages between the GPU pool tensors and the host block tensor."""
+    """Moves KV pages between the GPU pool tensors and the host block tensor. `inline`, set by the caller before a
+    batch: it launches the batch right after its onboarding and collects it next, so an engine that hands its copies
+    to another thread issues the batch's on the caller's instead where it can (transfer/issue_thread.py); the others
+    ignore it."""
+
+    inline = False
 
     def __init__(self) -> None:
         self._checked: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], LayerAddresses]] = {}
