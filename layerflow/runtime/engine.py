@@ -242,6 +242,9 @@ class Engine:
             self._check_open()
             if self._flight is None and self._failover is not None:
                 self._failover.check(self.kv)
+            # With nothing in flight the launch follows at once: the copies are issued on this thread, not handed to
+            # the copy thread (transfer/issue_thread.py); beside a flight (serving's prepare ahead) they are.
+            self.kv.below.issue_inline(self._flight is None)
             plan = self.kv.prepare(requests, chain)
             if self._flight is not None:   # its launch waits for the flight: the lead would leave the copies idle
                 self.kv.below.issue_deferred()

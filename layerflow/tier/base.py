@@ -109,6 +109,10 @@ class KVTier(ABC):
         """Issue the copies an onboarding left for after the batch's launch (an in-process tier whose copy engine
         issues a lead of layers first); the default defers nothing."""
 
+    def issue_inline(self, allowed: bool) -> None:
+        """Whether the next onboardings may be issued on the caller's thread: it launches their batch right after
+        (no batch is in flight). The default issues as it always does."""
+
     @abstractmethod
     def reap(self) -> None:
         """Settle the bookkeeping of offloads that ended (a failed one leaves no copy)."""

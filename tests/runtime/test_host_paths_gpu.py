@@ -63,11 +63,14 @@ def test_host_hit_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
 
 
-@pytest.mark.parametrize("signal,graph", [(SignalMode.WAITVALUE, True), (SignalMode.EVENTFD, True),
-                                          (SignalMode.EVENT, True), (SignalMode.WAITVALUE, False)])
+@pytest.mark.parametrize("signal,graph,copy_thread", [
+    (SignalMode.WAITVALUE, True, False), (SignalMode.EVENTFD, True, False), (SignalMode.EVENT, True, False),
+    (SignalMode.WAITVALUE, False, False),
+    (SignalMode.WAITVALUE, True, True),   # the copy-thread engine issuing inline (nothing in flight)
+])
 def test_a_lead_of_layers_then_the_rest_after_the_launch_gives_the_gpu_hits_scores(weights, gpu_hit, signal, graph,
-                                                                                 monkeypatch):
+                                                                                 copy_thread, monkeypatch):
     # One layer leads, the rest after every launch (event signals: all before it, their waits bind at the launch).
     monkeypatch.setattr("layerflow.runtime.tiers.LEAD_BYTES", 1)
-    got = serve(weights, Tier.HOST, signal=signal, graph=graph, copy_thread=False)
+    got = serve(weights, Tier.HOST, signal=signal, graph=graph, copy_thread=copy_thread)
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))

@@ -23,11 +23,12 @@ class LeadEngine(ThreadCopyEngine):
     lead_bytes = None
 
 
-def test_the_copy_thread_wraps_the_engine_and_leaves_its_lead_off():
+def test_the_copy_thread_wraps_the_engine_with_its_lead_for_inline_onboardings():
     inner = LeadEngine()
     engine = tiers.issue_path(inner, Config(copy_thread=True), CPU)
     try:
-        assert isinstance(engine, IssueThreadCopyEngine) and engine.inner is inner and inner.lead_bytes is None
+        assert isinstance(engine, IssueThreadCopyEngine) and engine.inner is inner
+        assert inner.lead_bytes == tiers.LEAD_BYTES and engine.inline is False
     finally:
         engine.close()
 
@@ -58,13 +59,13 @@ def test_the_engine_asks_for_the_deferred_layers_after_every_launch_and_a_prepar
         calls = []
         below = engine.kv.below
         below.issue_deferred = lambda: calls.append("deferred")
+        below.issue_inline = lambda allowed: calls.append(f"inline={allowed}")
         engine.score([Request(1, items(rng, 40), items(rng, 3))])
-        assert calls == ["deferred"]
+        assert calls == ["inline=True", "deferred"]
         engine.kv.evict_from_gpu(1)
         flight = engine.launch(engine.prepare([Request(1, items(rng, 4), items(rng, 3))]))
-        assert calls == ["deferred"] * 2
         ahead = engine.prepare([Request(2, items(rng, 30), items(rng, 3))])   # beside the flight: issued at once
-        assert calls == ["deferred"] * 3
+        assert calls[2:] == ["inline=True", "deferred", "inline=False", "deferred"]
         engine.collect(flight)
         engine.collect(engine.launch(ahead))
-        assert calls == ["deferred"] * 4
+        assert calls[6:] == ["deferred"]
