@@ -74,7 +74,7 @@ def test_the_cuda_engine_leaves_the_rest_for_issue_deferred_and_the_next_transfe
     gpu, host = make_tensors("cuda")
     layer_bytes = gpu[0][0].numel() * gpu[0].element_size()
     engine = CudaCopyEngine(lead_bytes=layer_bytes * 3)   # three pages a layer below: one layer leads
-    signals = WaitValueSignals(LAYERS, num_counters=2, timeout_s=5.0)
+    signals = WaitValueSignals(LAYERS, num_counters=3, timeout_s=5.0)   # three onboardings hold a counter each
     try:
         first = signals.acquire()
         transfer = engine.onboard(gpu, host, [0, 1, 2], [5, 6, 7], signal=first)
