@@ -121,7 +121,7 @@ def test_a_timed_engine_marks_every_layer_of_a_split_onboarding():
         timed = engine.last_onboard
         timed.wait(5)
         assert issued == list(range(LAYERS)) and len(timed.events) == LAYERS + 1
-        assert all(ms > 0 for ms in timed.intervals_ms())
+        assert all(ms >= 0 for ms in timed.intervals_ms())
         check_onboarded(gpu, host, [0, 1, 2], [5, 6, 7])
         handle.release()
     finally:
