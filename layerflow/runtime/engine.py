@@ -230,7 +230,7 @@ class Engine:
                 return self._score(requests)
 
     def _score(self, requests: list[Request]) -> list[torch.Tensor]:
-        return self.collect(self.launch(self.prepare(requests)))
+        return self.collect(self.launch(self._prepare(requests, False, inline=True)))
 
     def prepare(self, requests: list[Request], chain: bool = False) -> BatchPlan:
         """Place the batch's KV on the GPU and start its onboarding (ValueError for a bad request, PoolExhausted for a
@@ -238,13 +238,16 @@ class Engine:
         (ValueError), unless `chain` and that batch is in flight: this one then builds on the history the flight
         recorded and is aborted if the flight fails (runtime/chains.py; `cancel`, or `launch` raising ChainAborted,
         then gives its slab back)."""
+        return self._prepare(requests, chain, inline=False)
+
+    def _prepare(self, requests: list[Request], chain: bool, inline: bool) -> BatchPlan:
+        """`prepare`; `inline` (score's own batches, launched and collected at once): with nothing in flight the
+        batch's copies are issued on this thread, not handed to the copy thread (transfer/issue_thread.py)."""
         with self._cond:
             self._check_open()
             if self._flight is None and self._failover is not None:
                 self._failover.check(self.kv)
-            # With nothing in flight the launch follows at once: the copies are issued on this thread, not handed to
-            # the copy thread (transfer/issue_thread.py); beside a flight (serving's prepare ahead) they are.
-            self.kv.below.issue_inline(self._flight is None)
+            self.kv.below.issue_inline(inline and self._flight is None)
             plan = self.kv.prepare(requests, chain)
             if self._flight is not None:   # its launch waits for the flight: the lead would leave the copies idle
                 self.kv.below.issue_deferred()

@@ -84,7 +84,7 @@ def issue_path(engine: CopyEngine, config: Config, device: torch.device) -> Copy
     """`engine` as the in-process tier issues with it: a CUDA engine issues a lead of each layerwise onboarding it
     issues on the caller's thread before the launch and the rest after it (`lead_bytes`; the engine calls the tier's
     `issue_deferred` after each launch); wrapped to issue on a copy thread where `issues_on_copy_thread`, except for
-    the onboardings of a batch the caller launches at once (`inline`)."""
+    the batches `Engine.score` launches at once (`inline`)."""
     if hasattr(engine, "lead_bytes"):
         engine.lead_bytes = LEAD_BYTES
     if issues_on_copy_thread(config, resolve_signal(config, device)):

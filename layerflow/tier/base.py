@@ -110,8 +110,8 @@ class KVTier(ABC):
         issues a lead of layers first); the default defers nothing."""
 
     def issue_inline(self, allowed: bool) -> None:
-        """Whether the next onboardings may be issued on the caller's thread: it launches their batch right after
-        (no batch is in flight). The default issues as it always does."""
+        """Whether the next batch's copies may be issued on the caller's thread: it launches and collects that batch
+        right after (`Engine.score`, nothing in flight). The default issues as it always does."""
 
     @abstractmethod
     def reap(self) -> None:

@@ -143,9 +143,9 @@ def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:
 
 class CopyEngine(ABC):
     """Moves KV pages between the GPU pool tensors and the host block tensor. `inline`, set by the caller before a
-    batch: it launches the batch right after its onboarding and collects it next, so an engine that hands its copies
-    to another thread issues the batch's on the caller's instead where it can (transfer/issue_thread.py); the others
-    ignore it."""
+    batch (`Engine.score`'s own, nothing in flight): it launches the batch right after its onboarding and collects it
+    next, so an engine that hands its copies to another thread issues the batch's on the caller's instead where it
+    can (transfer/issue_thread.py); the others ignore it."""
 
     inline = False
 

@@ -179,9 +179,9 @@ class IssueThreadCopyEngine(CopyEngine):
     """Issues `inner`'s transfers on one thread ("layerflow-copy-issue"); `device` is the pools' device (CUDA: the
     offload fence above); `close()` drains the queue, then closes `inner` if `owns_inner`.
 
-    `inline` (set by the caller before each batch, runtime/engine.py): the caller launches the batch right after its
-    onboarding (no batch in flight) and collects it next, so while the queue is idle the batch's copies, its
-    onboarding and its offload, are issued by `inner` on the caller's thread. Handed to the thread, the first copy
+    `inline` (set by the caller before each batch: `Engine.score`'s own batches with nothing in flight): the caller
+    launches the batch right after its onboarding and collects it next, so while the queue is idle the batch's
+    copies, its onboarding and its offload, are issued by `inner` on the caller's thread. Handed to the thread, the first copy
     waited for the GIL behind the caller's packing and launch, and the offload's issue held the GIL while the caller
     came back from the fetch (H200, 2K bf16 at batch size 1: layer 0 issued 0.40 ms after the request instead of
     ~0.12, the wake 0.07 ms). The thread is idle then and nothing else submits until the caller does, so `inner`
@@ -193,6 +193,7 @@ class IssueThreadCopyEngine(CopyEngine):
         super().__init__()
         self.inner, self.owns_inner = inner, owns_inner
         self.inline = False
+        self._inline_onboarded = False   # an inline onboarding since the last issue_deferred
         self._fence = _StreamFence(device) if device.type == "cuda" else None
         self._queue = _IssueQueue("layerflow-copy-issue", None if self._fence is None else self._fence.adopt)
         try:
@@ -214,8 +215,11 @@ class IssueThreadCopyEngine(CopyEngine):
             self.inner.close()
 
     def issue_deferred(self) -> None:
-        """The inner engine's deferred layers (an inline onboarding's): at once where the queue is idle, else queued
-        behind what is."""
+        """The inner engine's deferred layers, if an inline onboarding left any (the thread leaves none): at once
+        where the queue is idle, else queued behind what is."""
+        if not self._inline_onboarded:
+            return
+        self._inline_onboarded = False
         if self._queue.idle():
             self.inner.issue_deferred()
         else:
@@ -223,6 +227,7 @@ class IssueThreadCopyEngine(CopyEngine):
 
     def _onboard(self, job: CopyJob) -> Transfer:
         if self.inline and self._queue.idle():
+            self._inline_onboarded = True
             return self.inner._onboard(job)
         transfer = IssuedTransfer()
         self._queue.submit(lambda: self._issue(partial(self.inner._onboard, job), job.signal, None, transfer),
@@ -233,6 +238,7 @@ class IssueThreadCopyEngine(CopyEngine):
                      run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
         """A one-run onboarding keeps the inner engine's run path (no job) on the issue thread, or inline."""
         if self.inline and self._queue.idle():
+            self._inline_onboarded = True
             return self.inner._onboard_run(gpu_layers, host, addresses, run, signal, first_layer)
         transfer = IssuedTransfer()
         start = partial(self.inner._onboard_run, gpu_layers, host, addresses, run, signal, first_layer)

@@ -1,6 +1,7 @@
 """runtime.tiers.issue_path: the in-process tier's copy engine on a copy thread where `copy_thread` applies, else on
 the caller's thread with a lead of layers (a CUDA engine: `lead_bytes`); the engine asks the tier below for the
-deferred layers right after each launch and after a prepare made while a batch is in flight."""
+deferred layers right after each launch and after a prepare made while a batch is in flight, and lets the tier issue
+inline for score's own batches only."""
 
 import random
 
@@ -60,12 +61,13 @@ def test_the_engine_asks_for_the_deferred_layers_after_every_launch_and_a_prepar
         below = engine.kv.below
         below.issue_deferred = lambda: calls.append("deferred")
         below.issue_inline = lambda allowed: calls.append(f"inline={allowed}")
-        engine.score([Request(1, items(rng, 40), items(rng, 3))])
+        engine.score([Request(1, items(rng, 40), items(rng, 3))])   # score's own batch: inline
         assert calls == ["inline=True", "deferred"]
         engine.kv.evict_from_gpu(1)
+        # A scheduler's (serving's) batches keep the copy thread; one prepared beside a flight is issued at once.
         flight = engine.launch(engine.prepare([Request(1, items(rng, 4), items(rng, 3))]))
-        ahead = engine.prepare([Request(2, items(rng, 30), items(rng, 3))])   # beside the flight: issued at once
-        assert calls[2:] == ["inline=True", "deferred", "inline=False", "deferred"]
+        ahead = engine.prepare([Request(2, items(rng, 30), items(rng, 3))])
+        assert calls[2:] == ["inline=False", "deferred", "inline=False", "deferred"]
         engine.collect(flight)
         engine.collect(engine.launch(ahead))
         assert calls[6:] == ["deferred"]
