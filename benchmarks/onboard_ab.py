@@ -1,5 +1,5 @@
-"""The fetch's wait A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in alternated blocks (session
-14, issues 18 and 20).
+"""The onboarding's issue and the fetch's wait A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in
+alternated blocks (sessions 14 and 15, issues 18 and 20).
 
 A variant is `NAME=WAIT[:ISSUE]`. WAIT: `word`, the engine's wait for each batch's done word (runtime/done_word.py),
 or `sync`, torch's Stream.synchronize as main waited (patched onto each bucket's done word here, the graphs
