@@ -230,19 +230,16 @@ class Engine:
                 return self._score(requests)
 
     def _score(self, requests: list[Request]) -> list[torch.Tensor]:
-        return self.collect(self.launch(self._prepare(requests, False, inline=True)))
+        return self.collect(self.launch(self.prepare(requests, inline=True)))
 
-    def prepare(self, requests: list[Request], chain: bool = False) -> BatchPlan:
+    def prepare(self, requests: list[Request], chain: bool = False, *, inline: bool = False) -> BatchPlan:
         """Place the batch's KV on the GPU and start its onboarding (ValueError for a bad request, PoolExhausted for a
         batch the GPU cannot hold now; nothing changes then). Its users must not be in another batch not collected yet
         (ValueError), unless `chain` and that batch is in flight: this one then builds on the history the flight
         recorded and is aborted if the flight fails (runtime/chains.py; `cancel`, or `launch` raising ChainAborted,
-        then gives its slab back)."""
-        return self._prepare(requests, chain, inline=False)
-
-    def _prepare(self, requests: list[Request], chain: bool, inline: bool) -> BatchPlan:
-        """`prepare`; `inline` (score's own batches, launched and collected at once): with nothing in flight the
-        batch's copies are issued on this thread, not handed to the copy thread (transfer/issue_thread.py)."""
+        then gives its slab back). `inline`: the caller launches and collects this batch at once (`score` does):
+        with nothing in flight its copies are issued on this thread, not handed to the copy thread
+        (transfer/issue_thread.py)."""
         with self._cond:
             self._check_open()
             if self._flight is None and self._failover is not None:
