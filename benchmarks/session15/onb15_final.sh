@@ -13,11 +13,11 @@ mkdir -p "$D"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 unset LAYERFLOW_COPY_THREAD LAYERFLOW_COPY_PATH
 START=$(date +%s)
-timeout 24 python3 -m pytest -m gpu -q -p no:cacheprovider tests/transfer/test_layer_issue.py \
+timeout 26 python3 -m pytest -m gpu -q -p no:cacheprovider tests/transfer/test_layer_issue.py \
     tests/transfer/test_onboard_run.py tests/runtime/test_host_paths_gpu.py > "$D/gpu-tests.log" 2>&1
 rc=$?
 echo "GPU tests rc=$rc: $(tail -1 "$D/gpu-tests.log" | cut -c1-90) $(grep -E "^(FAILED|ERROR)" "$D/gpu-tests.log" | head -3 | cut -c1-150)"
-T=$(( 58 - ($(date +%s) - START) )); [ $T -gt 32 ] && T=32
+T=$(( 58 - ($(date +%s) - START) )); [ $T -gt 31 ] && T=31
 timeout $T python3 benchmarks/onboard_ab.py --seq-lens 2K --kv-cache-dtypes fp8_e4m3,auto \
     --variant thread=word:thread --variant all=word:all --variant lead=word:lead --blocks 3 --iters 2 \
     --out "$D/onboard-issue-final-h200.json" > "$D/onboard_ab.stdout" 2> "$D/onboard_ab.stderr"
