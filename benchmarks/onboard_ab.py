@@ -1,15 +1,20 @@
-"""The fetch's wait A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in alternated blocks (session
-14, issues 18 and 20).
+"""The onboarding's issue and the fetch's wait A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in
+alternated blocks (sessions 14 and 15, issues 18 and 20).
 
-A variant is `NAME=WAIT`: `word`, the engine's wait for each batch's done word (runtime/done_word.py), or `sync`,
-torch's Stream.synchronize as main waited (patched onto each bucket's done word here, the graphs unchanged), so one
-engine per KV dtype serves every variant. Per history length, blocks of CPU-hit + layerwise requests, then GPU hits,
+A variant is `NAME=WAIT[:ISSUE]`. WAIT: `word`, the engine's wait for each batch's done word (runtime/done_word.py),
+or `sync`, torch's Stream.synchronize as main waited (patched onto each bucket's done word here, the graphs
+unchanged). ISSUE, how the onboarding is issued by the engine's copy engine (a copy-thread engine over a CUDA one, as
+the tier builds its own): `lead` (the default: on the caller's thread, a lead of layers before the launch and the rest
+after it, runtime/tiers.LEAD_BYTES), `all` (on the caller's thread, every layer before the launch), `thread` (handed
+to the copy thread, as main did whatever the batch) or a lead in MiB. One engine per KV dtype serves every variant.
+Per history length, blocks of CPU-hit + layerwise requests, then GPU hits,
 run each variant in turn, the order rotating from block to block, so drift of the machine spreads over all variants
 alike. The lower bound is the inference benchmark's (stats.lower_bound) from the same run: the transfer probes of
 every variant's requests, the GPU hit of the first variant and its per-layer compute. Every result is compared with
 the GPU hit's scores (0: bitwise). With `--profile` both scenarios' host phases (bench.phases) are kept per variant.
 
-    python3 benchmarks/onboard_ab.py --seq-lens 16K,2K --variant sync=sync --variant word=word --profile
+    python3 benchmarks/onboard_ab.py --seq-lens 16K,2K --variant thread=word:thread --variant all=word:all \
+        --variant lead=word:lead --profile
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +40,9 @@ from layerflow.bench.workload import as_scores  # noqa: E402
 from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.buffers import Bucket  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
+from layerflow.runtime.tiers import LEAD_BYTES  # noqa: E402
 from layerflow.transfer.copy_engine import CopyEngine  # noqa: E402
+from layerflow.transfer.issue_thread import IssueThreadCopyEngine  # noqa: E402
 
 # The phase rows `--profile` prints (bench.phases names).
 PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.offload", "collect.fetch", "collect.commit",
@@ -45,16 +52,41 @@ PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.offload", "
 WAITS = ("word", "sync")
 
 
-def parse_variant(text: str) -> tuple[str, str]:
-    """'NAME=WAIT' -> (NAME, wait)."""
-    name, _, wait = text.partition("=")
-    if not name or wait not in WAITS:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=WAIT, wait in {WAITS}")
-    return name, wait
+@dataclass(frozen=True)
+class Variant:
+    wait: str
+    thread: bool             # every onboarding handed to the copy thread
+    lead_bytes: int | None   # None: every layer before the launch
 
 
-def apply(ctx: Context, wait: str) -> None:
-    """Every bucket's fetch waits by `wait` from the next request on (the CPU path has no wait: nothing changes)."""
+def parse_variant(text: str) -> tuple[str, Variant]:
+    """'NAME=WAIT[:ISSUE]' -> (NAME, Variant)."""
+    name, _, spec = text.partition("=")
+    wait, _, issue = spec.partition(":")
+    issue = issue or "lead"
+    named = {"lead": (False, LEAD_BYTES), "all": (False, None), "thread": (True, None)}
+    thread, lead = named.get(issue, (False, -1))
+    if issue not in named:
+        try:
+            lead = int(float(issue) * 2**20)
+        except ValueError:
+            pass
+    if not name or wait not in WAITS or (lead is not None and lead <= 0):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=WAIT[:ISSUE], wait in {WAITS}, issue "
+                                         f"'lead', 'all', 'thread' or a lead in MiB")
+    return name, Variant(wait, thread, lead)
+
+
+def apply(ctx: Context, variant: Variant) -> None:
+    """Every bucket's fetch waits by the variant's wait from the next request on (the CPU path has no wait: nothing
+    changes); the copy engine issues as the variant says (`thread`: the tier's inline hint forced off)."""
+    wait, tier, threaded = variant.wait, ctx.engine.kv.below, ctx.copy.inner
+    if hasattr(threaded.inner, "lead_bytes"):
+        threaded.inner.lead_bytes = variant.lead_bytes
+    if variant.thread:
+        tier.issue_inline = lambda allowed: setattr(threaded, "inline", False)
+    else:
+        tier.__dict__.pop("issue_inline", None)
     for buffers in ctx.engine._buffers.values():
         if buffers._done is None:
             continue
@@ -80,7 +112,7 @@ def _phases(runs: list[Measured]) -> dict[str, float]:
     return {phase: Summary.of([x for m in runs for x in m.phases[phase].samples]).median for phase in runs[0].phases}
 
 
-def measure_length(ctx: Context, chosen: dict[str, str], blocks: int) -> dict:
+def measure_length(ctx: Context, chosen: dict[str, Variant], blocks: int) -> dict:
     """Every variant's layerwise and GPU-hit requests at one length, alternated in `blocks` blocks; the bound."""
     variants = list(chosen)
     layerwise: dict[str, list[Measured]] = {n: [] for n in variants}
@@ -113,14 +145,15 @@ def measure_length(ctx: Context, chosen: dict[str, str], blocks: int) -> dict:
 
 
 def _copy_engine(device: torch.device) -> CopyEngine:
+    """A copy-thread engine over the device's engine, as the tier builds its own (`apply` sets how it issues)."""
     if device.type != "cuda":
         from layerflow.transfer.thread_copy import ThreadCopyEngine
-        return ThreadCopyEngine()
+        return IssueThreadCopyEngine(ThreadCopyEngine(), device)
     from layerflow.transfer.cuda_copy import CudaCopyEngine
-    return CudaCopyEngine(device=device.index or 0)
+    return IssueThreadCopyEngine(CudaCopyEngine(device=device.index or 0), device)
 
 
-def run_dtype(settings: Settings, variants: dict[str, str], blocks: int,
+def run_dtype(settings: Settings, variants: dict[str, Variant], blocks: int,
               device: torch.device) -> list[dict]:
     """One engine with `settings.kv_cache_dtype`, every length of `settings` (host phases with `settings.profile`)."""
     weights = HSTUWeights.init(settings.model, seed=settings.seed)
@@ -180,14 +213,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-candidates", type=int, default=GPU_DEFAULTS["num_candidates"])
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="comma-separated, one engine each")
     parser.add_argument("--variant", type=parse_variant, action="append",
-                        help="NAME=WAIT, repeatable (default: sync=sync, word=word)")
+                        help="NAME=WAIT[:ISSUE], repeatable (default: thread=word:thread, all=word:all, "
+                             "lead=word:lead)")
     parser.add_argument("--blocks", type=int, default=6, help="alternation blocks per length")
     parser.add_argument("--iters", type=int, default=5, help="timed requests per variant, scenario and block")
     parser.add_argument("--profile", action="store_true", help="keep the requests' host phases too")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    variants = dict(args.variant or [("sync", "sync"), ("word", "word")])
+    variants = dict(args.variant or [parse_variant(v) for v in ("thread=word:thread", "all=word:all", "lead=word:lead")])
     if args.blocks <= 0:
         raise SystemExit(f"--blocks {args.blocks}: expected blocks > 0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -202,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += measured
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(results_header(device) | {"blocks": args.blocks, "iters": args.iters, "variants": variants,
+                json.dump(results_header(device) | {"blocks": args.blocks, "iters": args.iters,
+                                                    "variants": {n: vars(v) for n, v in variants.items()},
                                                     "rows": rows, "table": table(rows)}, f, indent=1)
 
 

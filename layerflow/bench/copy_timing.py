@@ -88,15 +88,20 @@ class TimedCudaCopyEngine(CudaCopyEngine):
         self.marks = marks
         self._issuing = threading.local()  # the event list of the transfer this thread is issuing
         self.on_layer_issued: Callable[[int], None] | None = None   # called after each layer's copies (host stamps)
+        # The last onboarding issued, as this engine timed it (a copy thread in front of it hands back its own
+        # transfer object, not this one).
+        self.last_onboard: TimedTransfer | None = None
 
     def _onboard(self, job: CopyJob) -> TimedTransfer:
-        return self._timed(super()._onboard, job)
+        self.last_onboard = self._timed(super()._onboard, job)
+        return self.last_onboard
 
     def _offload(self, job: CopyJob) -> TimedTransfer:
         return self._timed(super()._offload, job)
 
     def _onboard_run(self, *args) -> TimedTransfer:
-        return self._timed(super()._onboard_run, *args)
+        self.last_onboard = self._timed(super()._onboard_run, *args)
+        return self.last_onboard
 
     def _timed(self, issue: Callable[..., Transfer], *args) -> TimedTransfer:
         """`issue(*args)` as a TimedTransfer (as it is where a one-run onboarding fell back to a job, timed by `_onboard`)."""

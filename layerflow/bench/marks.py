@@ -29,9 +29,10 @@ from layerflow.transfer.signals.base import SignalHandle
 # Compute-stream marks recorded by the host, in stream order after the graph's work.
 DEVICE_MARKS = ("replay_call", "graph_end", "fetch_call", "woke")
 # Host stamps in the order a request passes them (ms from score entry, host clock).
-HOST_STAMPS = ("onboard_call", "host_pinned", "signal_acquired", "job_checked", "copier_built", "copy0_issued",
-               "all_issued", "onboard_end", "prepare_end", "fill_end", "replay_call", "launch_end", "fetch_call",
-               "fetch_waited", "fetch_end", "collect_end")
+HOST_STAMPS = ("tiers_found", "lengths_checked", "pages_allocated", "onboard_call", "tier_onboard", "host_pinned",
+               "signal_acquired", "engine_onboard", "job_checked", "copier_built", "copy0_issued", "all_issued",
+               "onboard_end", "prepare_end", "fill_end", "replay_call", "launch_end", "fetch_call", "fetch_waited",
+               "fetch_end", "collect_end")
 
 
 def _stream() -> int:
@@ -108,6 +109,7 @@ class TailMarks:
         self.waits = ReleaseMarks(engine.layer_wait, engine.weights.config.num_layers)
         self.events = {name: cuda_api.create_event(timing=True) for name in DEVICE_MARKS}
         self.host = HostStamps()
+        self.copy_engine = copy_engine
         engine.layer_wait = self.waits
         self._wrap_device(engine)
         self._wrap_host(engine, copy_engine)
@@ -148,6 +150,9 @@ class TailMarks:
 
     def _wrap_host(self, engine: Engine, copy_engine: TimedCudaCopyEngine) -> None:
         stamps, kv = self.host, engine.kv
+        stamps.around(kv, "_tier_for", after="tiers_found")   # the first user's: one user per request at BS=1
+        stamps.around(kv, "_query_tokens", after="lengths_checked")
+        stamps.around(kv, "_allocate", after="pages_allocated")
         stamps.around(kv, "_onboard", "onboard_call", "onboard_end")
         stamps.around(engine, "prepare", after="prepare_end")
         stamps.around(engine, "launch", after="launch_end")
@@ -155,7 +160,9 @@ class TailMarks:
         below = kv.below
         if hasattr(below, "cache"):
             stamps.around(below.cache, "pin_for_onboard", after="host_pinned")
+        stamps.around(below, "onboard", "tier_onboard")
         stamps.around(below.signals, "acquire", after="signal_acquired")
+        stamps.around(copy_engine, "onboard", "engine_onboard")
         stamps.around(copy_engine, "_onboard", "job_checked", "all_issued")
         stamps.around(copy_engine, "_layer_copier", after="copier_built")
         stamps.around(copy_engine, "_onboard_run", "job_checked", "all_issued")   # one run: checked, no job

@@ -7,6 +7,7 @@ engine wrapped in a `BenchCopyEngine`. Without a GPU the same code runs the CPU 
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -24,11 +25,12 @@ from layerflow.bench.scenarios import Context, Measured, Scenario
 from layerflow.bench.settings import Settings
 from layerflow.bench.stats import Bound, Summary
 from layerflow.bench.workload import Workload, as_scores
-from layerflow.config import Config, load_config
+from layerflow.config import CONFIG_ENV, Config, load_config
 from layerflow.model import HSTUWeights
 from layerflow.runtime.buffers import Bucket
 from layerflow.runtime.engine import Engine
 from layerflow.runtime.kv_manager import Tier
+from layerflow.runtime.tiers import issue_path
 from layerflow.tier.layout import KVLayout
 from layerflow.transfer.copy_engine import CopyEngine
 from layerflow.transfer.cuda_copy import CudaCopyEngine
@@ -36,9 +38,13 @@ from layerflow.transfer.thread_copy import ThreadCopyEngine
 
 
 def transfer_config(settings: Settings, ssd_dir: str | None) -> Config:
-    """The YAML config if given (its sizes as they are), else pools sized for the run; the SSD directory (when the
-    config has none) and the signal come from the command line. The runner sets `enable_layerwise` per engine."""
-    config = load_config(settings.config_path) if settings.config_path is not None else Config()
+    """The YAML config if given (its sizes as they are), else the defaults with the environment's fallbacks (e.g.
+    LAYERFLOW_COPY_THREAD) and pools sized for the run; the SSD directory (when the config has none) and the signal
+    come from the command line. The runner sets `enable_layerwise` per engine."""
+    if settings.config_path is not None:
+        config = load_config(settings.config_path)
+    else:   # a LAYERFLOW_CONFIG file is not read here: only --config names one
+        config = load_config(env={k: v for k, v in os.environ.items() if k != CONFIG_ENV})
     if settings.kv_cache_dtype is not None:
         config = replace(config, kv_cache_dtype=settings.kv_cache_dtype)
     layout = KVLayout.for_hstu(settings.model, config.page_size, config.kv_cache_dtype)
@@ -146,11 +152,12 @@ def _run_engine(settings: Settings, weights: HSTUWeights, config: Config, device
                 scenarios: list[Scenario], clock: Clock, timer: TransferTimer, progress: tqdm,
                 results: Results) -> None:
     timeline = settings.timeline and config.enable_layerwise
-    copy = BenchCopyEngine(_copy_engine(device, timeline))
+    inner = _copy_engine(device, timeline)
+    copy = BenchCopyEngine(issue_path(inner, config, device))   # as the tier issues its own engine
     bucket = Bucket(settings.batch_size, settings.query_tokens)
     with Engine(weights, config, device=device, use_cuda_graph=settings.use_cuda_graph,
                 batch_buckets=(bucket.max_batch,), token_buckets=(bucket.max_tokens,), copy_engine=copy) as engine:
-        tail = TailMarks(engine, copy.inner) if timeline else None   # before warmup: a graph variant of its own
+        tail = TailMarks(engine, inner) if timeline else None   # before warmup: a graph variant of its own
         engine.warmup()
         phases = phase_timer(engine, settings)
         for index, seq_len in enumerate(settings.seq_lens):

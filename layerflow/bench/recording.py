@@ -77,5 +77,16 @@ class BenchCopyEngine:
             return _Skipped()
         return self.inner.offload(gpu_layers, host, gpu_pages, host_blocks)
 
+    @property
+    def inline(self) -> bool:
+        return self.inner.inline
+
+    @inline.setter
+    def inline(self, value: bool) -> None:
+        self.inner.inline = value
+
+    def issue_deferred(self) -> None:
+        self.inner.issue_deferred()
+
     def close(self) -> None:
         self.inner.close()

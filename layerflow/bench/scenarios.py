@@ -204,8 +204,8 @@ class CpuHitLayerwise(CpuHit):
     def after(self, ctx: Context, probes: Probes) -> None:
         """The request's timeline (`--timeline`); the same pages onboarded again alone, then a bulk pinned copy of
         the same bytes."""
-        if ctx.timeline:
-            probes.timelines.append(self.marks.read(ctx.copy.transfers[-1]))
+        if ctx.timeline:   # the timed engine's own transfer (a copy thread in front of it returns another object)
+            probes.timelines.append(self.marks.read(ctx.tail.copy_engine.last_onboard))
         onboardings = list(ctx.copy.onboardings)
         ctx.engine.kv.wait_offloads()
         timing = ctx.timer.onboarding(onboardings)

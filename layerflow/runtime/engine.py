@@ -161,6 +161,7 @@ class Engine:
             if uses_server(self.config) else None
         self._cond = threading.Condition(threading.RLock())
         self._flight: Flight | None = None
+        self._scoring = False   # `score` is preparing its own batch (see `prepare`)
         self._closed = False
         self.layerwise = self.config.enable_layerwise
         if not self.layerwise:
@@ -230,19 +231,29 @@ class Engine:
                 return self._score(requests)
 
     def _score(self, requests: list[Request]) -> list[torch.Tensor]:
-        return self.collect(self.launch(self.prepare(requests)))
+        self._scoring = True   # under the engine's lock: this thread's own prepare below, no other
+        try:
+            plan = self.prepare(requests)
+        finally:
+            self._scoring = False
+        return self.collect(self.launch(plan))
 
     def prepare(self, requests: list[Request], chain: bool = False) -> BatchPlan:
         """Place the batch's KV on the GPU and start its onboarding (ValueError for a bad request, PoolExhausted for a
         batch the GPU cannot hold now; nothing changes then). Its users must not be in another batch not collected yet
         (ValueError), unless `chain` and that batch is in flight: this one then builds on the history the flight
         recorded and is aborted if the flight fails (runtime/chains.py; `cancel`, or `launch` raising ChainAborted,
-        then gives its slab back)."""
+        then gives its slab back). Inside `score`, which launches and collects the batch at once, with nothing in
+        flight, its copies are issued on this thread, not handed to the copy thread (transfer/issue_thread.py)."""
         with self._cond:
             self._check_open()
             if self._flight is None and self._failover is not None:
                 self._failover.check(self.kv)
-            return self.kv.prepare(requests, chain)
+            self.kv.below.issue_inline(self._scoring and self._flight is None)
+            plan = self.kv.prepare(requests, chain)
+            if self._flight is not None:   # its launch waits for the flight: the lead would leave the copies idle
+                self.kv.below.issue_deferred()
+            return plan
 
     def launch(self, plan: BatchPlan) -> Flight:
         """Run a prepared batch on the device (waiting for the batch in flight to be collected first)."""
@@ -360,5 +371,8 @@ class Engine:
             self.graphs.replay(bufs, wait)
         else:
             self.pipeline.forward(bufs, wait)
+        # The onboarding's layers past its lead (the copies a layerwise block waits for on the device), before the
+        # offloads: the lead was issued ahead so that this launch left sooner.
+        self.kv.below.issue_deferred()
         self.kv.offload_early(plan)
         return Flight(plan, bufs, wait)

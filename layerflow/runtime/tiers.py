@@ -74,6 +74,24 @@ def issues_on_copy_thread(config: Config, signal: SignalMode) -> bool:
                                                                          or config.remote_url is not None))
 
 
+# The copies a layerwise onboarding issued on the caller's thread leaves queued before the rest of its layers wait for
+# the batch's launch (transfer/layer_issue.py): ~0.3 ms of copying at the H200's ~53 GB/s, longer than the host's
+# prepare, fill and launch after the onboarding, so the copy engine never waits for the rest.
+LEAD_BYTES = 16 << 20
+
+
+def issue_path(engine: CopyEngine, config: Config, device: torch.device) -> CopyEngine:
+    """`engine` as the in-process tier issues with it: a CUDA engine issues a lead of each layerwise onboarding it
+    issues on the caller's thread before the launch and the rest after it (`lead_bytes`; the engine calls the tier's
+    `issue_deferred` after each launch); wrapped to issue on a copy thread where `issues_on_copy_thread`, except for
+    the batches `Engine.score` launches at once (`inline`)."""
+    if hasattr(engine, "lead_bytes"):
+        engine.lead_bytes = LEAD_BYTES
+    if issues_on_copy_thread(config, resolve_signal(config, device)):
+        return IssueThreadCopyEngine(engine, device)
+    return engine
+
+
 def build_kv(config: Config, layout: KVLayout, device: torch.device,
              copy_engine: CopyEngine | None = None, model_key: str | None = None) -> tuple[GpuKVPool, KVTier]:
     """The GPU pool sized by `gpu_cache_gb` and the tier below it. `copy_engine` replaces the in-process tier's default
@@ -138,10 +156,8 @@ def in_process_tier(config: Config, layout: KVLayout, gpu: GpuKVPool, copy_engin
     signals = make_signals(signal, layout.num_layers, config.num_counters, config.transfer_timeout_s)
     engine, owns_engine = copy_engine, False
     if engine is None:
-        engine, owns_engine = _default_copy_engine(gpu.device), True
-        if issues_on_copy_thread(config, signal):
-            engine = IssueThreadCopyEngine(engine, gpu.device)
-        elif config.copy_thread:
+        engine, owns_engine = issue_path(_default_copy_engine(gpu.device), config, gpu.device), True
+        if config.copy_thread and not issues_on_copy_thread(config, signal):
             log.info("copy_thread not applied: with waitvalue signals and an SSD or remote tier the copies are issued "
                      "on the calling thread")
     return InProcessTier(HostCache(host, ssd, remote, config.remote_write), layout, gpu.kv, engine, signals,

@@ -105,6 +105,14 @@ class KVTier(ABC):
         offload that would need earlier ones fails with ValueError. `history` (item ids, one per token) goes with
         the copy to a shared tier, so another host can adopt the user."""
 
+    def issue_deferred(self) -> None:
+        """Issue the copies an onboarding left for after the batch's launch (an in-process tier whose copy engine
+        issues a lead of layers first); the default defers nothing."""
+
+    def issue_inline(self, allowed: bool) -> None:
+        """Whether the next batch's copies may be issued on the caller's thread: it launches and collects that batch
+        right after (`Engine.score`, nothing in flight). The default issues as it always does."""
+
     @abstractmethod
     def reap(self) -> None:
         """Settle the bookkeeping of offloads that ended (a failed one leaves no copy)."""

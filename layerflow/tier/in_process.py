@@ -78,6 +78,12 @@ class InProcessTier(KVTier):
             raise
         return onboarding
 
+    def issue_deferred(self) -> None:
+        self.engine.issue_deferred()
+
+    def issue_inline(self, allowed: bool) -> None:
+        self.engine.inline = allowed
+
     def adopt(self, user: int) -> tuple[int, list[int]] | None:
         return self.cache.adopt(user)
 

@@ -142,7 +142,12 @@ def _runs_overlap(starts: np.ndarray, lengths: np.ndarray) -> bool:
 
 
 class CopyEngine(ABC):
-    """Moves KV pages between the GPU pool tensors and the host block tensor."""
+    """Moves KV pages between the GPU pool tensors and the host block tensor. `inline`, set by the caller before a
+    batch (`Engine.score`'s own, nothing in flight): it launches the batch right after its onboarding and collects it
+    next, so an engine that hands its copies to another thread issues the batch's on the caller's instead where it
+    can (transfer/issue_thread.py); the others ignore it."""
+
+    inline = False
 
     def __init__(self) -> None:
         self._checked: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], LayerAddresses]] = {}
@@ -194,6 +199,11 @@ class CopyEngine(ABC):
         """An onboarding of one run, already checked. This default issues it as a job; an engine overrides it where a
         run can be issued without one."""
         return self._onboard(CopyJob(gpu_layers, host, run.plan(), signal, first_layer, addresses))
+
+    def issue_deferred(self) -> None:
+        """Issue what an onboarding left for later (an engine that issues a lead of layers first, cuda_copy.py): the
+        caller calls it once the work it wanted to start first (its batch's launch) is issued; the default has
+        nothing deferred."""
 
     @abstractmethod
     def _onboard(self, job: CopyJob) -> Transfer: ...

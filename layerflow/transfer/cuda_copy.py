@@ -46,6 +46,7 @@ from layerflow.transfer.copy_engine import CopyEngine, CopyJob, LayerAddresses, 
 from layerflow.transfer.copy_plan import Run, ramp_bounds
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
+from layerflow.transfer.layer_issue import LayerIssue, lead_layers
 from layerflow.transfer.signals.base import SignalHandle
 
 class CudaTransfer(Transfer):
@@ -57,10 +58,13 @@ class CudaTransfer(Transfer):
         self._pool = pool
         self._event: rt.cudaEvent_t | None = None
         self._finished = False
+        self._pending: Callable[[], None] | None = None   # issues this transfer's deferred layers (its engine's)
 
     def done(self) -> bool:
         if self._finished:
             return True
+        if self._pending is not None:
+            self._pending()
         if self._event is not None:
             try:
                 if not cuda_api.query(self._event):
@@ -213,14 +217,18 @@ class _Tables(threading.local):
 
 class CudaCopyEngine(CopyEngine):
     """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device), by `path`
-    (default: `configured_path()`; an attribute, so one engine can be switched between transfers)."""
+    (default: `configured_path()`; an attribute, so one engine can be switched between transfers). `lead_bytes`
+    (an attribute too; None: off): a layerwise onboarding issues only the layers that hold that many bytes first and
+    the rest at `issue_deferred` (layer_issue.py); only a caller that calls it after its launch should set it."""
 
-    def __init__(self, path: CopyPath | None = None, device: int | None = None) -> None:
+    def __init__(self, path: CopyPath | None = None, device: int | None = None, lead_bytes: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
         super().__init__()
         self.device = torch.cuda.current_device() if device is None else device
         cuda_api.set_device(self.device)
         self.path = configured_path() if path is None else path
+        self.lead_bytes = lead_bytes
+        self._deferred: LayerIssue | None = None
         self._ops: cudart.OpsCopier | None = None
         self._tables = _Tables()
         self.h2d_stream = cuda_api.create_stream()
@@ -231,6 +239,7 @@ class CudaCopyEngine(CopyEngine):
         self._batch = cudart.BatchCopier(self._batch_attrs.getPtr())
 
     def close(self) -> None:
+        self.issue_deferred()
         for stream in (self.h2d_stream, self.d2h_stream):
             check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
             cuda_api.destroy_stream(stream)
@@ -248,7 +257,8 @@ class CudaCopyEngine(CopyEngine):
                 self._after_current_stream(stream)
             return self._layer_copier(job, stream, to_gpu)
 
-        return self._issue_layers(job, copier, job.num_layers, job.signal, job.first_layer, stream)
+        return self._issue_layers(job, copier, job.num_layers, job.signal, job.first_layer, stream,
+                                  job.plan.num_pages * job.addresses.page_bytes)
 
     def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
                      run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
@@ -258,32 +268,50 @@ class CudaCopyEngine(CopyEngine):
             return super()._onboard_run(gpu_layers, host, addresses, run, signal, first_layer)
         stream = self.h2d_stream
         return self._issue_layers((gpu_layers, host), lambda: self._run_copier(addresses, run, stream),
-                                  len(gpu_layers), signal, first_layer, stream)
+                                  len(gpu_layers), signal, first_layer, stream, run.pages * addresses.page_bytes)
 
     def _issue_layers(self, keep: object, copier: Callable[[], Callable[[int], None]], num_layers: int,
-                      signal: SignalHandle | None, first_layer: int, stream: int) -> CudaTransfer:
+                      signal: SignalHandle | None, first_layer: int, stream: int, layer_bytes: int = 0) -> CudaTransfer:
         """`copier()`'s function called for every layer in order, layer l's signal posted right after it; the
-        returned transfer keeps `keep` (the tensors its copies read and write) alive until it is done."""
+        returned transfer keeps `keep` (the tensors its copies read and write) alive until it is done. A layerwise
+        onboarding of `layer_bytes` per layer whose waits may precede its posts issues only its lead now when
+        `lead_bytes` is set (layer_issue.py): the rest waits for `issue_deferred`, for the next transfer of this
+        engine, or for the transfer's own done/wait."""
+        self.issue_deferred()   # an earlier onboarding's rest first: one stream, layers in order
         # The engine's device is made current on the issuing thread: its events (and a notifier's) are created there,
         # and one process (the transfer server) drives an engine per GPU from shared threads.
         cuda_api.set_device(self.device)
         transfer = CudaTransfer(keep, self._pool)
-        layer = 0
+
+        def finish(error: TransferError | None) -> None:
+            transfer.error = transfer.error or error
+            transfer._pending = None
+            event = self._pool.take()
+            cuda_api.record(event, stream)
+            transfer._event = event
+
         try:
             copy_layer = copier()
-            for layer in range(num_layers):
-                copy_layer(layer)
-                if signal is not None:
-                    signal.complete_layer(first_layer + layer, stream)
         except Exception as exc:  # noqa: BLE001 - any failure must reach the waiters, whatever raised it
-            error = exc if isinstance(exc, TransferError) else TransferError(f"issuing layer {layer} failed: {exc!r}")
-            transfer.error = error
+            error = exc if isinstance(exc, TransferError) else TransferError(f"issuing layer 0 failed: {exc!r}")
             if signal is not None:
                 signal.fail(error, stream)
-        event = self._pool.take()
-        cuda_api.record(event, stream)
-        transfer._event = event
+            finish(error)
+            return transfer
+        issue = LayerIssue(copy_layer, num_layers, signal, first_layer, stream, finish)
+        split = signal is not None and signal.layerwise and signal.ring.waits_before_posts
+        issue.issue(lead_layers(num_layers, layer_bytes, self.lead_bytes) if split else num_layers)
+        if not issue.done:
+            self._deferred = issue
+            transfer._pending = self.issue_deferred
         return transfer
+
+    def issue_deferred(self) -> None:
+        """Issue the rest of the onboarding whose lead alone was issued, if any (call on the issuing thread)."""
+        issue, self._deferred = self._deferred, None
+        if issue is not None:
+            cuda_api.set_device(self.device)
+            issue.issue(math.inf)
 
     def _after_current_stream(self, stream: int) -> None:
         event = self._pool.take()

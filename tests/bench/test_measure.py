@@ -79,3 +79,16 @@ def test_gpu_run_with_timeline_splits_the_layerwise_request():
     assert t["issue_ms"] + t["transfer_ms"] + t["tail_ms"] <= max(lw.wall.samples) * 1.01
     eager = r.get("torch_eager", 256)
     assert r.bounds[256].transfer_efficiency > 0 and eager.max_abs_diff < 0.05 * eager.reference_scale
+
+
+def test_the_run_config_takes_the_environments_fallbacks_but_no_config_file(monkeypatch, tmp_path):
+    from layerflow.bench.measure import transfer_config
+    from layerflow.bench.settings import Settings
+
+    settings = Settings(preset="tiny", seq_lens=(256,), append_len=8, num_candidates=4, batch_size=1, timed_iters=1,
+                        warmup_iters=0, scenarios=("gpu_hit",))
+    monkeypatch.setenv("LAYERFLOW_COPY_THREAD", "0")
+    monkeypatch.setenv("LAYERFLOW_CONFIG", str(tmp_path / "absent.yaml"))
+    assert transfer_config(settings, None).copy_thread is False
+    monkeypatch.setenv("LAYERFLOW_COPY_THREAD", "1")
+    assert transfer_config(settings, None).copy_thread is True

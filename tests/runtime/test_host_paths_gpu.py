@@ -24,11 +24,13 @@ def weights():
     return HSTUWeights.init(MODEL, seed=3)
 
 
-def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True) -> list[torch.Tensor]:
+def serve(weights, tier, signal=SignalMode.WAITVALUE, graph=True, copy_thread=True) -> list[torch.Tensor]:
     """Two users scored, moved to `tier`, visited twice (the second visit reads what the first offloaded); a host
-    hit's onboarding is kept until the next launch (runtime/deferred.py)."""
+    hit's onboarding is kept until the next launch (runtime/deferred.py). Without the copy thread the copies are
+    issued on the caller's thread, a lead of layers before the launch and the rest after it (runtime/tiers.py)."""
     gen = torch.Generator().manual_seed(0)
-    config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, transfer_timeout_s=5.0)
+    config = Config(cpu_cache_gb=1.0, gpu_cache_gb=0.5, page_size=32, signal=signal, transfer_timeout_s=5.0,
+                    copy_thread=copy_thread)
     with Engine(weights, config, use_cuda_graph=graph, token_buckets=(128,), batch_buckets=(2,)) as engine:
         engine.warmup()
         engine.score([Request(u, torch.randint(0, 5000, (n,), generator=gen).tolist(), []) for u, n in HISTORY.items()])
@@ -58,4 +60,17 @@ def gpu_hit(weights):
                                           (SignalMode.EVENT, True), (SignalMode.WAITVALUE, False)])
 def test_host_hit_equals_the_gpu_hit_bitwise(weights, gpu_hit, signal, graph):
     got = serve(weights, Tier.HOST, signal=signal, graph=graph)
+    assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))
+
+
+@pytest.mark.parametrize("signal,graph,copy_thread", [
+    (SignalMode.WAITVALUE, True, False), (SignalMode.EVENTFD, True, False), (SignalMode.EVENT, True, False),
+    (SignalMode.WAITVALUE, False, False),
+    (SignalMode.WAITVALUE, True, True),   # the copy-thread engine issuing inline (nothing in flight)
+])
+def test_a_lead_of_layers_then_the_rest_after_the_launch_gives_the_gpu_hits_scores(weights, gpu_hit, signal, graph,
+                                                                                 copy_thread, monkeypatch):
+    # One layer leads, the rest after every launch (event signals: all before it, their waits bind at the launch).
+    monkeypatch.setattr("layerflow.runtime.tiers.LEAD_BYTES", 1)
+    got = serve(weights, Tier.HOST, signal=signal, graph=graph, copy_thread=copy_thread)
     assert all(torch.equal(a, b) for a, b in zip(got, gpu_hit))

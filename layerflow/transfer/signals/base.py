@@ -112,6 +112,9 @@ class LayerSignals(ABC):
     """A ring of `num_counters` x `num_layers` layer signals of one mode."""
 
     mode: SignalMode
+    # Whether a wait may be launched before its layer's post is issued (it then waits longer): true where the wait
+    # reads memory or an eventfd; false for CUDA events, whose wait binds to the record issued before it.
+    waits_before_posts = True
 
     def __init__(self, num_layers: int, num_counters: int = 4, timeout_s: float = 10.0) -> None:
         for name, value in (("num_layers", num_layers), ("num_counters", num_counters)):

@@ -20,6 +20,7 @@ from layerflow.transfer.signals.base import LayerSignals, SignalHandle
 
 class EventSignals(LayerSignals):
     mode = SignalMode.EVENT
+    waits_before_posts = False   # a replay's waits need every layer's record issued before its launch
 
     def __init__(self, num_layers: int, num_counters: int = 4, timeout_s: float = 10.0) -> None:
         require_cuda("signal mode 'event'")
