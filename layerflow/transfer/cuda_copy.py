@@ -299,7 +299,8 @@ class CudaCopyEngine(CopyEngine):
             finish(error)
             return transfer
         issue = LayerIssue(copy_layer, num_layers, signal, first_layer, stream, finish)
-        split = signal is not None and signal.layerwise and signal.ring.waits_before_posts
+        split = (self.lead_bytes is not None and signal is not None and signal.layerwise
+                 and signal.ring.waits_before_posts)
         issue.issue(lead_layers(num_layers, layer_bytes, self.lead_bytes) if split else num_layers)
         if not issue.done:
             self._deferred = issue
