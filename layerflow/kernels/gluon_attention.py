@@ -28,18 +28,22 @@ from layerflow.kernels.gluon_fp8 import select_fp8_kernel
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
                                              shape_reason)
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _program_range, _query_rows, _row_bounds,
-                                           _row_splits, _store_partial, _tile_pages, _user_block)
-from layerflow.kernels.gluon_pv import _pv_consumer, _pv_producer
+                                           _row_splits, _short_block_program, _store_partial, _store_zero_rows,
+                                           _tile_pages, _user_block)
+from layerflow.kernels.gluon_pv import _pv_consumer, _pv_producer, _pv_upper_consumer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 KERNEL_NAME = "the Gluon kernel"   # how its refusals name it
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "pv")
+GLUON_VARIANTS = ("sync", "pv", "pv2")
+WARP_SPECIALISED = ("pv", "pv2")
 GLUON_LOADERS = ("cp.async", "tma")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
+# "pv2"'s upper consumer warpgroup: the registers the lower one (the default partition) has beside a loader of 64.
+UPPER_REGISTERS = gl.constexpr(224)
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,21 @@ class GluonTiling:
     - "sync": the block's warps issue each tile's copies STAGES - 1 tiles ahead and run both dots synchronously;
     - "pv": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
       per slot, K and V slots handed back separately), the block's warps wait for tiles and run the dots, the
-      previous tile's P V on the tensor cores while they compute this tile's SiLU (gluon_pv).
+      previous tile's P V on the tensor cores while they compute this tile's SiLU (gluon_pv);
+    - "pv2": "pv" with a 128-row block's rows in two consumer warpgroups of 64, the upper one running no dot where
+      the block's rows end in the lower half (the short last block of 256 candidates + 64 appended); 64-row
+      blocks run "pv".
 
-    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "pv",
+    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "pv*",
     `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >= block_n / 2)
     instead of every loader thread's cp.async. `tanh_silu` computes SiLU through one tanh.approx per score
     (gluon_tiles._tanh_silu_of_seen), any variant. `producer_registers`: the loader warpgroup's registers per
     thread under "pv" (a multiple of 8 in [24, 256]); the consumers get what the SM has left.
     `unmasked_whole_tiles` ("pv"): no mask on the history tiles every row of the block sees whole. `self_last`:
     the candidates' self tiles count in the split of the block's tiles and the last split runs them
-    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk.
+    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk. `short_cost` ("pv2", the
+    "rows" rule): a short block (rows ending in the lower half) takes its own split count, fewer and longer, as if
+    a key cost it `short_cost` of what it costs a whole block (splits.pair_table).
     """
 
     block_n: int = 32
@@ -71,6 +80,7 @@ class GluonTiling:
     producer_registers: int = 64
     unmasked_whole_tiles: bool = False
     self_last: bool = False
+    short_cost: float | None = None
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -96,13 +106,14 @@ SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_
 
 
 @gluon.jit
-def _slot_barriers(STAGES: gl.constexpr):
-    """(ready, empty): an mbarrier of count 1 per ring slot each, initialised."""
+def _slot_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """(ready, empty): an mbarrier per ring slot each, initialised: ready of count 1 (the loader), empty of count
+    CONSUMERS (each consumer partition hands the slot back)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for t in gl.static_range(STAGES):
         mbarrier.init(ready.index(t), count=1)
-        mbarrier.init(empty.index(t), count=1)
+        mbarrier.init(empty.index(t), count=CONSUMERS)
     return ready, empty
 
 
@@ -114,16 +125,21 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, TANH: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
+    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, HALVES: gl.constexpr, SHORT: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
-    if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
-        num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M,
-                                 num_warps)
-        if split >= num_splits:
-            return
-    user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
+    if SHORT:       # per-block split counts (the pair table): the active programs first, the rest exit
+        user, block, split, head, num_splits, full = _short_block_program(
+            q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, H, BATCH_P2, BLOCK_M, num_warps)
+    else:
+        if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
+            num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2,
+                                     BLOCK_M, num_warps)
+            if split >= num_splits:
+                return
+        user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
     if user >= max_batch:
         return
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -141,10 +157,16 @@ def _gluon_attention_kernel(
     q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _program_range(
         q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
         SELF_LAST)
+    if SHORT:       # a short block's program zeroes the splits past its block's count that fall to it
+        for other in range(split + num_splits, full, num_splits):
+            _store_zero_rows(dst_ptr, other, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M // 2,
+                             load_layout)
 
-    # The query block, once, into shared memory (wgmma's A operand); under "pv" its consumer stores it (gluon_pv).
+    # The query block, once, into shared memory (wgmma's A operand); under "pv" its consumer stores it (gluon_pv),
+    # under "pv2" each consumer its half (the upper one into q_upper, below).
+    ROWS_M: gl.constexpr = BLOCK_M // HALVES
     if WARP_SPECIALIZE:
-        q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout)
+        q_block = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout)
     else:
         q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
                                             _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
@@ -161,8 +183,8 @@ def _gluon_attention_kernel(
     if WARP_SPECIALIZE:
         # The "pv" schedule (gluon_pv): ready[s] / v_ready[s]: K / V slot s holds its tile (the producer's copies
         # landed); empty[s] / v_empty[s]: the consumer is done with it.
-        ready, empty = _slot_barriers(STAGES)
-        v_ready, v_empty = _slot_barriers(STAGES)
+        ready, empty = _slot_barriers(STAGES, HALVES)
+        v_ready, v_empty = _slot_barriers(STAGES, HALVES)
         # What the loader reads whole history tiles through: the TMA descriptor, else the head's pointer (unused).
         if TMA:
             pool = cache_desc
@@ -170,15 +192,31 @@ def _gluon_attention_kernel(
             pool = cache_h
         fence_async_shared()
         gl.thread_barrier()
-        gl.warp_specialize([
-            (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
-                            alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0,
-                            q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE, load_layout, s_layout,
-                            o_layout, p_layout)),
-            (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi, page_row,
-                            cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
-                            ROWS, BLOCK_N, STAGES, TMA)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+        if HALVES == 2:
+            q_upper = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout)
+            gl.warp_specialize([
+                (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo,
+                                hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride,
+                                q_start, row0, q_len, head, H, D, ROWS_M, BLOCK_N, STAGES, TANH, WHOLE, 0,
+                                load_layout, s_layout, o_layout, p_layout)),
+                (_pv_upper_consumer, (q_upper, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist,
+                                      lo, hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr,
+                                      q_stride, q_start, row0, q_len, head, H, D, ROWS_M, BLOCK_N, STAGES, TANH,
+                                      WHOLE, ROWS_M, load_layout, s_layout, o_layout, p_layout)),
+                (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
+                                page_row, cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0,
+                                H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA)),
+            ], [num_warps, PRODUCER_WARPS], [UPPER_REGISTERS, PRODUCER_REGISTERS])
+        else:
+            gl.warp_specialize([
+                (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo,
+                                hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride,
+                                q_start, row0, q_len, head, H, D, ROWS_M, BLOCK_N, STAGES, TANH, WHOLE, 0,
+                                load_layout, s_layout, o_layout, p_layout)),
+                (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
+                                page_row, cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0,
+                                H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         # Which keys each row sees (_row_bounds), for the whole block.
         r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
@@ -223,8 +261,10 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
-    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant != "pv":
-        return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'pv'"
+    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant not in WARP_SPECIALISED:
+        return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'pv' or 'pv2'"
+    if tiling.short_cost is not None and (tiling.variant != "pv2" or not 0 < tiling.short_cost <= 1):
+        return f"{tiling}: short_cost needs variant 'pv2' and a value in (0, 1]"
     return registers_reason(tiling)
 
 
@@ -252,6 +292,10 @@ class GluonAttention(GluonLauncher):
     tiling_reason = staticmethod(tiling_reason)
     row_splits = True
 
+    def short_block_cost(self, block_m: int) -> float | None:
+        """The tiling's short_cost where its two consumer halves run (128-row blocks under "pv2")."""
+        return self.tiling.short_cost if self.tiling.variant == "pv2" and block_m == 128 else None
+
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
                 split_table_ptr: torch.Tensor | None = None, active_splits_ptr: torch.Tensor | None = None,
@@ -260,6 +304,8 @@ class GluonAttention(GluonLauncher):
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the Gluon kernel serves the "
                              "default mask over a bf16/fp16 cache only")
         t = self.tiling
+        halves = 2 if t.variant == "pv2" and BLOCK_M == 128 else 1
+        short = split_table_ptr is not None and self.short_block_cost(BLOCK_M) is not None
         cache_desc = None
         if t.loader == "tma":
             if 2 * PAGE < t.block_n:
@@ -271,9 +317,11 @@ class GluonAttention(GluonLauncher):
                                       split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H, D=D,
                                       PAGE=PAGE, BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
-                                      WARP_SPECIALIZE=t.variant == "pv", TMA=t.loader == "tma", TANH=t.tanh_silu,
-                                      PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      SELF_LAST=t.self_last, num_warps=BLOCK_M // 16)
+                                      WARP_SPECIALIZE=t.variant in WARP_SPECIALISED, TMA=t.loader == "tma",
+                                      TANH=t.tanh_silu, PRODUCER_REGISTERS=t.producer_registers,
+                                      WHOLE=t.unmasked_whole_tiles, SELF_LAST=t.self_last, HALVES=halves,
+                                      SHORT=short,
+                                      num_warps=BLOCK_M // 16 // halves)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,
