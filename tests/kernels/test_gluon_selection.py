@@ -127,6 +127,19 @@ def test_the_tanh_silu_is_an_option_of_every_variant():
         assert tiling_reason(tiling) is None
 
 
+@pytest.mark.parametrize("tiling", [GluonTiling(64, 2, "pv", short_cost=0.5), GluonTiling(64, 2, "pv2", short_cost=0),
+                                    GluonTiling(64, 2, "pv2", short_cost=1.5)])
+def test_a_short_block_cost_needs_pv2_and_a_fraction(tiling):
+    with pytest.raises(ValueError, match="short_cost"):
+        GluonAttention(tiling)
+
+
+def test_only_pv2s_128_row_blocks_take_the_short_block_cost():
+    assert GluonAttention(GluonTiling(64, 2, "pv2", short_cost=0.6)).short_block_cost(128) == 0.6
+    assert GluonAttention(GluonTiling(64, 2, "pv2", short_cost=0.6)).short_block_cost(64) is None
+    assert GluonAttention(GluonTiling(64, 2, "pv2")).short_block_cost(128) is None
+
+
 def test_the_query_block_is_the_tilings_own_else_the_tl_tilings():
     assert GluonTiling().query_block(64) == 64
     assert GluonTiling(block_m=128).query_block(64) == 128
