@@ -20,8 +20,8 @@ import triton.language as tl
 
 from layerflow.kernels.fp8 import decode, fp16_queries, fp16_scores, kernel_code, tile_scales, value_unit
 from layerflow.kernels.gluon_attention import GluonTiling, select_kernel
-from layerflow.kernels.splits import SplitPartials, _query_blocks, _row_splits, pair_table, rows_table, split_rule, \
-    sum_splits, wave_splits
+from layerflow.kernels.splits import SplitPartials, _query_blocks, _row_splits, rows_table, split_rule, sum_splits, \
+    wave_splits
 from layerflow.kernels.tiling import AttentionTiling, default_tiling, sm_count
 from layerflow.kernels.workspace import SplitWorkspace
 from layerflow.model.config import HSTUConfig
@@ -289,21 +289,17 @@ class PagedAttention:
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
         self.query_slots = (max_tokens + max_batch * (self.block_m - 1)) // self.block_m
         self.split_rule = rule if self.gluon is None or self.gluon.row_splits else "bucket"
-        # "rows": entry n is the split count of a launch with n real query blocks (n = 0: one); a launcher with
-        # per-block split counts reads the pair table after it (and the grid widens to its largest count).
-        table = rows_table(self.query_slots, num_heads, slots, self.num_splits)
+        # "rows": entry n is the split count of a launch with n real query blocks (n = 0: one), filling the share
+        # of a wave the Gluon launcher asks for at this query block (bandwidth-bound blocks fill less).
+        fill = self.gluon.wave_fill(self.block_m) if self.gluon is not None else 1.0
+        table = rows_table(self.query_slots, num_heads, slots, self.num_splits, fill)
         rows = self.split_rule == "rows"
-        cost = self.gluon.short_block_cost(self.block_m) if rows and self.gluon is not None else None
-        if cost is not None:
-            pairs = pair_table(self.query_slots, max_batch, num_heads, slots, self._most_splits(tiling), cost)
-            self.num_splits = max([self.num_splits] + [p & 0xFFFF for p in pairs])
-            table += pairs
         self.split_table = torch.tensor(table, dtype=torch.int32, device=self.device) if rows else None
         self.active_splits = torch.full((1,), self.num_splits, dtype=torch.int32, device=self.device) if rows \
             else None
         # Entry 0 (no real block: every program exits) bounds no chunk.
-        fewest = min(table[1:self.query_slots + 1]) if rows else self.num_splits
-        self.chunk_pages = self._chunk_pages(fewest) if tiling.preload_pages else 0
+        self.chunk_pages = self._chunk_pages(min(table[1:]) if rows else self.num_splits) if tiling.preload_pages \
+            else 0
         shape = (self.num_splits, max_tokens, num_heads, head_dim)
         self.partials = None if self.num_splits == 1 else torch.empty(shape, dtype=torch.float32, device=self.device) \
             if workspace is None else workspace.view(shape)
@@ -324,11 +320,8 @@ class PagedAttention:
         one per tile of the longest history."""
         per_user = triton.cdiv(self.max_tokens, self.max_batch)
         programs = self.max_batch * triton.cdiv(per_user, self.block_m) * self.num_heads
-        return wave_splits(programs, slots, self._most_splits(tiling))
-
-    def _most_splits(self, tiling: AttentionTiling) -> int:
-        """At most one split per tile of the longest history, and MAX_SPLITS."""
-        return min(triton.cdiv(self.max_pages_per_user * self.page_size, tiling.block_n), MAX_SPLITS)
+        tiles = triton.cdiv(self.max_pages_per_user * self.page_size, tiling.block_n)
+        return wave_splits(programs, slots, min(tiles, MAX_SPLITS))
 
     def _chunk_pages(self, fewest_splits: int) -> int:
         """Page-table entries one program's chunk can touch at `fewest_splits` (power of two for the register

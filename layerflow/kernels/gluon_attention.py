@@ -28,8 +28,7 @@ from layerflow.kernels.gluon_fp8 import select_fp8_kernel
 from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reason, mask_reason, registers_reason,
                                              shape_reason)
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _program_range, _query_rows, _row_bounds,
-                                           _row_splits, _short_block_program, _store_partial, _store_zero_rows,
-                                           _tile_pages, _user_block)
+                                           _row_splits, _store_partial, _tile_pages, _user_block)
 from layerflow.kernels.gluon_pv import _pv_consumer, _pv_producer, _pv_upper_consumer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
@@ -44,6 +43,10 @@ GLUON_LOADERS = ("cp.async", "tma")
 PRODUCER_WARPS = gl.constexpr(4)
 # "pv2"'s upper consumer warpgroup: the registers the lower one (the default partition) has beside a loader of 64.
 UPPER_REGISTERS = gl.constexpr(224)
+# The D=256 default's share of a wave at 64-row blocks (no candidates: bandwidth-bound): 88 of the H200's 132 SMs
+# keep its HBM as busy (BS=1, 16K / 2K history: 22 splits 28.7 / 11.2 us, the wave's 33 30.4 / 13.2, 26 28.5 /
+# 11.8, 16 29.4 / 11.2).
+M64_FILL = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,9 @@ class GluonTiling:
     - "pv": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
       per slot, K and V slots handed back separately), the block's warps wait for tiles and run the dots, the
       previous tile's P V on the tensor cores while they compute this tile's SiLU (gluon_pv);
-    - "pv2": "pv" with a 128-row block's rows in two consumer warpgroups of 64, the upper one running no dot where
-      the block's rows end in the lower half (the short last block of 256 candidates + 64 appended); 64-row
-      blocks run "pv".
+    - "pv2": "pv" with a 128-row block's rows in two consumer warpgroups of 64, partitions of their own (neither
+      waits for the other's SiLU), the upper one running no dot where the block's rows end in the lower half
+      (the short last block of 256 candidates + 64 appended); 64-row blocks run "pv".
 
     `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "pv*",
     `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >= block_n / 2)
@@ -66,9 +69,9 @@ class GluonTiling:
     thread under "pv" (a multiple of 8 in [24, 256]); the consumers get what the SM has left.
     `unmasked_whole_tiles` ("pv"): no mask on the history tiles every row of the block sees whole. `self_last`:
     the candidates' self tiles count in the split of the block's tiles and the last split runs them
-    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk. `short_cost` ("pv2", the
-    "rows" rule): a short block (rows ending in the lower half) takes its own split count, fewer and longer, as if
-    a key cost it `short_cost` of what it costs a whole block (splits.pair_table).
+    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk. `m64_fill`: the share of a
+    wave's SMs the "rows" rule fills at 64-row query blocks (splits.fill_splits: bandwidth-bound, a key tile serves
+    64 queries), in (0, 1].
     """
 
     block_n: int = 32
@@ -80,7 +83,7 @@ class GluonTiling:
     producer_registers: int = 64
     unmasked_whole_tiles: bool = False
     self_last: bool = False
-    short_cost: float | None = None
+    m64_fill: float = 1.0
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -88,16 +91,17 @@ class GluonTiling:
 
 
 def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTiling:
-    """D=256: 64-key tiles two deep, warp-specialised with the previous tile's P V during this tile's SiLU ("pv"),
-    whole tiles by TMA where pages hold >= 32 keys, SiLU by one tanh.approx per score and without a mask on whole
-    tiles (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed
+    """D=256: 64-key tiles two deep, warp-specialised with the previous tile's P V during this tile's SiLU, a
+    128-row block's rows in two consumer warpgroups ("pv2"), whole tiles by TMA where pages hold >= 32 keys, SiLU by
+    one tanh.approx per score and without a mask on whole tiles, 64-row blocks' launches on M64_FILL of the SMs
+    (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed
     to); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise). Both run the candidates'
     self tiles on the last split, dealt with the history (`self_last`: no program runs a full chunk and the self
     tiles; faster on the H200 at 16K and 2K)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
-        return GluonTiling(block_n=64, stages=2, variant="pv", loader="tma" if tma else "cp.async", tanh_silu=True,
-                           unmasked_whole_tiles=True, self_last=True)
+        return GluonTiling(block_n=64, stages=2, variant="pv2", loader="tma" if tma else "cp.async", tanh_silu=True,
+                           unmasked_whole_tiles=True, self_last=True, m64_fill=M64_FILL)
     return GluonTiling(block_n=64, stages=3, self_last=True)
 
 
@@ -125,21 +129,16 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, TANH: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, HALVES: gl.constexpr, SHORT: gl.constexpr,
-    num_warps: gl.constexpr,
+    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, HALVES: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
-    if SHORT:       # per-block split counts (the pair table): the active programs first, the rest exit
-        user, block, split, head, num_splits, full = _short_block_program(
-            q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, H, BATCH_P2, BLOCK_M, num_warps)
-    else:
-        if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
-            num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2,
-                                     BLOCK_M, num_warps)
-            if split >= num_splits:
-                return
-        user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
+    if split_table_ptr is not None:     # the "rows" rule: this launch's count, programs past it exit
+        num_splits = _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BATCH_P2, BLOCK_M,
+                                 num_warps)
+        if split >= num_splits:
+            return
+    user, block = _user_block(q_offsets_ptr, gl.program_id(1), max_batch, BATCH_P2, BLOCK_M, num_warps)
     if user >= max_batch:
         return
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -157,10 +156,6 @@ def _gluon_attention_kernel(
     q_start, q_len, row0, hist, appended, lo, hi, num_hist, num_tiles = _program_range(
         q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
         SELF_LAST)
-    if SHORT:       # a short block's program zeroes the splits past its block's count that fall to it
-        for other in range(split + num_splits, full, num_splits):
-            _store_zero_rows(dst_ptr, other, split_stride, q_start, row0, q_len, head, H, D, BLOCK_M // 2,
-                             load_layout)
 
     # The query block, once, into shared memory (wgmma's A operand); under "pv" its consumer stores it (gluon_pv),
     # under "pv2" each consumer its half (the upper one into q_upper, below).
@@ -263,8 +258,8 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
     if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant not in WARP_SPECIALISED:
         return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'pv' or 'pv2'"
-    if tiling.short_cost is not None and (tiling.variant != "pv2" or not 0 < tiling.short_cost <= 1):
-        return f"{tiling}: short_cost needs variant 'pv2' and a value in (0, 1]"
+    if not 0 < tiling.m64_fill <= 1:
+        return f"{tiling}: m64_fill must be in (0, 1]"
     return registers_reason(tiling)
 
 
@@ -292,9 +287,9 @@ class GluonAttention(GluonLauncher):
     tiling_reason = staticmethod(tiling_reason)
     row_splits = True
 
-    def short_block_cost(self, block_m: int) -> float | None:
-        """The tiling's short_cost where its two consumer halves run (128-row blocks under "pv2")."""
-        return self.tiling.short_cost if self.tiling.variant == "pv2" and block_m == 128 else None
+    def wave_fill(self, block_m: int) -> float:
+        """The tiling's m64_fill at 64-row blocks, else the whole wave."""
+        return self.tiling.m64_fill if block_m == 64 else 1.0
 
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
@@ -305,7 +300,6 @@ class GluonAttention(GluonLauncher):
                              "default mask over a bf16/fp16 cache only")
         t = self.tiling
         halves = 2 if t.variant == "pv2" and BLOCK_M == 128 else 1
-        short = split_table_ptr is not None and self.short_block_cost(BLOCK_M) is not None
         cache_desc = None
         if t.loader == "tma":
             if 2 * PAGE < t.block_n:
@@ -320,7 +314,6 @@ class GluonAttention(GluonLauncher):
                                       WARP_SPECIALIZE=t.variant in WARP_SPECIALISED, TMA=t.loader == "tma",
                                       TANH=t.tanh_silu, PRODUCER_REGISTERS=t.producer_registers,
                                       WHOLE=t.unmasked_whole_tiles, SELF_LAST=t.self_last, HALVES=halves,
-                                      SHORT=short,
                                       num_warps=BLOCK_M // 16 // halves)
 
 

@@ -50,56 +50,6 @@ def _row_splits(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, BA
 
 
 @gluon.jit
-def _short_block_program(q_offsets_ptr, max_batch, split_table_ptr, active_splits_ptr, H: gl.constexpr,
-                         BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
-    """(user, block, split, head, splits, full) of this program under per-block split counts: the launch's n real query
-    blocks, m of them short (a user's last block whose rows end in its lower half), read (full, short) from the
-    pair table after the rows table (entry query_slots + 1 + n * (max_batch + 1) + m, full | short << 16); each
-    short block takes `short` splits, every other `full`, and the programs are numbered over (head, user, block,
-    split) from the grid's linear id, so the active ones come first and the rest (user == max_batch) exit last.
-    `splits` is the block's count; the program with linear id 0 stores `full` where the split sum reads it."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    users = gl.arange(0, BATCH_P2, layout=layout)
-    valid = users < max_batch
-    lens = gl.load(q_offsets_ptr + users + 1, mask=valid, other=0) - gl.load(q_offsets_ptr + users, mask=valid,
-                                                                               other=0)
-    blocks = (lens + BLOCK_M - 1) // BLOCK_M
-    short_block = ((lens > 0) & (lens - (blocks - 1) * BLOCK_M <= BLOCK_M // 2)).to(gl.int32)
-    entry = gl.load(split_table_ptr + gl.num_programs(1) + 1 + gl.sum(blocks, axis=0) * (max_batch + 1)
-                    + gl.sum(short_block, axis=0))
-    full = entry & 0xFFFF
-    short = entry >> 16
-    programs = blocks * full - short_block * (full - short)
-    inclusive = gl.associative_scan(programs, 0, _add)
-    per_head = gl.maximum(gl.sum(programs, axis=0), 1)
-    linear = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-    if linear == 0:
-        gl.store(active_splits_ptr, full)
-    head = linear // per_head
-    rank = linear - head * per_head
-    user = gl.sum((valid & (inclusive <= rank)).to(gl.int32), axis=0)
-    mine = users == user
-    local = rank - gl.sum(gl.where(mine, inclusive - programs, 0), axis=0)
-    block = local // full
-    last = (block == gl.sum(gl.where(mine, blocks, 0), axis=0) - 1) & (gl.sum(gl.where(mine, short_block, 0),
-                                                                               axis=0) == 1)
-    user = gl.where(head < H, user, max_batch)
-    return user, block, local - block * full, head, gl.where(last, short, full), full
-
-
-@gluon.jit
-def _store_zero_rows(dst_ptr, split, split_stride, q_start, row0, q_len, head, H: gl.constexpr, D: gl.constexpr,
-                     ROWS_M: gl.constexpr, layout: gl.constexpr):
-    """Zeros into rows row0 .. row0 + ROWS_M (those below q_len) of split `split`'s partial: the splits a short
-    block does not run, which the split sum adds like the others."""
-    rows = gl.arange(0, ROWS_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    token = (q_start + row0 + rows).to(gl.int64)
-    dst = dst_ptr + split.to(gl.int64) * split_stride + token[:, None] * (H * D) + head * D + cols[None, :]
-    gl.store(dst, gl.zeros([ROWS_M, D], dst_ptr.dtype.element_ty, layout), mask=(row0 + rows < q_len)[:, None])
-
-
-@gluon.jit
 def _block_rows(q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, BLOCK_M: gl.constexpr):
     """The block's rows and its user's lengths: (q_start, q_len, row0, hist, appended, last, kv_end); `last` is the
     block's last row, kv_end the end of the history keys any of its rows sees (the default mask)."""

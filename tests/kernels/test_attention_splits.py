@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 from layerflow.kernels import AttentionTiling, PagedAttention, kv_append, paged_attention_reference  # noqa: E402
 from layerflow.kernels import attention  # noqa: E402
 from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm  # noqa: E402
-from layerflow.kernels.gluon_attention import GluonAttention, GluonTiling  # noqa: E402
-from layerflow.kernels.splits import SplitPartials, pair_splits, pair_table, rows_table, wave_splits  # noqa: E402
+from layerflow.kernels.gluon_attention import GluonAttention, default_gluon_tiling  # noqa: E402
+from layerflow.kernels.splits import SplitPartials, fill_splits, rows_table, wave_splits  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,39 +32,24 @@ def test_wave_splits_fill_whole_waves_of_132_sms():
     assert wave_splits(1, 4, 3) == 3        # never enough programs: the count that fills the most
 
 
-def test_short_blocks_take_fewer_longer_splits_within_one_wave():
-    # 256 candidates + 64 appended in 128-row blocks: 8 whole (block, head) tiles and 4 short ones. At a key costing
-    # a short block 0.55 of a whole one's, 13 and 7 splits fill the wave (8 * 13 + 4 * 7 = 132) and the slowest
-    # program has 1/13 of a whole block's keys where one count for all (11) gives it 1/11.
-    assert pair_splits(8, 4, 132, 128, 0.55) == (13, 7)
-    assert pair_splits(8, 4, 132, 128, 0.7) == (12, 9)
-    assert pair_splits(8, 4, 132, 128, 1.0) == (11, 11)
-    assert pair_splits(8, 4, 132, 12, 0.55) == (12, 7)          # the cap on splits holds
-    assert pair_splits(12, 0, 132, 128, 0.55) == pair_splits(0, 12, 132, 128, 0.55) == (11, 11)
-    assert pair_splits(100, 40, 132, 128, 0.5) == (wave_splits(140, 132, 128),) * 2     # over a wave at one split
-    assert pair_splits(0, 0, 132, 128, 0.5) == (1, 1)
+def test_a_launch_of_one_wave_can_fill_a_share_of_it():
+    # BS=1 without candidates: one 64-row block, 4 heads. The wave takes 33 splits (132 programs); two thirds of it
+    # 22 (88). A launch the wave rule spreads over two waves (8 blocks: 8 splits, 256 programs) keeps its count.
+    assert fill_splits(4, 132, 128) == 33 and fill_splits(4, 132, 128, 2 / 3) == 22
+    assert fill_splits(32, 132, 128, 2 / 3) == wave_splits(32, 132, 128) == 8
+    assert fill_splits(4, 132, 12, 2 / 3) == 12 and fill_splits(33, 132, 128, 0.5) == 2
+    assert rows_table(2, 4, 132, 33, 2 / 3) == [1, 22, 30]
 
 
-def test_the_pair_table_is_read_after_the_rows_table_and_widens_the_grid_to_a_full_launchs_count(monkeypatch):
-    # hstu-bench's BS=1 320-token bucket: 3 query blocks of 128 rows, 4 heads. Entry n * 2 + m of the pair table is a
-    # launch of n real blocks, m of them short; a launch of short blocks alone (n = m = 1: 33 would fill the wave)
-    # is capped at the full launch's 13, the grid's split count.
+def test_the_gluon_default_fills_two_thirds_of_the_wave_at_64_row_blocks_only(monkeypatch):
     monkeypatch.setattr(attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention, "select_kernel", lambda *args, **kwargs: GluonAttention(default_gluon_tiling(256)))
 
-    def layer(tiling: GluonTiling, tokens: int = 320) -> PagedAttention:
-        monkeypatch.setattr(attention, "select_kernel", lambda *args, **kwargs: GluonAttention(tiling))
-        return PagedAttention(1, tokens, 528, 4, 256, 32, torch.bfloat16, "cpu", ALPHA, 16896)
+    def table(tokens: int) -> list[int]:
+        layer = PagedAttention(1, tokens, 528, 4, 256, 32, torch.bfloat16, "cpu", ALPHA, 16896)
+        return layer.split_table.tolist()
 
-    short = layer(GluonTiling(64, 2, "pv2", short_cost=0.55))
-    table = short.split_table.tolist()
-    assert short.num_splits == 13 and table[:4] == rows_table(3, 4, 132, 11)
-    assert table[4:] == pair_table(3, 1, 4, 132, 128, 0.55)
-    assert [(entry & 0xFFFF, entry >> 16) for entry in table[4:]] == [(1, 1), (1, 1), (13, 13), (13, 13), (13, 13),
-                                                                       (13, 12), (11, 11), (13, 7)]
-    plain = layer(GluonTiling(64, 2, "pv2"))
-    assert plain.num_splits == 11 and plain.split_table.tolist() == rows_table(3, 4, 132, 11)
-    # 64-row blocks (no candidates in the bucket) run one consumer: no short blocks, no pair table.
-    assert layer(GluonTiling(64, 2, "pv2", short_cost=0.55), tokens=64).split_table.numel() == 2
+    assert table(64) == [1, 22] and table(320) == rows_table(3, 4, 132, 11) == [1, 11, 11, 11]
 
 
 def test_bucket_and_rows_rules_on_the_h200s_512_token_bucket(monkeypatch):

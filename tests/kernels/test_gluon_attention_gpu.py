@@ -85,10 +85,8 @@ VARIANTS = [GluonTiling(64, 2, "pv"), GluonTiling(32, 3, "pv"), GluonTiling(64, 
             GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True),
             GluonTiling(64, 2, "pv2", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True),
             GluonTiling(64, 2, "pv2", block_m=128, loader="tma", tanh_silu=True, unmasked_whole_tiles=True,
-                        self_last=True),
-            GluonTiling(64, 2, "pv2", block_m=128, loader="tma", tanh_silu=True, unmasked_whole_tiles=True,
-                        self_last=True, short_cost=0.55)]
-PV2, PV2_SHORT = VARIANTS[-2:]
+                        self_last=True)]
+PV2 = VARIANTS[-1]
 
 
 def variant_id(tiling: GluonTiling) -> str:
@@ -96,7 +94,7 @@ def variant_id(tiling: GluonTiling) -> str:
         ["tanh"] * tiling.tanh_silu + \
         [f"r{tiling.producer_registers}"] * (tiling.producer_registers != GluonTiling.producer_registers) + \
         ["wt"] * tiling.unmasked_whole_tiles + ["sl"] * tiling.self_last + \
-        ([f"s{round(tiling.short_cost * 100)}"] if tiling.short_cost is not None else [])
+        [f"f{round(tiling.m64_fill * 100)}"] * (tiling.m64_fill != 1)
     return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 
@@ -112,14 +110,12 @@ def test_the_tanh_silu_holds_the_fp16_tolerance():
         check(batch, 128, torch.float16, tiling)
 
 
-@pytest.mark.parametrize("tiling", [PV2, PV2_SHORT], ids=variant_id)
-def test_two_consumer_halves_match_tl_and_reference_where_the_upper_half_is_partial_or_empty(tiling):
-    """"pv2" (with and without the short blocks' own split count) on 128-row blocks whose upper half is full,
-    partial (users of 100 and 217 rows) or empty (the last blocks of the 320-row users and the 20-row user), users
-    of 0 and 16K cached history among them."""
+def test_two_consumer_halves_match_tl_and_reference_where_the_upper_half_is_partial_or_empty():
+    """"pv2" on 128-row blocks whose upper half is full, partial (users of 100 and 217 rows) or empty (the last
+    blocks of the 320-row users and the 20-row user), users of 0 and 16K cached history among them."""
     batch = appended_batch([3000, 64, 700, 16384 + 64, 300], [64, 64, 17, 64, 17], [36, 256, 200, 256, 3], 256,
                            torch.bfloat16)
-    check(batch, 256, torch.bfloat16, tiling)
+    check(batch, 256, torch.bfloat16, PV2)
 
 
 @pytest.mark.parametrize("users", [1, 8], ids=["bs1", "bs8"])
@@ -133,14 +129,12 @@ def test_variants_match_tl_at_the_benchmark_shapes(tiling, users, candidates):
     assert relative_error(gluon, tl, batch.total_tokens) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("splits,self_last,variant,short_cost", [("bucket", False, "pv", None),
-                                                                ("rows", True, "pv", None),
-                                                                ("rows", True, "pv2", 0.55)],
-                         ids=["bucket-first", "rows-last", "rows-last-pv2-s55"])
-def test_one_graph_replays_any_lengths_like_eager(splits, self_last, variant, short_cost):
+@pytest.mark.parametrize("splits,self_last,variant", [("bucket", False, "pv"), ("rows", True, "pv"),
+                                                     ("rows", True, "pv2")],
+                         ids=["bucket-first", "rows-last", "rows-last-pv2"])
+def test_one_graph_replays_any_lengths_like_eager(splits, self_last, variant):
     """Under the "rows" split rule the graph's split count follows each replay's rows, here with the self tiles on
-    the last split too (the default schedule), and with two consumer halves whose short blocks take their own
-    split count (which the graph reads from each replay's rows as well)."""
+    the last split too, in one consumer or two consumer halves (the default schedule)."""
     max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
     cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),
              ([0, 300], [0, 17], [256, 3])]
@@ -152,8 +146,7 @@ def test_one_graph_replays_any_lengths_like_eager(splits, self_last, variant, sh
 
     attn = PagedAttention(max_batch, max_tokens, max_pages, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5,
                           MAX_SEQ_LEN, kernel="gluon", splits=splits,
-                          gluon_tiling=replace(default_gluon_tiling(256, PAGE), self_last=self_last, variant=variant,
-                                               short_cost=short_cost))
+                          gluon_tiling=replace(default_gluon_tiling(256, PAGE), self_last=self_last, variant=variant))
     static = batch_of(cases[0])
     static_out = torch.zeros_like(static.q)
     graph = captured(lambda: attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out))
