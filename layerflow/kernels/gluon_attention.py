@@ -41,7 +41,8 @@ WARP_SPECIALISED = ("pv", "pv2")
 GLUON_LOADERS = ("cp.async", "tma")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
-# "pv2"'s upper consumer warpgroup: the registers the lower one (the default partition) has beside a loader of 64.
+# "pv2"'s upper consumer warpgroup's registers per thread (the lower one, the default partition, gets what the SM
+# has left beside it and the loader).
 UPPER_REGISTERS = gl.constexpr(224)
 # The D=256 default's share of a wave at 64-row blocks (no candidates: bandwidth-bound): 88 of the H200's 132 SMs
 # keep its HBM as busy (BS=1, 16K / 2K history: 22 splits 28.7 / 11.2 us, the wave's 33 30.4 / 13.2, 26 28.5 /

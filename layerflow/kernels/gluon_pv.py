@@ -11,9 +11,10 @@ while the V of the tile before is still being read: two stages are enough (a sha
 which at D=256 does not fit beside a 128-row query block).
 
 Under "pv2" a 128-row block has two such consumers of 64 rows each (FIRST_ROW 0 and 64), partitions of their own
-that read the same slots (each slot's empty barriers count both): the upper one, where the block's rows end in the
-lower half (a request's last block of 320 = 256 + 64 rows), runs no dot and only hands each slot back once it is
-filled, so the lower one has the SM's tensor cores to itself."""
+that read the same slots (each slot's empty barriers count both), so neither waits at the block's barrier for the
+other's SiLU (the H200 ran 16K/256 in 46.2 us against 50.2 for one consumer of 128 rows); the upper one, where the
+block's rows end in the lower half (a request's last block of 320 = 256 + 64 rows), runs no dot and only hands each
+slot back once it is filled."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
