@@ -62,10 +62,11 @@ VARIANTS = {
     "fp8 cvt": Variant(True, ((DECODE_ENV, "cvt"),)),
     "fp8 decode": Variant(True, ((QK_ENV, "bf16"),)),
     "fp8 tanh": Variant(True, ((SILU_ENV, "tanh"),)),
+    "fp8 exact": Variant(True, ((SILU_ENV, "exact"),)),
     **{f"fp8 {name}": Variant(True, ablation=name) for name in ABLATIONS},
 }
-ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 tanh", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
-ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 tanh")
+ATTENTION_VARIANTS = ("bf16", "fp8 main", "fp8 exact", "fp8 decode", *(f"fp8 {name}" for name in ABLATIONS))
+ENGINE_VARIANTS = ("bf16", "fp8 main", "fp8 exact")
 BASES = ("fp8 main", "bf16")      # what every fp8 row's output is compared with
 
 

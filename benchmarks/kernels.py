@@ -194,7 +194,7 @@ FP8_SWEEP = {
 
 GLUON_OPTIONS = ("m64 / m128 (query rows per program), tma (the TMA loader), tanh (tanh SiLU), "
                  "rN (the loader's registers per thread), wt (no mask on whole tiles), sl (self tiles on the last "
-                 "split)")
+                 "split), fN (64-row blocks' split count fills N% of a wave)")
 
 
 def gluon_tiling(text: str) -> GluonTiling:
@@ -223,6 +223,8 @@ def gluon_tiling(text: str) -> GluonTiling:
             options["self_last"] = True
         elif word[:1] == "r" and word[1:].isdigit():
             options["producer_registers"] = int(word[1:])
+        elif word[:1] == "f" and word[1:].isdigit():
+            options["m64_fill"] = int(word[1:]) / 100
         else:
             raise argparse.ArgumentTypeError(f"gluon tiling {text!r}: option {word!r} is not one of {GLUON_OPTIONS}")
     return GluonTiling(**options)
@@ -248,6 +250,8 @@ def gluon_label(tiling: dict) -> str:
         words.append("wt")
     if tiling.get("self_last"):
         words.append("sl")
+    if tiling.get("m64_fill", 1.0) != 1.0:
+        words.append(f"f{round(tiling['m64_fill'] * 100)}")
     return ":".join(words)
 
 

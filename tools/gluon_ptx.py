@@ -59,6 +59,8 @@ def main() -> None:
         "64x2:pv:tma:tanh:r96 m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, TANH=True,
                                            PRODUCER_REGISTERS=96), 128),
         "64x2:pv m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=False, TANH=False), 128),
+        "64x2:pv2:tma:tanh:wt:sl:rows m128": (dict(BLOCK_N=64, STAGES=2, WARP_SPECIALIZE=True, TMA=True, TANH=True,
+                                                   WHOLE=True, SELF_LAST=True, HALVES=2, table=True), 128),
     }
     for name, (tiling, block_m) in variants.items():
         tiling = dict(tiling)
@@ -67,9 +69,10 @@ def main() -> None:
         if table:
             types = dict(types, split_table_ptr="*i32", active_splits_ptr="*i32")
         constexprs = dict(shape, ROWS=32, BLOCK_M=block_m,
-                          **{"PRODUCER_REGISTERS": 64, "WHOLE": False, "SELF_LAST": False, **tiling},
+                          **{"PRODUCER_REGISTERS": 64, "WHOLE": False, "SELF_LAST": False, "HALVES": 1, **tiling},
                           **({} if tiling["TMA"] else {"cache_desc": None}))
-        code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs, block_m // 16)
+        code = instructions_hash(gluon_attention._gluon_attention_kernel, types, constexprs,
+                                 block_m // 16 // constexprs["HALVES"])
         print(f"bf16 {name}: {code}")
     fp8_types = dict(zip(POINTERS, ["*bf16"] * 3 + ["*u8"] + ["*i32"] * 4 + ["*fp32"] * 2))
     no_table = dict(split_table_ptr=None, active_splits_ptr=None)

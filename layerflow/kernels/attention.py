@@ -289,8 +289,10 @@ class PagedAttention:
         # Each user's last query block may be partial: at most (tokens + users * (block_m - 1)) // block_m blocks.
         self.query_slots = (max_tokens + max_batch * (self.block_m - 1)) // self.block_m
         self.split_rule = rule if self.gluon is None or self.gluon.row_splits else "bucket"
-        # "rows": entry n is the split count of a launch with n real query blocks (n = 0: one).
-        table = rows_table(self.query_slots, num_heads, slots, self.num_splits)
+        # "rows": entry n is the split count of a launch with n real query blocks (n = 0: one), filling the share
+        # of a wave the Gluon launcher asks for at this query block (bandwidth-bound blocks fill less).
+        fill = self.gluon.wave_fill(self.block_m) if self.gluon is not None else 1.0
+        table = rows_table(self.query_slots, num_heads, slots, self.num_splits, fill)
         rows = self.split_rule == "rows"
         self.split_table = torch.tensor(table, dtype=torch.int32, device=self.device) if rows else None
         self.active_splits = torch.full((1,), self.num_splits, dtype=torch.int32, device=self.device) if rows \

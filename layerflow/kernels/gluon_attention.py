@@ -29,17 +29,25 @@ from layerflow.kernels.gluon_launcher import (GluonLauncher, chosen, device_reas
                                              shape_reason)
 from layerflow.kernels.gluon_tiles import (_issue_tile, _masked_silu, _program_range, _query_rows, _row_bounds,
                                            _row_splits, _store_partial, _tile_pages, _user_block)
-from layerflow.kernels.gluon_pv import _pv_consumer, _pv_producer
+from layerflow.kernels.gluon_pv import _pv_consumer, _pv_producer, _pv_upper_consumer
 
 KERNEL_ENV = "LAYERFLOW_ATTENTION_KERNEL"
 KERNEL_CHOICES = ("auto", "gluon", "triton")
 KERNEL_NAME = "the Gluon kernel"   # how its refusals name it
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SHARED_MEMORY_BYTES = 227 * 1024
-GLUON_VARIANTS = ("sync", "pv")
+GLUON_VARIANTS = ("sync", "pv", "pv2")
+WARP_SPECIALISED = ("pv", "pv2")
 GLUON_LOADERS = ("cp.async", "tma")
 # The warp-specialised variant's loader partition: one warpgroup (registers are reassigned per warpgroup).
 PRODUCER_WARPS = gl.constexpr(4)
+# "pv2"'s upper consumer warpgroup's registers per thread (the lower one, the default partition, gets what the SM
+# has left beside it and the loader).
+UPPER_REGISTERS = gl.constexpr(224)
+# The D=256 default's share of a wave at 64-row blocks (no candidates: bandwidth-bound): 88 of the H200's 132 SMs
+# keep its HBM as busy (BS=1, 16K / 2K history: 22 splits 28.7 / 11.2 us, the wave's 33 30.4 / 13.2, 26 28.5 /
+# 11.8, 16 29.4 / 11.2).
+M64_FILL = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -50,16 +58,21 @@ class GluonTiling:
     - "sync": the block's warps issue each tile's copies STAGES - 1 tiles ahead and run both dots synchronously;
     - "pv": warp-specialised: a loader warpgroup issues every tile's copies as soon as its slot is free (mbarriers
       per slot, K and V slots handed back separately), the block's warps wait for tiles and run the dots, the
-      previous tile's P V on the tensor cores while they compute this tile's SiLU (gluon_pv).
+      previous tile's P V on the tensor cores while they compute this tile's SiLU (gluon_pv);
+    - "pv2": "pv" with a 128-row block's rows in two consumer warpgroups of 64, partitions of their own (neither
+      waits for the other's SiLU), the upper one running no dot where the block's rows end in the lower half
+      (the short last block of 256 candidates + 64 appended); 64-row blocks run "pv".
 
-    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "pv",
+    `block_m`: query rows per program (None: PagedAttention's tl tiling's; the split count follows it). Under "pv*",
     `loader` "tma" moves whole history tiles by bulk tensor copies of page boxes (needs page_size >= block_n / 2)
     instead of every loader thread's cp.async. `tanh_silu` computes SiLU through one tanh.approx per score
     (gluon_tiles._tanh_silu_of_seen), any variant. `producer_registers`: the loader warpgroup's registers per
     thread under "pv" (a multiple of 8 in [24, 256]); the consumers get what the SM has left.
     `unmasked_whole_tiles` ("pv"): no mask on the history tiles every row of the block sees whole. `self_last`:
     the candidates' self tiles count in the split of the block's tiles and the last split runs them
-    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk.
+    (gluon_tiles._balanced_range), instead of split 0 running them beside a full chunk. `m64_fill`: the share of a
+    wave's SMs the "rows" rule fills at 64-row query blocks (splits.fill_splits: bandwidth-bound, a key tile serves
+    64 queries), in (0, 1].
     """
 
     block_n: int = 32
@@ -71,6 +84,7 @@ class GluonTiling:
     producer_registers: int = 64
     unmasked_whole_tiles: bool = False
     self_last: bool = False
+    m64_fill: float = 1.0
 
     def query_block(self, tl_block_m: int) -> int:
         """The query rows per program: block_m, else the `tl` tiling's."""
@@ -78,16 +92,17 @@ class GluonTiling:
 
 
 def default_gluon_tiling(head_dim: int, page_size: int | None = None) -> GluonTiling:
-    """D=256: 64-key tiles two deep, warp-specialised with the previous tile's P V during this tile's SiLU ("pv"),
-    whole tiles by TMA where pages hold >= 32 keys, SiLU by one tanh.approx per score and without a mask on whole
-    tiles (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed
+    """D=256: 64-key tiles two deep, warp-specialised with the previous tile's P V during this tile's SiLU, a
+    128-row block's rows in two consumer warpgroups ("pv2"), whole tiles by TMA where pages hold >= 32 keys, SiLU by
+    one tanh.approx per score and without a mask on whole tiles, 64-row blocks' launches on M64_FILL of the SMs
+    (the H200's fastest at 16K and 2K with 0 and 256 candidates, docs/performance.md; page_size None: assumed
     to); smaller heads: 64-key tiles three deep, synchronous (not yet measured otherwise). Both run the candidates'
     self tiles on the last split, dealt with the history (`self_last`: no program runs a full chunk and the self
     tiles; faster on the H200 at 16K and 2K)."""
     if head_dim == 256:
         tma = page_size is None or 2 * page_size >= 64
-        return GluonTiling(block_n=64, stages=2, variant="pv", loader="tma" if tma else "cp.async", tanh_silu=True,
-                           unmasked_whole_tiles=True, self_last=True)
+        return GluonTiling(block_n=64, stages=2, variant="pv2", loader="tma" if tma else "cp.async", tanh_silu=True,
+                           unmasked_whole_tiles=True, self_last=True, m64_fill=M64_FILL)
     return GluonTiling(block_n=64, stages=3, self_last=True)
 
 
@@ -96,13 +111,14 @@ SMEM_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_
 
 
 @gluon.jit
-def _slot_barriers(STAGES: gl.constexpr):
-    """(ready, empty): an mbarrier of count 1 per ring slot each, initialised."""
+def _slot_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """(ready, empty): an mbarrier per ring slot each, initialised: ready of count 1 (the loader), empty of count
+    CONSUMERS (each consumer partition hands the slot back)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for t in gl.static_range(STAGES):
         mbarrier.init(ready.index(t), count=1)
-        mbarrier.init(empty.index(t), count=1)
+        mbarrier.init(empty.index(t), count=CONSUMERS)
     return ready, empty
 
 
@@ -114,7 +130,7 @@ def _gluon_attention_kernel(
     H: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BATCH_P2: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INV_N_PER_USER: gl.constexpr, ROWS: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, TMA: gl.constexpr, TANH: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, num_warps: gl.constexpr,
+    WHOLE: gl.constexpr, SELF_LAST: gl.constexpr, HALVES: gl.constexpr, num_warps: gl.constexpr,
 ):
     split = gl.program_id(0)
     head = gl.program_id(2)
@@ -142,9 +158,11 @@ def _gluon_attention_kernel(
         q_offsets_ptr, history_lens_ptr, appended_lens_ptr, user, block, split, num_splits, BLOCK_M, BLOCK_N,
         SELF_LAST)
 
-    # The query block, once, into shared memory (wgmma's A operand); under "pv" its consumer stores it (gluon_pv).
+    # The query block, once, into shared memory (wgmma's A operand); under "pv" its consumer stores it (gluon_pv),
+    # under "pv2" each consumer its half (the upper one into q_upper, below).
+    ROWS_M: gl.constexpr = BLOCK_M // HALVES
     if WARP_SPECIALIZE:
-        q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout)
+        q_block = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout)
     else:
         q_block = gl.allocate_shared_memory(dtype, [BLOCK_M, D], smem_layout,
                                             _query_rows(q_ptr, q_stride, q_start, row0, q_len, head, D, BLOCK_M,
@@ -161,8 +179,8 @@ def _gluon_attention_kernel(
     if WARP_SPECIALIZE:
         # The "pv" schedule (gluon_pv): ready[s] / v_ready[s]: K / V slot s holds its tile (the producer's copies
         # landed); empty[s] / v_empty[s]: the consumer is done with it.
-        ready, empty = _slot_barriers(STAGES)
-        v_ready, v_empty = _slot_barriers(STAGES)
+        ready, empty = _slot_barriers(STAGES, HALVES)
+        v_ready, v_empty = _slot_barriers(STAGES, HALVES)
         # What the loader reads whole history tiles through: the TMA descriptor, else the head's pointer (unused).
         if TMA:
             pool = cache_desc
@@ -170,15 +188,31 @@ def _gluon_attention_kernel(
             pool = cache_h
         fence_async_shared()
         gl.thread_barrier()
-        gl.warp_specialize([
-            (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
-                            alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride, q_start, row0,
-                            q_len, head, H, D, BLOCK_M, BLOCK_N, STAGES, TANH, WHOLE, load_layout, s_layout,
-                            o_layout, p_layout)),
-            (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi, page_row,
-                            cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0, H, D, PAGE,
-                            ROWS, BLOCK_N, STAGES, TMA)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+        if HALVES == 2:
+            q_upper = gl.allocate_shared_memory(dtype, [ROWS_M, D], smem_layout)
+            gl.warp_specialize([
+                (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo,
+                                hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride,
+                                q_start, row0, q_len, head, H, D, ROWS_M, BLOCK_N, STAGES, TANH, WHOLE, 0,
+                                load_layout, s_layout, o_layout, p_layout)),
+                (_pv_upper_consumer, (q_upper, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist,
+                                      lo, hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr,
+                                      q_stride, q_start, row0, q_len, head, H, D, ROWS_M, BLOCK_N, STAGES, TANH,
+                                      WHOLE, ROWS_M, load_layout, s_layout, o_layout, p_layout)),
+                (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
+                                page_row, cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0,
+                                H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA)),
+            ], [num_warps, PRODUCER_WARPS], [UPPER_REGISTERS, PRODUCER_REGISTERS])
+        else:
+            gl.warp_specialize([
+                (_pv_consumer, (q_block, k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo,
+                                hi, alpha, appended, hist, inv_n, dst_ptr, split, split_stride, q_ptr, q_stride,
+                                q_start, row0, q_len, head, H, D, ROWS_M, BLOCK_N, STAGES, TANH, WHOLE, 0,
+                                load_layout, s_layout, o_layout, p_layout)),
+                (_pv_producer, (k_ring, v_ring, ready, v_ready, empty, v_empty, num_tiles, num_hist, lo, hi,
+                                page_row, cache_h, pool, k_ptr, v_ptr, k_stride, v_stride, q_start, q_len, head, row0,
+                                H, D, PAGE, ROWS, BLOCK_N, STAGES, TMA)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         # Which keys each row sees (_row_bounds), for the whole block.
         r, self_end, hist_end = _row_bounds(0, BLOCK_M, row0, q_len, appended, hist, hi, s_layout)
@@ -223,8 +257,10 @@ def tiling_reason(tiling: GluonTiling) -> str | None:
         return f"{tiling}: variant must be one of {GLUON_VARIANTS}"
     if tiling.block_m not in (None, 64, 128) or tiling.loader not in GLUON_LOADERS:
         return f"{tiling}: block_m must be None, 64 or 128, loader one of {GLUON_LOADERS}"
-    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant != "pv":
-        return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'pv'"
+    if (tiling.loader == "tma" or tiling.unmasked_whole_tiles) and tiling.variant not in WARP_SPECIALISED:
+        return f"{tiling}: the TMA loader and unmasked whole tiles need variant 'pv' or 'pv2'"
+    if not 0 < tiling.m64_fill <= 1:
+        return f"{tiling}: m64_fill must be in (0, 1]"
     return registers_reason(tiling)
 
 
@@ -252,6 +288,10 @@ class GluonAttention(GluonLauncher):
     tiling_reason = staticmethod(tiling_reason)
     row_splits = True
 
+    def wave_fill(self, block_m: int) -> float:
+        """The tiling's m64_fill at 64-row blocks, else the whole wave."""
+        return self.tiling.m64_fill if block_m == 64 else 1.0
+
     def _launch(self, grid: tuple[int, int, int], *args, H: int, D: int, PAGE: int, BATCH_P2: int, NUM_SPLITS: int,
                 BLOCK_M: int, INV_N_PER_USER: bool, ROWS: int, WINDOW: int, CONTEXTUAL: int, FP8: int,
                 split_table_ptr: torch.Tensor | None = None, active_splits_ptr: torch.Tensor | None = None,
@@ -260,6 +300,7 @@ class GluonAttention(GluonLauncher):
             raise ValueError(f"WINDOW={WINDOW}, CONTEXTUAL={CONTEXTUAL}, FP8={FP8}: the Gluon kernel serves the "
                              "default mask over a bf16/fp16 cache only")
         t = self.tiling
+        halves = 2 if t.variant == "pv2" and BLOCK_M == 128 else 1
         cache_desc = None
         if t.loader == "tma":
             if 2 * PAGE < t.block_n:
@@ -271,9 +312,10 @@ class GluonAttention(GluonLauncher):
                                       split_table_ptr=split_table_ptr, active_splits_ptr=active_splits_ptr, H=H, D=D,
                                       PAGE=PAGE, BATCH_P2=BATCH_P2, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, STAGES=t.stages,
                                       INV_N_PER_USER=INV_N_PER_USER, ROWS=ROWS,
-                                      WARP_SPECIALIZE=t.variant == "pv", TMA=t.loader == "tma", TANH=t.tanh_silu,
-                                      PRODUCER_REGISTERS=t.producer_registers, WHOLE=t.unmasked_whole_tiles,
-                                      SELF_LAST=t.self_last, num_warps=BLOCK_M // 16)
+                                      WARP_SPECIALIZE=t.variant in WARP_SPECIALISED, TMA=t.loader == "tma",
+                                      TANH=t.tanh_silu, PRODUCER_REGISTERS=t.producer_registers,
+                                      WHOLE=t.unmasked_whole_tiles, SELF_LAST=t.self_last, HALVES=halves,
+                                      num_warps=BLOCK_M // 16 // halves)
 
 
 def select_kernel(choice: str | None, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None,

@@ -55,7 +55,8 @@ LOADER_WARPS_AT_M64 = 4
 # against 32-key tiles in four slots: one slot by 128-row blocks 94.0 / 28.1 at 16K / 2K, 256 candidates (95.5 /
 # 28.6); two slots with the tanh SiLU by 64-row blocks 32.4 / 14.1 at 16K / 2K, 0 candidates (33.9 / 13.7).
 WIDE_CODE_STAGES = {128: 1, 64: 2}
-SILU_AT_M64 = "tanh"
+# The SiLU of those 64-key tiles at D=256, beside either query block: one tanh.approx a score (docs/fp8.md).
+WIDE_SILU = "tanh"
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
     $LAYERFLOW_FP8_SILU, $LAYERFLOW_FP8_DECODE, $LAYERFLOW_FP8_QK and the flag (0 or 1)
     $LAYERFLOW_FP8_UNMASKED_WHOLE_TILES, else the
     defaults: the "async" scale copy where `page_size` is a multiple of 4 (None: assumed to), else "load";
-    SILU_AT_M64 with 64-key tiles beside 64-row blocks at D=256, else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps
+    WIDE_SILU with 64-key tiles at D=256, else DEFAULT_SILU; LOADER_WARPS_AT_M64 loader warps
     beside 64-row blocks; BF16_DECODE for a bf16 model (`dtype`), else DEFAULT_DECODE (the "bits" decode writes bf16
     tiles only; None: the model's dtype not known), E4M3_QK over e4m3 pages (`kv_dtype`), else DEFAULT_QK (None:
     the pages' format not known). ValueError naming $LAYERFLOW_FP8_QK when it asks for e4m3 MMAs over e5m2 pages."""
@@ -128,7 +129,7 @@ def default_fp8_tiling(head_dim: int, block_m: int = 128, page_size: int | None 
     if head_dim > 128 and fp8_tiling_reason(wide) is None and \
             fp8_shared_memory_bytes(block_m, head_dim, wide) <= SHARED_MEMORY_BYTES:
         tiling = wide
-    silu = SILU_AT_M64 if head_dim > 128 and block_m == 64 and tiling.block_n == 64 else DEFAULT_SILU
+    silu = WIDE_SILU if head_dim > 128 and tiling.block_n == 64 else DEFAULT_SILU
     return replace(tiling, silu=_env_choice(SILU_ENV, SILUS, silu))
 
 

@@ -32,6 +32,11 @@ class GluonLauncher(ABC):
     def tiling_reason(tiling) -> str | None:
         """What is wrong with `tiling` on any shape (None when nothing is)."""
 
+    def wave_fill(self, block_m: int) -> float:
+        """The share of one wave's SMs the "rows" rule's split count fills at `block_m` query rows
+        (splits.fill_splits; 1: the whole wave)."""
+        return 1.0
+
     def __getitem__(self, grid: tuple[int, int, int]) -> Callable[..., None]:
         return functools.partial(self._launch, grid)
 

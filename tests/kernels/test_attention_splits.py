@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 from layerflow.kernels import AttentionTiling, PagedAttention, kv_append, paged_attention_reference  # noqa: E402
 from layerflow.kernels import attention  # noqa: E402
 from layerflow.kernels.pointwise import gated_layer_norm, gated_split_norm  # noqa: E402
-from layerflow.kernels.splits import SplitPartials, rows_table, wave_splits  # noqa: E402
+from layerflow.kernels.gluon_attention import GluonAttention, default_gluon_tiling  # noqa: E402
+from layerflow.kernels.splits import SplitPartials, fill_splits, rows_table, wave_splits  # noqa: E402
 from tests.kernels.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,6 +30,26 @@ def test_wave_splits_fill_whole_waves_of_132_sms():
     assert wave_splits(16, 132, 128) == 15 and wave_splits(12, 132, 128) == 11
     assert rows_table(4, 4, 132, 15) == [1, 15, 15, 11, 15]
     assert wave_splits(1, 4, 3) == 3        # never enough programs: the count that fills the most
+
+
+def test_a_launch_of_one_wave_can_fill_a_share_of_it():
+    # BS=1 without candidates: one 64-row block, 4 heads. The wave takes 33 splits (132 programs); two thirds of it
+    # 22 (88). A launch the wave rule spreads over two waves (8 blocks: 8 splits, 256 programs) keeps its count.
+    assert fill_splits(4, 132, 128) == 33 and fill_splits(4, 132, 128, 2 / 3) == 22
+    assert fill_splits(32, 132, 128, 2 / 3) == wave_splits(32, 132, 128) == 8
+    assert fill_splits(4, 132, 12, 2 / 3) == 12 and fill_splits(33, 132, 128, 0.5) == 2
+    assert rows_table(2, 4, 132, 33, 2 / 3) == [1, 22, 30]
+
+
+def test_the_gluon_default_fills_two_thirds_of_the_wave_at_64_row_blocks_only(monkeypatch):
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention, "select_kernel", lambda *args, **kwargs: GluonAttention(default_gluon_tiling(256)))
+
+    def table(tokens: int) -> list[int]:
+        layer = PagedAttention(1, tokens, 528, 4, 256, 32, torch.bfloat16, "cpu", ALPHA, 16896)
+        return layer.split_table.tolist()
+
+    assert table(64) == [1, 22] and table(320) == rows_table(3, 4, 132, 11) == [1, 11, 11, 11]
 
 
 def test_bucket_and_rows_rules_on_the_h200s_512_token_bucket(monkeypatch):

@@ -75,20 +75,26 @@ def test_other_tilings_compute_the_same(tiling):
     check(appended_batch([4096 + 64, 700], [64, 64], [256, 0], 128, torch.bfloat16), 128, torch.bfloat16, tiling)
 
 
-# The warp-specialised schedule ("pv") at the tilings the H200 A/B times (the TMA loader, the tanh SiLU, the loader's
-# registers, unmasked whole tiles, the self tiles last, 32-key tiles); the synchronous ones are above.
+# The warp-specialised schedules ("pv", "pv2": two 64-row consumers) at the tilings the H200 A/B times (the TMA
+# loader, the tanh SiLU, the loader's registers, unmasked whole tiles, the self tiles last, 32-key tiles); the
+# synchronous ones are above.
 VARIANTS = [GluonTiling(64, 2, "pv"), GluonTiling(32, 3, "pv"), GluonTiling(64, 2, "pv", loader="tma"),
             GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True),
             GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True, producer_registers=96),
             GluonTiling(64, 2, "pv", unmasked_whole_tiles=True),
-            GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True)]
+            GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True),
+            GluonTiling(64, 2, "pv2", loader="tma", tanh_silu=True, unmasked_whole_tiles=True, self_last=True),
+            GluonTiling(64, 2, "pv2", block_m=128, loader="tma", tanh_silu=True, unmasked_whole_tiles=True,
+                        self_last=True)]
+PV2 = VARIANTS[-1]
 
 
 def variant_id(tiling: GluonTiling) -> str:
     options = [f"m{tiling.block_m}"] * bool(tiling.block_m) + ["tma"] * (tiling.loader == "tma") + \
         ["tanh"] * tiling.tanh_silu + \
         [f"r{tiling.producer_registers}"] * (tiling.producer_registers != GluonTiling.producer_registers) + \
-        ["wt"] * tiling.unmasked_whole_tiles + ["sl"] * tiling.self_last
+        ["wt"] * tiling.unmasked_whole_tiles + ["sl"] * tiling.self_last + \
+        [f"f{round(tiling.m64_fill * 100)}"] * (tiling.m64_fill != 1)
     return ":".join([f"{tiling.block_n}x{tiling.stages}", tiling.variant, *options])
 
 
@@ -104,6 +110,14 @@ def test_the_tanh_silu_holds_the_fp16_tolerance():
         check(batch, 128, torch.float16, tiling)
 
 
+def test_two_consumer_halves_match_tl_and_reference_where_the_upper_half_is_partial_or_empty():
+    """"pv2" on 128-row blocks whose upper half is full, partial (users of 100 and 217 rows) or empty (the last
+    blocks of the 320-row users and the 20-row user), users of 0 and 16K cached history among them."""
+    batch = appended_batch([3000, 64, 700, 16384 + 64, 300], [64, 64, 17, 64, 17], [36, 256, 200, 256, 3], 256,
+                           torch.bfloat16)
+    check(batch, 256, torch.bfloat16, PV2)
+
+
 @pytest.mark.parametrize("users", [1, 8], ids=["bs1", "bs8"])
 @pytest.mark.parametrize("candidates", [0, 256])
 @pytest.mark.parametrize("tiling", [GluonTiling(32, 3), GluonTiling(64, 2)] + VARIANTS, ids=variant_id)
@@ -115,10 +129,12 @@ def test_variants_match_tl_at_the_benchmark_shapes(tiling, users, candidates):
     assert relative_error(gluon, tl, batch.total_tokens) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("splits,self_last", [("bucket", False), ("rows", True)], ids=["bucket-first", "rows-last"])
-def test_one_graph_replays_any_lengths_like_eager(splits, self_last):
+@pytest.mark.parametrize("splits,self_last,variant", [("bucket", False, "pv"), ("rows", True, "pv"),
+                                                     ("rows", True, "pv2")],
+                         ids=["bucket-first", "rows-last", "rows-last-pv2"])
+def test_one_graph_replays_any_lengths_like_eager(splits, self_last, variant):
     """Under the "rows" split rule the graph's split count follows each replay's rows, here with the self tiles on
-    the last split too (the default schedule)."""
+    the last split too, in one consumer or two consumer halves (the default schedule)."""
     max_batch, max_tokens, max_pages, num_pages = 4, 4 * 320, 16384 // PAGE + 4, 2 * (16384 // PAGE) + 64
     cases = [([16384 + 64], [64], [256]), ([2048, 5000, 64, 8192], [64, 64, 64, 1], [256, 0, 100, 256]),
              ([0, 300], [0, 17], [256, 3])]
@@ -130,7 +146,7 @@ def test_one_graph_replays_any_lengths_like_eager(splits, self_last):
 
     attn = PagedAttention(max_batch, max_tokens, max_pages, H, 256, PAGE, torch.bfloat16, "cuda", 256 ** -0.5,
                           MAX_SEQ_LEN, kernel="gluon", splits=splits,
-                          gluon_tiling=replace(default_gluon_tiling(256, PAGE), self_last=self_last))
+                          gluon_tiling=replace(default_gluon_tiling(256, PAGE), self_last=self_last, variant=variant))
     static = batch_of(cases[0])
     static_out = torch.zeros_like(static.q)
     graph = captured(lambda: attn.run(static.q, static.k, static.v, static.kv_cache, *static.lengths, static_out))

@@ -81,7 +81,7 @@ def test_default_tiling_fits_every_head_dim_at_both_query_blocks(monkeypatch, lo
 def test_d256_defaults_to_64_key_tiles_in_the_code_slots_that_fit_beside_the_query_block(monkeypatch):
     for name in (SCALE_COPY_ENV, SCALE_SITE_ENV, SILU_ENV):
         monkeypatch.delenv(name, raising=False)
-    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, silu="exact")
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, silu="tanh")
     assert default_fp8_tiling(256, 64) == Fp8Tiling(block_n=64, code_stages=2, silu="tanh")
     assert default_fp8_tiling(128, 64) == Fp8Tiling(block_n=64, code_stages=4, silu="exact")
     # "load" needs three code slots, and the "dots" scale site's fp32 scales do not fit beside either query block
@@ -140,7 +140,10 @@ def test_the_scale_site_and_silu_come_from_the_environment_and_a_bad_one_is_name
     for name in (SCALE_SITE_ENV, SILU_ENV):
         monkeypatch.delenv(name, raising=False)
     tiling = default_fp8_tiling(256)
-    assert tiling.scale_site == DEFAULT_SCALE_SITE and tiling.silu == DEFAULT_SILU
+    assert tiling.scale_site == DEFAULT_SCALE_SITE and tiling.silu == "tanh"      # 64-key tiles at D=256
+    assert default_fp8_tiling(128).silu == DEFAULT_SILU
+    monkeypatch.setenv(SILU_ENV, "exact")
+    assert default_fp8_tiling(256).silu == "exact"
     monkeypatch.setenv(SCALE_SITE_ENV, "dots")
     monkeypatch.setenv(SILU_ENV, "tanh")
     assert default_fp8_tiling(256) == Fp8Tiling(block_n=32, scale_site="dots", silu="tanh")
@@ -206,7 +209,7 @@ def test_the_decode_comes_from_the_environment_and_a_bad_one_is_named(monkeypatc
     monkeypatch.delenv(DECODE_ENV, raising=False)
     assert default_fp8_tiling(256).decode == DEFAULT_DECODE == "cvt"
     monkeypatch.setenv(DECODE_ENV, "bits")
-    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, decode="bits")
+    assert default_fp8_tiling(256, 128) == Fp8Tiling(block_n=64, code_stages=1, decode="bits", silu="tanh")
     monkeypatch.setenv(DECODE_ENV, "magic")
     with pytest.raises(ValueError, match=f"{DECODE_ENV}='magic'"):
         select_fp8_kernel("auto", CPU, torch.bfloat16, E4M3, 256, 128, 0, 0)

@@ -106,12 +106,14 @@ def test_every_variant_is_a_valid_tiling_at_three_stages(variant):
     assert GluonAttention(GluonTiling(32, 3, variant)).tiling.variant == variant
 
 
-def test_the_default_for_256_wide_heads_is_pv_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
-    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="pv", loader="tma", tanh_silu=True,
-                                                    unmasked_whole_tiles=True, self_last=True)
+def test_the_default_for_256_wide_heads_is_pv2_64x2_with_tma_where_pages_allow_tanh_silu_and_unmasked_whole_tiles():
+    assert default_gluon_tiling(256) == GluonTiling(block_n=64, stages=2, variant="pv2", loader="tma",
+                                                    tanh_silu=True, unmasked_whole_tiles=True, self_last=True,
+                                                    m64_fill=2 / 3)
     assert default_gluon_tiling(256, page_size=32).loader == "tma"
-    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="pv", tanh_silu=True,
-                                                                  unmasked_whole_tiles=True, self_last=True)
+    assert default_gluon_tiling(256, page_size=16) == GluonTiling(block_n=64, stages=2, variant="pv2", tanh_silu=True,
+                                                                  unmasked_whole_tiles=True, self_last=True,
+                                                                  m64_fill=2 / 3)
     assert default_gluon_tiling(128) == GluonTiling(block_n=64, stages=3, variant="sync", self_last=True)
 
 
@@ -125,6 +127,17 @@ def test_the_tma_loader_is_refused_for_pages_shorter_than_half_a_tile():
 def test_the_tanh_silu_is_an_option_of_every_variant():
     for tiling in (GluonTiling(64, 3, tanh_silu=True), GluonTiling(64, 2, "pv", loader="tma", tanh_silu=True)):
         assert tiling_reason(tiling) is None
+
+
+@pytest.mark.parametrize("fill", [0, -0.5, 1.5])
+def test_a_wave_fill_outside_0_1_is_refused(fill):
+    with pytest.raises(ValueError, match="m64_fill"):
+        GluonAttention(GluonTiling(64, 2, "pv2", m64_fill=fill))
+
+
+def test_the_wave_fill_applies_to_64_row_blocks_only():
+    launcher = GluonAttention(GluonTiling(64, 2, "pv2", m64_fill=0.5))
+    assert launcher.wave_fill(64) == 0.5 and launcher.wave_fill(128) == 1.0
 
 
 def test_the_query_block_is_the_tilings_own_else_the_tl_tilings():
