@@ -1,15 +1,14 @@
 """The onboarding's issue and the fetch's wait A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in
 alternated blocks (sessions 14 and 15, issues 18 and 20).
 
-A variant is `NAME=WAIT[:ISSUE[:LOOP[:ROWS]]]`. WAIT: `word`, the engine's wait for each batch's done word (runtime/done_word.py),
+A variant is `NAME=WAIT[:ISSUE[:LOOP]]`. WAIT: `word`, the engine's wait for each batch's done word (runtime/done_word.py),
 or `sync`, torch's Stream.synchronize as main waited (patched onto each bucket's done word here, the graphs
 unchanged). ISSUE, how the onboarding is issued by the engine's copy engine (a copy-thread engine over a CUDA one, as
 the tier builds its own): `lead` (the default: on the caller's thread, a lead of layers before the launch and the rest
 after it, runtime/tiers.LEAD_BYTES), `all` (on the caller's thread, every layer before the launch), `thread` (handed
 to the copy thread, as main did whatever the batch) or a lead in MiB. LOOP, how a one-run onboarding's layers are
 issued: `native` (the default where it builds: one C call, transfer/native_issue.py) or `python` (a copy call and a
-post per layer). ROWS: the rows (pages) of layer 0's first pitched copy, doubling after it (copy_plan.FIRST_ROWS by
-default; 0: layer 0 in one call). One engine per KV dtype serves every variant.
+post per layer). One engine per KV dtype serves every variant.
 Per history length, blocks of CPU-hit + layerwise requests, then GPU hits,
 run each variant in turn, the order rotating from block to block, so drift of the machine spreads over all variants
 alike. The lower bound is the inference benchmark's (stats.lower_bound) from the same run: the transfer probes of
@@ -44,7 +43,6 @@ from layerflow.model import HSTUWeights  # noqa: E402
 from layerflow.runtime.buffers import Bucket  # noqa: E402
 from layerflow.runtime.engine import Engine  # noqa: E402
 from layerflow.runtime.tiers import LEAD_BYTES  # noqa: E402
-from layerflow.transfer.copy_plan import FIRST_ROWS  # noqa: E402
 from layerflow.transfer.copy_engine import CopyEngine  # noqa: E402
 from layerflow.transfer.issue_thread import IssueThreadCopyEngine  # noqa: E402
 
@@ -63,17 +61,14 @@ class Variant:
     thread: bool             # every onboarding handed to the copy thread
     lead_bytes: int | None   # None: every layer before the launch
     native: bool = True      # the one-run layers issued in C
-    first_rows: int | None = FIRST_ROWS   # layer 0's first chunk of rows; None: one call
 
 
 def parse_variant(text: str) -> tuple[str, Variant]:
-    """'NAME=WAIT[:ISSUE[:LOOP[:ROWS]]]' -> (NAME, Variant)."""
+    """'NAME=WAIT[:ISSUE[:LOOP]]' -> (NAME, Variant)."""
     name, _, spec = text.partition("=")
     wait, _, issue = spec.partition(":")
     issue, _, loop = issue.partition(":")
-    loop, _, rows = loop.partition(":")
     loop = loop or "native"
-    first_rows = int(rows) if rows.isdigit() else (FIRST_ROWS if not rows else -1)
     issue = issue or "lead"
     named = {"lead": (False, LEAD_BYTES), "all": (False, None), "thread": (True, None)}
     thread, lead = named.get(issue, (False, -1))
@@ -82,11 +77,10 @@ def parse_variant(text: str) -> tuple[str, Variant]:
             lead = int(float(issue) * 2**20)
         except ValueError:
             pass
-    if not name or wait not in WAITS or (lead is not None and lead <= 0) or loop not in LOOPS or first_rows < 0:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=WAIT[:ISSUE[:LOOP[:ROWS]]], wait in "
-                                         f"{WAITS}, issue 'lead', 'all', 'thread' or a lead in MiB, loop in {LOOPS}, "
-                                         f"rows a count (0: off)")
-    return name, Variant(wait, thread, lead, loop == "native", first_rows or None)
+    if not name or wait not in WAITS or (lead is not None and lead <= 0) or loop not in LOOPS:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=WAIT[:ISSUE[:LOOP]], wait in {WAITS}, "
+                                         f"issue 'lead', 'all', 'thread' or a lead in MiB, loop in {LOOPS}")
+    return name, Variant(wait, thread, lead, loop == "native")
 
 
 def apply(ctx: Context, variant: Variant) -> None:
@@ -96,7 +90,6 @@ def apply(ctx: Context, variant: Variant) -> None:
     if hasattr(threaded.inner, "lead_bytes"):
         threaded.inner.lead_bytes = variant.lead_bytes
         threaded.inner.native_issue = variant.native
-        threaded.inner.first_rows = variant.first_rows
     if variant.thread:
         tier.issue_inline = lambda allowed: setattr(threaded, "inline", False)
     else:
@@ -227,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-candidates", type=int, default=GPU_DEFAULTS["num_candidates"])
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="comma-separated, one engine each")
     parser.add_argument("--variant", type=parse_variant, action="append",
-                        help="NAME=WAIT[:ISSUE[:LOOP[:ROWS]]], repeatable (default: thread=word:thread, all=word:all, "
+                        help="NAME=WAIT[:ISSUE[:LOOP]], repeatable (default: thread=word:thread, all=word:all, "
                              "lead=word:lead)")
     parser.add_argument("--blocks", type=int, default=6, help="alternation blocks per length")
     parser.add_argument("--iters", type=int, default=5, help="timed requests per variant, scenario and block")

@@ -93,11 +93,6 @@ def plan_runs(gpu_pages: Sequence[int] | np.ndarray, host_blocks: Sequence[int] 
     return CopyPlan(gpu, host, gpu[starts], host[starts], lengths)
 
 
-# The rows of a one-run onboarding's first pitched copy (one row a page) issued first: the driver's host cost of a 2D
-# copy grows with its rows and the copy starts when its call returns, so layer 0 goes in `ramp_bounds` chunks.
-FIRST_ROWS = 8
-
-
 def ramp_bounds(n: int, first: int = 8) -> list[int]:
     """Chunk bounds 0, first, 3 first, 7 first, ..., n: chunk sizes doubling from `first`, the last chunk taking
     whatever is left (up to three times the chunk before it) so no short call trails at the end.

@@ -43,11 +43,11 @@ from cuda.bindings import runtime as rt
 
 from layerflow.transfer import cuda_api, cudart
 from layerflow.transfer.copy_engine import CopyEngine, CopyJob, LayerAddresses, Transfer
-from layerflow.transfer.copy_plan import FIRST_ROWS, Run, ramp_bounds
+from layerflow.transfer.copy_plan import Run, ramp_bounds
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.layer_issue import LayerIssue, lead_layers
-from layerflow.transfer.native_issue import RunIssue, RunTables, cuda_calls, issue_run_fn, native_issue_configured
+from layerflow.transfer.native_issue import RunIssue, RunLayers, cuda_calls, issue_run_fn, native_issue_configured
 from layerflow.transfer.signals.base import SignalHandle
 
 class CudaTransfer(Transfer):
@@ -149,15 +149,15 @@ def _layer_addresses(gpu_bases: tuple[int, ...], gpu_offsets: np.ndarray, host_l
 
 
 def _runs_copier(addresses: LayerAddresses, runs: list[tuple[int, int, int]], to_gpu: bool,
-                 stream: int, first_runs: list[tuple[int, int, int]] | None = None) -> Callable[[int], None]:
+                 stream: int) -> Callable[[int], None]:
     """Per layer, a cudaMemcpy2DAsync per `(gpu byte offset, host byte offset, pages)` run: pages packed on the
-    GPU, a block pitch apart on the host; layer 0 by `first_runs` where given (the same pages in row chunks)."""
+    GPU, a block pitch apart on the host."""
     page, pitch = addresses.page_bytes, addresses.block_pitch
     gpu_bases, host_layers = addresses.gpu_bases, addresses.host_layers
 
     def copy_runs(layer: int) -> None:
         gpu_base, host_layer = gpu_bases[layer], host_layers[layer]
-        for gpu_off, host_off, rows in (first_runs if layer == 0 and first_runs else runs):
+        for gpu_off, host_off, rows in runs:
             if to_gpu:
                 cudart.memcpy_2d_async(gpu_base + gpu_off, page, host_layer + host_off, pitch, page, rows,
                                        cudart.MEMCPY_HOST_TO_DEVICE, stream)
@@ -223,8 +223,7 @@ class CudaCopyEngine(CopyEngine):
     the rest at `issue_deferred` (layer_issue.py); only a caller that calls it after its launch should set it.
     `native_issue` (an attribute; default `native_issue_configured()`): a one-run offload, and a one-run onboarding
     without a signal or with a signal that has native posts, issue their layers in C (native_issue.py) where the
-    library builds. `first_rows` (an attribute; None: off): a one-run onboarding's layer 0 goes in row chunks
-    doubling from that many (`copy_plan.FIRST_ROWS`)."""
+    library builds."""
 
     def __init__(self, path: CopyPath | None = None, device: int | None = None, lead_bytes: int | None = None,
                  native_issue: bool | None = None) -> None:
@@ -235,8 +234,7 @@ class CudaCopyEngine(CopyEngine):
         self.path = configured_path() if path is None else path
         self.lead_bytes = lead_bytes
         self.native_issue = native_issue_configured() if native_issue is None else native_issue
-        self.first_rows: int | None = FIRST_ROWS
-        self._run_tables = RunTables()
+        self._run_tables: dict[int, tuple[LayerAddresses, np.ndarray, np.ndarray]] = {}
         self._deferred: LayerIssue | RunIssue | None = None
         self._ops: cudart.OpsCopier | None = None
         self._tables = _Tables()
@@ -270,8 +268,8 @@ class CudaCopyEngine(CopyEngine):
             if not to_gpu:
                 self._after_current_stream(stream)
             if native is not None:
-                run = self._run_tables.run(job.addresses, int(plan.run_gpu[0]), int(plan.run_host[0]),
-                                           int(plan.run_len[0]), False, None)
+                run = self._run_layers(job.addresses, int(plan.run_gpu[0]), int(plan.run_host[0]),
+                                       int(plan.run_len[0]), to_gpu=False)
                 return RunIssue(native, cuda_calls(), run, job.num_layers, None, 0, stream, finish)
             return LayerIssue(self._layer_copier(job, stream, to_gpu), job.num_layers, job.signal, job.first_layer,
                               stream, finish)
@@ -290,8 +288,8 @@ class CudaCopyEngine(CopyEngine):
 
         def start(finish: Callable[[TransferError | None], None]) -> LayerIssue | RunIssue:
             if native is not None:
-                return RunIssue(native, cuda_calls(), self._run_tables.run(addresses, *run, True, self.first_rows),
-                                num_layers, signal, first_layer, stream, finish)
+                return RunIssue(native, cuda_calls(), self._run_layers(addresses, *run, to_gpu=True), num_layers,
+                                signal, first_layer, stream, finish)
             return LayerIssue(self._run_copier(addresses, run, stream), num_layers, signal, first_layer, stream,
                               finish)
 
@@ -378,12 +376,24 @@ class CudaCopyEngine(CopyEngine):
     def _run_copier(self, addresses: LayerAddresses, run: Run, stream: int) -> Callable[[int], None]:
         """The per-layer issue function of a one-run onboarding: layer l's run as one cudaMemcpy2DAsync, its offsets
         plain ints. The seam a subclass wraps to time or fail those copies, as `_layer_copier` a job's."""
+        offsets = (run.gpu_page * addresses.page_bytes, run.host_block * addresses.block_pitch, run.pages)
+        return _runs_copier(addresses, [offsets], True, stream)
+
+    def _run_layers(self, addresses: LayerAddresses, gpu_page: int, host_block: int, pages: int,
+                    to_gpu: bool) -> RunLayers:
+        """A one-run transfer as the C loop takes it: the layout's layer tables (uint64, made once per layout) and
+        the run's offsets, pages packed on the GPU, a block pitch apart on the host."""
+        tables = self._run_tables.get(id(addresses))
+        if tables is None or tables[0] is not addresses:
+            if len(self._run_tables) >= 8:
+                self._run_tables.clear()
+            tables = self._run_tables[id(addresses)] = (addresses, np.array(addresses.gpu_bases, dtype=np.uint64),
+                                                        np.array(addresses.host_layers, dtype=np.uint64))
         page, pitch = addresses.page_bytes, addresses.block_pitch
-        gpu_off, host_off = run.gpu_page * page, run.host_block * pitch
-        bounds = self._run_tables.bounds(run.pages, self.first_rows)
-        chunks = None if bounds is None else [(gpu_off + a * page, host_off + a * pitch, b - a)
-                                              for a, b in pairwise(bounds.tolist())]
-        return _runs_copier(addresses, [(gpu_off, host_off, run.pages)], True, stream, chunks)
+        gpu, host = (tables[1], gpu_page * page, page), (tables[2], host_block * pitch, pitch)
+        dst, src, kind = (gpu, host, cudart.MEMCPY_HOST_TO_DEVICE) if to_gpu else (host, gpu,
+                                                                                 cudart.MEMCPY_DEVICE_TO_HOST)
+        return RunLayers(*dst, *src, page, pages, kind)
 
     def _run_ops(self) -> cudart.OpsCopier:
         """The 3D batch copier, made on first use (TransferError where libcudart lacks it)."""

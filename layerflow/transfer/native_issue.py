@@ -26,10 +26,6 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from layerflow.runtime.native_build import build_library
-from layerflow.transfer.copy_engine import LayerAddresses
-from layerflow.transfer.copy_plan import ramp_bounds
-from layerflow.transfer import cudart
-from layerflow.transfer.cudart import MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import NativePosts, SignalHandle
 
@@ -63,7 +59,7 @@ def _load(source: Path) -> ctypes._CFuncPtr:
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.POINTER(CudaCalls), ctypes.c_int64, ctypes.c_int64, _ptr, _u64, _u64, _ptr, _u64, _u64,
                    _u64, _u64, ctypes.c_int32, _ptr, _ptr, _ptr, ctypes.c_uint32, _ptr, ctypes.c_uint32, _ptr,
-                   _ptr, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
+                   ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]
     return fn
 
 
@@ -84,6 +80,8 @@ def _address(fn: object) -> int:
 @functools.cache
 def cuda_calls() -> CudaCalls:
     """The process's libcudart calls (torch's runtime) and libcuda's cuStreamBatchMemOp."""
+    from layerflow.transfer import cudart
+
     rt = cudart.lib()
     driver = ctypes.CDLL("libcuda.so.1")
     batch = getattr(driver, "cuStreamBatchMemOp_v2", None) or getattr(driver, "cuStreamBatchMemOp", None)
@@ -96,7 +94,7 @@ def cuda_calls() -> CudaCalls:
 class RunLayers(NamedTuple):
     """One run's per-layer copy: layer l copies `rows` rows of `width` bytes from `src_bases[l] + src_offset`
     (`src_pitch` apart) to `dst_bases[l] + dst_offset` (`dst_pitch` apart) in direction `kind` (cudaMemcpyKind); the
-    tables are uint64 arrays kept alive here; layer 0 goes in the row chunks of `first_bounds` where given."""
+    tables are uint64 arrays kept alive here."""
 
     dst_bases: np.ndarray
     dst_offset: int
@@ -107,41 +105,6 @@ class RunLayers(NamedTuple):
     width: int
     rows: int
     kind: int
-    first_bounds: np.ndarray | None = None   # layer 0's row chunk bounds (uint64, `ramp_bounds`), None: one call
-
-
-class RunTables:
-    """What one-run transfers are issued from, made once: per checked layout its layers' addresses as uint64 tables,
-    per row count layer 0's row chunks (`copy_plan.ramp_bounds` from a first chunk of `first_rows`)."""
-
-    def __init__(self) -> None:
-        self._layouts: dict[int, tuple[LayerAddresses, np.ndarray, np.ndarray]] = {}
-        self._bounds: dict[tuple[int, int], np.ndarray | None] = {}
-
-    def bounds(self, rows: int, first_rows: int | None) -> np.ndarray | None:
-        """Layer 0's chunk bounds for `rows` rows, or None for one call (`first_rows` None, or too few rows)."""
-        if first_rows is None:
-            return None
-        key = (rows, first_rows)
-        if key not in self._bounds:
-            bounds = ramp_bounds(rows, first_rows)
-            self._bounds[key] = np.array(bounds, dtype=np.uint64) if len(bounds) > 2 else None
-        return self._bounds[key]
-
-    def run(self, addresses: LayerAddresses, gpu_page: int, host_block: int, pages: int, to_gpu: bool,
-            first_rows: int | None) -> RunLayers:
-        """The run `pages` pages from `gpu_page` (packed on the GPU) and `host_block` (a block pitch apart on the
-        host), host -> GPU when `to_gpu`, else back."""
-        tables = self._layouts.get(id(addresses))
-        if tables is None or tables[0] is not addresses:
-            if len(self._layouts) >= 8:
-                self._layouts.clear()
-            tables = self._layouts[id(addresses)] = (addresses, np.array(addresses.gpu_bases, dtype=np.uint64),
-                                                     np.array(addresses.host_layers, dtype=np.uint64))
-        page, pitch = addresses.page_bytes, addresses.block_pitch
-        gpu, host = (tables[1], gpu_page * page, page), (tables[2], host_block * pitch, pitch)
-        dst, src, kind = (gpu, host, MEMCPY_HOST_TO_DEVICE) if to_gpu else (host, gpu, MEMCPY_DEVICE_TO_HOST)
-        return RunLayers(*dst, *src, page, pages, kind, self.bounds(pages, first_rows))
 
 
 class RunIssue:
@@ -154,8 +117,6 @@ class RunIssue:
         self._fn, self._calls, self._run, self._num_layers = fn, ctypes.byref(calls), run, num_layers
         self._signal, self._first_layer, self._stream, self._finish = signal, first_layer, stream, finish
         self._bases = (run.dst_bases.ctypes.data, run.src_bases.ctypes.data)
-        bounds = run.first_bounds
-        self._first = (None, 0) if bounds is None else (bounds.ctypes.data, bounds.size - 1)
         self._error, self._stage = ctypes.c_int32(), ctypes.c_int32()
         self.next_layer = 0
 
@@ -179,7 +140,7 @@ class RunIssue:
             epoch, target, post_stream = posts.epoch, posts.target, posts.post_stream
         return self._fn(self._calls, start, stop, dst, run.dst_offset, run.dst_pitch, src, run.src_offset,
                         run.src_pitch, run.width, run.rows, run.kind, self._stream, events, words, epoch, captures,
-                        target, post_stream, *self._first, ctypes.byref(self._error), ctypes.byref(self._stage))
+                        target, post_stream, ctypes.byref(self._error), ctypes.byref(self._stage))
 
     def issue(self, until: int) -> None:
         """Issue the layers up to `until` (exclusive) in one C call."""

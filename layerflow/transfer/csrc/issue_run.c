@@ -2,10 +2,7 @@
  * copy stream (`rows` rows of `width` bytes from `src_bases[l] + src_offset`, `src_pitch` apart, to `dst_bases[l] +
  * dst_offset`, `dst_pitch` apart, in direction `kind`), then (an onboarding, where `events` is given) the waitvalue
  * post of that layer: an event recorded on the copy stream, the posting stream's wait for it and one
- * cuStreamBatchMemOp writing the layer's counter word and capture word. Layer 0 (the transfer's first, issued while
- * the copy engine may be idle) goes in row chunks `first_bounds[0..first_chunks]` where given (`ramp_bounds`): the
- * driver's cost of a pitched copy grows with its rows and the copy starts only when the call returns, so a short first
- * chunk starts the copy early and each next one is queued before the one ahead of it is copied.
+ * cuStreamBatchMemOp writing the layer's counter word and capture word.
  *
  * Why in C: through Python each layer's copy and post cost the caller's thread ~15-40 us on the H200's host (ctypes
  * and cuda.bindings conversions, the ring's bookkeeping); here the driver's own cost is all that is left. The CUDA
@@ -58,19 +55,14 @@ int64_t layerflow_issue_run(const lf_cuda_calls *calls, int64_t first, int64_t l
                             uint64_t rows, int32_t kind, void *stream,
                             const uint64_t *events, const uint64_t *words, uint32_t epoch,
                             const uint64_t *captures, uint32_t target, void *post_stream,
-                            const uint64_t *first_bounds, int64_t first_chunks, int32_t *error, int32_t *stage) {
+                            int32_t *error, int32_t *stage) {
     lf_write_op ops[2];
     *error = 0;
     *stage = 0;
     for (int64_t layer = first; layer < last; layer++) {
-        int64_t chunks = (layer == 0 && first_bounds != NULL) ? first_chunks : 1;
-        int status = 0;
-        for (int64_t c = 0; c < chunks && status == 0; c++) {
-            uint64_t row = chunks > 1 ? first_bounds[c] : 0, count = chunks > 1 ? first_bounds[c + 1] - row : rows;
-            status = calls->memcpy2d((void *)(uintptr_t)(dst_bases[layer] + dst_offset + row * dst_pitch), dst_pitch,
-                                     (const void *)(uintptr_t)(src_bases[layer] + src_offset + row * src_pitch),
-                                     src_pitch, width, count, kind, stream);
-        }
+        int status = calls->memcpy2d((void *)(uintptr_t)(dst_bases[layer] + dst_offset), dst_pitch,
+                                     (const void *)(uintptr_t)(src_bases[layer] + src_offset), src_pitch, width, rows,
+                                     kind, stream);
         if (status != 0) {
             *error = status;
             *stage = 1;
