@@ -1,14 +1,12 @@
 """The onboarding's issue and the fetch's wait A/B'd in one process on CPU-hit + layerwise and GPU-hit requests, in
 alternated blocks (sessions 14 and 15, issues 18 and 20).
 
-A variant is `NAME=WAIT[:ISSUE[:LOOP]]`. WAIT: `word`, the engine's wait for each batch's done word (runtime/done_word.py),
+A variant is `NAME=WAIT[:ISSUE]`. WAIT: `word`, the engine's wait for each batch's done word (runtime/done_word.py),
 or `sync`, torch's Stream.synchronize as main waited (patched onto each bucket's done word here, the graphs
 unchanged). ISSUE, how the onboarding is issued by the engine's copy engine (a copy-thread engine over a CUDA one, as
 the tier builds its own): `lead` (the default: on the caller's thread, a lead of layers before the launch and the rest
 after it, runtime/tiers.LEAD_BYTES), `all` (on the caller's thread, every layer before the launch), `thread` (handed
-to the copy thread, as main did whatever the batch) or a lead in MiB. LOOP, how a one-run onboarding's layers are
-issued: `native` (the default where it builds: one C call, transfer/native_issue.py) or `python` (a copy call and a
-post per layer). One engine per KV dtype serves every variant.
+to the copy thread, as main did whatever the batch) or a lead in MiB. One engine per KV dtype serves every variant.
 Per history length, blocks of CPU-hit + layerwise requests, then GPU hits,
 run each variant in turn, the order rotating from block to block, so drift of the machine spreads over all variants
 alike. The lower bound is the inference benchmark's (stats.lower_bound) from the same run: the transfer probes of
@@ -52,7 +50,6 @@ PROFILE_ROWS = ("prepare", "prepare.onboard", "launch.fill", "launch.offload", "
 
 
 WAITS = ("word", "sync")
-LOOPS = ("native", "python")
 
 
 @dataclass(frozen=True)
@@ -60,15 +57,12 @@ class Variant:
     wait: str
     thread: bool             # every onboarding handed to the copy thread
     lead_bytes: int | None   # None: every layer before the launch
-    native: bool = True      # the one-run layers issued in C
 
 
 def parse_variant(text: str) -> tuple[str, Variant]:
-    """'NAME=WAIT[:ISSUE[:LOOP]]' -> (NAME, Variant)."""
+    """'NAME=WAIT[:ISSUE]' -> (NAME, Variant)."""
     name, _, spec = text.partition("=")
     wait, _, issue = spec.partition(":")
-    issue, _, loop = issue.partition(":")
-    loop = loop or "native"
     issue = issue or "lead"
     named = {"lead": (False, LEAD_BYTES), "all": (False, None), "thread": (True, None)}
     thread, lead = named.get(issue, (False, -1))
@@ -77,10 +71,10 @@ def parse_variant(text: str) -> tuple[str, Variant]:
             lead = int(float(issue) * 2**20)
         except ValueError:
             pass
-    if not name or wait not in WAITS or (lead is not None and lead <= 0) or loop not in LOOPS:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=WAIT[:ISSUE[:LOOP]], wait in {WAITS}, "
-                                         f"issue 'lead', 'all', 'thread' or a lead in MiB, loop in {LOOPS}")
-    return name, Variant(wait, thread, lead, loop == "native")
+    if not name or wait not in WAITS or (lead is not None and lead <= 0):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=WAIT[:ISSUE], wait in {WAITS}, issue "
+                                         f"'lead', 'all', 'thread' or a lead in MiB")
+    return name, Variant(wait, thread, lead)
 
 
 def apply(ctx: Context, variant: Variant) -> None:
@@ -89,7 +83,6 @@ def apply(ctx: Context, variant: Variant) -> None:
     wait, tier, threaded = variant.wait, ctx.engine.kv.below, ctx.copy.inner
     if hasattr(threaded.inner, "lead_bytes"):
         threaded.inner.lead_bytes = variant.lead_bytes
-        threaded.inner.native_issue = variant.native
     if variant.thread:
         tier.issue_inline = lambda allowed: setattr(threaded, "inline", False)
     else:
@@ -220,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-candidates", type=int, default=GPU_DEFAULTS["num_candidates"])
     parser.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3", help="comma-separated, one engine each")
     parser.add_argument("--variant", type=parse_variant, action="append",
-                        help="NAME=WAIT[:ISSUE[:LOOP]], repeatable (default: thread=word:thread, all=word:all, "
+                        help="NAME=WAIT[:ISSUE], repeatable (default: thread=word:thread, all=word:all, "
                              "lead=word:lead)")
     parser.add_argument("--blocks", type=int, default=6, help="alternation blocks per length")
     parser.add_argument("--iters", type=int, default=5, help="timed requests per variant, scenario and block")

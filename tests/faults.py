@@ -44,7 +44,7 @@ class FaultyCudaCopyEngine(CudaCopyEngine):
 
     def __init__(self, fail_at_layer: int | None = None, path: CopyPath = CopyPath.AUTO,
                  device: int | None = None) -> None:
-        super().__init__(path=path, device=device, native_issue=False)   # the faults are injected in Python's loop
+        super().__init__(path=path, device=device)
         self.fail_at_layer = fail_at_layer
 
     def _layer_copier(self, job: CopyJob, stream: int, to_gpu: bool) -> Callable[[int], None]:

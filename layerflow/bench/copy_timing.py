@@ -84,8 +84,7 @@ class TimedCudaCopyEngine(CudaCopyEngine):
     def __init__(self, marks: Marks, path: CopyPath | None = None, device: int | None = None) -> None:
         if not isinstance(marks, Marks):
             raise ValueError(f"marks={marks!r}: expected a Marks")
-        # Its seam is the Python issue loop's per-layer copy function (`_marked`): never the C loop.
-        super().__init__(path=path, device=device, native_issue=False)
+        super().__init__(path=path, device=device)
         self.marks = marks
         self._issuing = threading.local()  # the event list of the transfer this thread is issuing
         self.on_layer_issued: Callable[[int], None] | None = None   # called after each layer's copies (host stamps)

@@ -44,7 +44,6 @@ class IssueTimedCopyEngine(CudaCopyEngine):
     """A CudaCopyEngine that appends an IssueRecord per transfer to `records` (clear it between measurements)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("native_issue", False)   # the steps it times are the Python issue loop's
         super().__init__(*args, **kwargs)
         self.records: list[IssueRecord] = []
         self._current = threading.local()

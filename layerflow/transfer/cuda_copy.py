@@ -47,7 +47,6 @@ from layerflow.transfer.copy_plan import Run, ramp_bounds
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
 from layerflow.transfer.errors import TransferError
 from layerflow.transfer.layer_issue import LayerIssue, lead_layers
-from layerflow.transfer.native_issue import RunIssue, RunLayers, cuda_calls, issue_run_fn, native_issue_configured
 from layerflow.transfer.signals.base import SignalHandle
 
 class CudaTransfer(Transfer):
@@ -220,22 +219,16 @@ class CudaCopyEngine(CopyEngine):
     """Copies on one H2D and one D2H stream of its own, on `device` (default: torch's current device), by `path`
     (default: `configured_path()`; an attribute, so one engine can be switched between transfers). `lead_bytes`
     (an attribute too; None: off): a layerwise onboarding issues only the layers that hold that many bytes first and
-    the rest at `issue_deferred` (layer_issue.py); only a caller that calls it after its launch should set it.
-    `native_issue` (an attribute; default `native_issue_configured()`): a one-run offload, and a one-run onboarding
-    without a signal or with a signal that has native posts, issue their layers in C (native_issue.py) where the
-    library builds."""
+    the rest at `issue_deferred` (layer_issue.py); only a caller that calls it after its launch should set it."""
 
-    def __init__(self, path: CopyPath | None = None, device: int | None = None, lead_bytes: int | None = None,
-                 native_issue: bool | None = None) -> None:
+    def __init__(self, path: CopyPath | None = None, device: int | None = None, lead_bytes: int | None = None) -> None:
         require_cuda("CudaCopyEngine")
         super().__init__()
         self.device = torch.cuda.current_device() if device is None else device
         cuda_api.set_device(self.device)
         self.path = configured_path() if path is None else path
         self.lead_bytes = lead_bytes
-        self.native_issue = native_issue_configured() if native_issue is None else native_issue
-        self._run_tables: dict[int, tuple[LayerAddresses, np.ndarray, np.ndarray]] = {}
-        self._deferred: LayerIssue | RunIssue | None = None
+        self._deferred: LayerIssue | None = None
         self._ops: cudart.OpsCopier | None = None
         self._tables = _Tables()
         self.h2d_stream = cuda_api.create_stream()
@@ -259,22 +252,13 @@ class CudaCopyEngine(CopyEngine):
         return self._issue(job, self.d2h_stream, to_gpu=False)
 
     def _issue(self, job: CopyJob, stream: int, to_gpu: bool) -> CudaTransfer:
-        plan = job.plan
-        # An offload that is one run (a batch's new pages, the common case) in one C call, as a one-run onboarding.
-        native = issue_run_fn() if (not to_gpu and self.native_issue and plan.num_runs == 1
-                                    and resolved_path(self.path, 1) is CopyPath.RUNS) else None
-
-        def start(finish: Callable[[TransferError | None], None]) -> LayerIssue | RunIssue:
+        def copier() -> Callable[[int], None]:
             if not to_gpu:
                 self._after_current_stream(stream)
-            if native is not None:
-                run = self._run_layers(job.addresses, int(plan.run_gpu[0]), int(plan.run_host[0]),
-                                       int(plan.run_len[0]), to_gpu=False)
-                return RunIssue(native, cuda_calls(), run, job.num_layers, None, 0, stream, finish)
-            return LayerIssue(self._layer_copier(job, stream, to_gpu), job.num_layers, job.signal, job.first_layer,
-                              stream, finish)
+            return self._layer_copier(job, stream, to_gpu)
 
-        return self._issue_layers(job, start, job.signal, stream, job.plan.num_pages * job.addresses.page_bytes)
+        return self._issue_layers(job, copier, job.num_layers, job.signal, job.first_layer, stream,
+                                  job.plan.num_pages * job.addresses.page_bytes)
 
     def _onboard_run(self, gpu_layers: tuple[torch.Tensor, ...], host: torch.Tensor, addresses: LayerAddresses,
                      run: Run, signal: SignalHandle | None, first_layer: int) -> Transfer:
@@ -282,26 +266,17 @@ class CudaCopyEngine(CopyEngine):
         `path` sends a single run elsewhere."""
         if resolved_path(self.path, 1) is not CopyPath.RUNS:
             return super()._onboard_run(gpu_layers, host, addresses, run, signal, first_layer)
-        stream, num_layers = self.h2d_stream, len(gpu_layers)
-        native = issue_run_fn() if self.native_issue and (signal is None or getattr(signal, "native_capable", False)) \
-            else None
+        stream = self.h2d_stream
+        return self._issue_layers((gpu_layers, host), lambda: self._run_copier(addresses, run, stream),
+                                  len(gpu_layers), signal, first_layer, stream, run.pages * addresses.page_bytes)
 
-        def start(finish: Callable[[TransferError | None], None]) -> LayerIssue | RunIssue:
-            if native is not None:
-                return RunIssue(native, cuda_calls(), self._run_layers(addresses, *run, to_gpu=True), num_layers,
-                                signal, first_layer, stream, finish)
-            return LayerIssue(self._run_copier(addresses, run, stream), num_layers, signal, first_layer, stream,
-                              finish)
-
-        return self._issue_layers((gpu_layers, host), start, signal, stream, run.pages * addresses.page_bytes)
-
-    def _issue_layers(self, keep: object, start: Callable[[Callable[[TransferError | None], None]], LayerIssue],
-                      signal: SignalHandle | None, stream: int, layer_bytes: int = 0) -> CudaTransfer:
-        """`start(finish)`'s issue loop (a LayerIssue, or a RunIssue in C) run over every layer in order, layer l's
-        signal posted right after it; the returned transfer keeps `keep` (the tensors its copies read and write)
-        alive until it is done. A layerwise onboarding of `layer_bytes` per layer whose waits may precede its posts
-        issues only its lead now when `lead_bytes` is set (layer_issue.py): the rest waits for `issue_deferred`, for
-        the next transfer of this engine, or for the transfer's own done/wait."""
+    def _issue_layers(self, keep: object, copier: Callable[[], Callable[[int], None]], num_layers: int,
+                      signal: SignalHandle | None, first_layer: int, stream: int, layer_bytes: int = 0) -> CudaTransfer:
+        """`copier()`'s function called for every layer in order, layer l's signal posted right after it; the
+        returned transfer keeps `keep` (the tensors its copies read and write) alive until it is done. A layerwise
+        onboarding of `layer_bytes` per layer whose waits may precede its posts issues only its lead now when
+        `lead_bytes` is set (layer_issue.py): the rest waits for `issue_deferred`, for the next transfer of this
+        engine, or for the transfer's own done/wait."""
         self.issue_deferred()   # an earlier onboarding's rest first: one stream, layers in order
         # The engine's device is made current on the issuing thread: its events (and a notifier's) are created there,
         # and one process (the transfer server) drives an engine per GPU from shared threads.
@@ -316,16 +291,17 @@ class CudaCopyEngine(CopyEngine):
             transfer._event = event
 
         try:
-            issue = start(finish)
+            copy_layer = copier()
         except Exception as exc:  # noqa: BLE001 - any failure must reach the waiters, whatever raised it
             error = exc if isinstance(exc, TransferError) else TransferError(f"issuing layer 0 failed: {exc!r}")
             if signal is not None:
                 signal.fail(error, stream)
             finish(error)
             return transfer
+        issue = LayerIssue(copy_layer, num_layers, signal, first_layer, stream, finish)
         split = (self.lead_bytes is not None and signal is not None and signal.layerwise
                  and signal.ring.waits_before_posts)
-        issue.issue(lead_layers(issue.num_layers, layer_bytes, self.lead_bytes) if split else math.inf)
+        issue.issue(lead_layers(num_layers, layer_bytes, self.lead_bytes) if split else num_layers)
         if not issue.done:
             self._deferred = issue
             transfer._pending = self.issue_deferred
@@ -378,22 +354,6 @@ class CudaCopyEngine(CopyEngine):
         plain ints. The seam a subclass wraps to time or fail those copies, as `_layer_copier` a job's."""
         offsets = (run.gpu_page * addresses.page_bytes, run.host_block * addresses.block_pitch, run.pages)
         return _runs_copier(addresses, [offsets], True, stream)
-
-    def _run_layers(self, addresses: LayerAddresses, gpu_page: int, host_block: int, pages: int,
-                    to_gpu: bool) -> RunLayers:
-        """A one-run transfer as the C loop takes it: the layout's layer tables (uint64, made once per layout) and
-        the run's offsets, pages packed on the GPU, a block pitch apart on the host."""
-        tables = self._run_tables.get(id(addresses))
-        if tables is None or tables[0] is not addresses:
-            if len(self._run_tables) >= 8:
-                self._run_tables.clear()
-            tables = self._run_tables[id(addresses)] = (addresses, np.array(addresses.gpu_bases, dtype=np.uint64),
-                                                        np.array(addresses.host_layers, dtype=np.uint64))
-        page, pitch = addresses.page_bytes, addresses.block_pitch
-        gpu, host = (tables[1], gpu_page * page, page), (tables[2], host_block * pitch, pitch)
-        dst, src, kind = (gpu, host, cudart.MEMCPY_HOST_TO_DEVICE) if to_gpu else (host, gpu,
-                                                                                 cudart.MEMCPY_DEVICE_TO_HOST)
-        return RunLayers(*dst, *src, page, pages, kind)
 
     def _run_ops(self) -> cudart.OpsCopier:
         """The 3D batch copier, made on first use (TransferError where libcudart lacks it)."""

@@ -39,10 +39,6 @@ class LayerIssue:
         self.next_layer = 0
 
     @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
     def done(self) -> bool:
         return self.next_layer >= self._num_layers
 

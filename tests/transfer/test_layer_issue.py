@@ -67,15 +67,13 @@ def test_a_failure_in_the_rest_poisons_from_that_layer_and_finishes_with_it():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_the_cuda_engine_leaves_the_rest_for_issue_deferred_and_the_next_transfer(native):
+def test_the_cuda_engine_leaves_the_rest_for_issue_deferred_and_the_next_transfer():
     from layerflow.transfer.cuda_copy import CudaCopyEngine
     from layerflow.transfer.signals.waitvalue import WaitValueSignals
 
     gpu, host = make_tensors("cuda")
     layer_bytes = gpu[0][0].numel() * gpu[0].element_size()
-    # Three pages a layer below: one layer leads. Native: the run's layers in C (transfer/native_issue.py).
-    engine = CudaCopyEngine(lead_bytes=layer_bytes * 3, native_issue=native)
+    engine = CudaCopyEngine(lead_bytes=layer_bytes * 3)   # three pages a layer below: one layer leads
     signals = WaitValueSignals(LAYERS, num_counters=3, timeout_s=5.0)   # three onboardings hold a counter each
     try:
         first = signals.acquire()

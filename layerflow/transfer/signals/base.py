@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, NamedTuple
+from typing import Iterable
 
 import numpy as np
 
@@ -29,19 +29,6 @@ from layerflow.config import SignalMode
 from layerflow.transfer.errors import TransferError
 
 POISONED = 1
-
-
-class NativePosts(NamedTuple):
-    """A mode's posts as native code issues them (waitvalue): addresses of uint64 tables, indexed by layer, of the
-    layers' events, counter words and capture words; the counter's epoch, the replay target and the posting stream
-    (transfer/native_issue.py)."""
-
-    events: int
-    words: int
-    epoch: int
-    captures: int
-    target: int
-    post_stream: int
 
 
 class SignalHandle:
@@ -53,7 +40,6 @@ class SignalHandle:
         self.generation = generation
         self.layerwise = layerwise
         self.num_layers = ring.num_layers
-        self.native_capable = layerwise and ring.has_native_posts   # post_native works for this handle
 
     # consumer side
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
@@ -103,17 +89,6 @@ class SignalHandle:
         elif layer == self.num_layers - 1:
             self.ring._post(self, range(self.num_layers), stream)
 
-    def post_native(self, first: int, stop: int, issue: Callable[[NativePosts], int]) -> int:
-        """Layers `first .. stop - 1`, whose copies `issue` issues and posts itself (native code, in order, from the
-        mode's `native_posts`), under the ring's lock as `complete_layer` posts; returns how many layers `issue`
-        issued, which are marked posted (the rest, after a failure, are the caller's to poison). TransferError for a
-        stale handle, a non-layerwise one or a mode without native posts."""
-        self._check_layer(first)
-        self._check_layer(stop - 1)
-        if not self.layerwise:
-            raise TransferError(f"signal counter {self.counter_id}: native posts need a layerwise handle")
-        return self.ring._post_native(self, first, stop, issue)
-
     def fail(self, error: BaseException, stream: int | None = None) -> None:
         """Poison the counter: waiters of every layer not yet posted wake and raise TransferError(error)."""
         self.ring._fail(self, error, stream)
@@ -140,8 +115,6 @@ class LayerSignals(ABC):
     # Whether a wait may be launched before its layer's post is issued (it then waits longer): true where the wait
     # reads memory or an eventfd; false for CUDA events, whose wait binds to the record issued before it.
     waits_before_posts = True
-    # Whether `native_posts` describes this mode's posts, so native code can issue them (transfer/native_issue.py).
-    has_native_posts = False
 
     def __init__(self, num_layers: int, num_counters: int = 4, timeout_s: float = 10.0) -> None:
         for name, value in (("num_layers", num_layers), ("num_counters", num_counters)):
@@ -219,22 +192,6 @@ class LayerSignals(ABC):
             fresh = self._mark_posted(handle, layers)
             if fresh:
                 self._signal(handle, fresh, stream)
-
-    def native_posts(self, handle: SignalHandle) -> NativePosts | None:
-        """Under the lock: `handle`'s posts as native code issues them, or None where the mode has none (the
-        default)."""
-        return None
-
-    def _post_native(self, handle: SignalHandle, first: int, stop: int, issue: Callable[[NativePosts], int]) -> int:
-        with self._cond:
-            posts = self.native_posts(handle)
-            if posts is None:
-                raise TransferError(f"signal mode {self.mode.value!r} has no native posts")
-            if any(self._posted[handle.counter_id][first:stop]):
-                raise TransferError(f"signal counter {handle.counter_id}: layers {first}..{stop - 1} already posted")
-            issued = issue(posts)
-            self._mark_posted(handle, range(first, first + issued))
-            return issued
 
     def _fail(self, handle: SignalHandle, error: BaseException, stream: int | None) -> None:
         with self._cond:

@@ -23,7 +23,7 @@ Posting goes through cuda.bindings or, with `LAYERFLOW_WAITVALUE_POST=native`, t
 
 from __future__ import annotations
 
-import numpy as np
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +32,7 @@ from cuda.bindings import driver
 from layerflow.transfer import cuda_api
 from layerflow.config import SignalMode
 from layerflow.transfer.cuda_api import check, poll_until, require_cuda
-from layerflow.transfer.signals.base import LayerSignals, NativePosts, SignalHandle
+from layerflow.transfer.signals.base import LayerSignals, SignalHandle
 from layerflow.transfer.signals.native_post import NativePoster, post_path
 
 _MASK = 0xFFFFFFFF
@@ -72,7 +72,6 @@ def _write(stream: int, ops: list[driver.CUstreamBatchMemOpParams], values: list
 
 class WaitValueSignals(LayerSignals):
     mode = SignalMode.WAITVALUE
-    has_native_posts = True
 
     def __init__(self, num_layers: int, num_counters: int = 4, timeout_s: float = 10.0) -> None:
         require_cuda("signal mode 'waitvalue'")
@@ -99,14 +98,6 @@ class WaitValueSignals(LayerSignals):
         self._post_targets = [[(int(self._copied[counter][layer]), self.word_address_of(counter, layer),
                                 self._device_word(layer).data_ptr()) for layer in range(num_layers)]
                               for counter in range(num_counters)]
-        # The same posts as uint64 tables for native code (transfer/native_issue.py): per counter its layers' events
-        # and counter words, and the capture words every counter shares; their addresses taken once.
-        self._native_tables = [np.array([[target[0] for target in row], [target[1] for target in row]],
-                                        dtype=np.uint64) for row in self._post_targets]
-        self._native_captures = np.array([self._device_word(layer).data_ptr() for layer in range(num_layers)],
-                                         dtype=np.uint64)
-        self._native_bases = [(table[0].ctypes.data, table[1].ctypes.data) for table in self._native_tables]
-        self._native_capture_base = self._native_captures.ctypes.data
         _wait_geq_kernel[(1,)](self._device_word(0), self._device_word(num_layers), num_warps=1)
         torch.cuda.synchronize()
 
@@ -134,12 +125,6 @@ class WaitValueSignals(LayerSignals):
             self._native.write(stream, self._target_op_address, target)
         else:
             _write(stream, self._target_op, [target])
-
-    def native_posts(self, handle: SignalHandle) -> NativePosts:
-        counter = handle.counter_id
-        events, words = self._native_bases[counter]
-        return NativePosts(events, words, self._epochs[counter] & _MASK, self._native_capture_base,
-                           self._targets[counter] & _MASK, self._post_stream)
 
     def close(self) -> None:
         if self._post_stream is None:
