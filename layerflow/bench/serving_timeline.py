@@ -10,16 +10,20 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
   in flight;
 - `launch`: `Engine.launch` (buffer fill, graph replay issue, early offload);
 - `poll`: a batch in flight, nothing ready to prepare: paused for an arrival or the next completion poll;
+- `regrow`: a batch of GPU hits prepared ahead given back to take later arrivals (its new take and prepare are
+  counted as `take` and `prepare ahead`);
 - `collect`: `Engine.collect` (waits for the device when the batch has not computed yet: counted in `collect_waits`);
 - `answer`: answering a collected batch's requests (their futures' callbacks run here);
 - `retry`: requests retried alone after a failed batch.
 `intervals` keeps every step as (phase, start, end) on the host clock (serving_copies attributes the copy engine's
-idle time with it). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
+idle time with it), and `batches` every prepared and launched batch as (event, host time, requests, onboarded
+bytes, whether it holds `hot_user`). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
 too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -41,6 +45,8 @@ class TimedAsyncEngine(AsyncEngine):
         self._collect_waits = 0
         self._placements: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.intervals: list[tuple[str, float, float]] = []
+        self.batches: list[tuple[str, float, int, int, bool]] = []
+        self.hot_user: int | None = None
         self._since = time.perf_counter()
         super().__init__(*args, **kwargs)
 
@@ -50,6 +56,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._collect_waits = 0
         self._placements = []
         self.intervals = []
+        self.batches = []
         self._since = time.perf_counter()
 
     def timeline(self) -> dict:
@@ -87,7 +94,12 @@ class TimedAsyncEngine(AsyncEngine):
         prepared = self._timed(phase, super()._prepare, batch, prefetch)
         if prepared is not None:
             self._keep_placements(prepared)
+            self._note("prepared", prepared)
         return prepared
+
+    def _note(self, event: str, prepared: Prepared) -> None:
+        hot = any(p.user == self.hot_user for p in prepared.batch)
+        self.batches.append((event, time.perf_counter(), len(prepared.batch), prepared.onboard_bytes, hot))
 
     def _keep_placements(self, prepared: Prepared) -> None:
         """Each onboarded user's GPU pages and host blocks as they are now (the in-process tier's host pool)."""
@@ -100,7 +112,11 @@ class TimedAsyncEngine(AsyncEngine):
                 self._placements.append((pages, host.pages(r.user_id)))
 
     def _launch(self, prepared: Prepared) -> None:
+        self._note("launch", prepared)
         return self._timed("launch", super()._launch, prepared)
+
+    def _regrow_or_poll(self) -> None:
+        return self._timed("regrow", super()._regrow_or_poll)
 
     def _pause(self) -> None:
         return self._timed("poll", super()._pause)
@@ -115,3 +131,17 @@ class TimedAsyncEngine(AsyncEngine):
 
     def _retry_alone(self, batch: list[Pending]) -> None:
         return self._timed("retry", super()._retry_alone, batch)
+
+
+def thread_cpu_s(names: tuple[str, ...]) -> dict[str, float]:
+    """CPU seconds so far of each live thread named in `names` (Linux: its pthread CPU clock), summed per name.
+    A thread's CPU time includes what it spins without the GIL (the fetch's done-word wait)."""
+    found: dict[str, float] = {}
+    for thread in threading.enumerate():
+        if thread.name in names and thread.ident is not None:
+            try:
+                clock = time.pthread_getcpuclockid(thread.ident)
+                found[thread.name] = found.get(thread.name, 0.0) + time.clock_gettime(clock)
+            except (OSError, AttributeError):   # the thread ended meanwhile, or no such clock here
+                continue
+    return found

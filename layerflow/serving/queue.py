@@ -150,6 +150,11 @@ class RequestQueue:
                     return None
                 self._cond.wait(self._wake_in(now, batch))
 
+    def eligible(self, busy: set[int]) -> list[Pending]:
+        """The batch `take(busy, wait=False)` would return now, left in the queue."""
+        with self._cond:
+            return self._eligible(busy)[0]
+
     def wait_for_put(self, timeout_s: float) -> None:
         """Block until a request is put or requeued, the queue closes, or `timeout_s` passes (the scheduler's pause
         while a batch computes and nothing is ready to prepare)."""

@@ -489,3 +489,43 @@ def test_behind_an_onboarding_batch_a_partial_one_is_prepared_only_once_it_compu
         assert serving.metrics.prefetched._value.get() == 1
         assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
 
+
+
+def test_a_batch_of_gpu_hits_prepared_ahead_takes_a_host_hit_arriving_before_the_one_in_flight_computed(weights):
+    first, second, third = Request(1, [3], [4]), Request(2, [5], [6]), Request(3, [7], [8])
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, ComputesOnRequest(engine) as serving:
+        on_host(engine, {3: 40})
+        engine.score([history(1, 40)])
+        engine.score([history(2, 40)])                               # users 1 and 2 are GPU hits, user 3 a host hit
+        setup = len(engine.launched)
+        futures = [serving.submit(first)]                            # in flight, computing: it onboards nothing
+        wait_until(lambda: len(engine.launched) == setup + 1, "the first batch launched")
+        futures.append(serving.submit(second))                       # prepared ahead at once, GPU hits only
+        wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the second batch prepared ahead")
+        futures.append(serving.submit(third))                        # given back and prepared again with user 3
+        wait_until(lambda: serving.metrics.regrown._value.get() == 1, "the prepared batch regrown")
+        serving.computed.set()
+        served = [f.result(WAIT_S) for f in futures]
+        assert [s.batch_size for s in served] == [1, 2, 2] and served[2].tier is Tier.HOST
+        assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2, 3]]
+        assert engine.kv.gpu.num_pinned == 0 and serving.metrics.prefetched._value.get() == 2
+    expected = sequential_scores(weights, [history(3, 40), history(1, 40), history(2, 40), first, second, third])
+    assert all(close_to(s.scores, e) for s, e in zip(served, expected[3:]))
+
+
+def test_a_batch_prepared_ahead_that_onboards_is_never_given_back_for_later_arrivals(weights):
+    with HeldEngine(weights, config(serve_max_batch_size=4)) as engine, ComputesOnRequest(engine) as serving:
+        on_host(engine, {2: 40})
+        engine.score([history(1, 40)])
+        engine.score([history(3, 40)])
+        setup = len(engine.launched)
+        futures = [serving.submit(Request(1, [3], [4]))]
+        wait_until(lambda: len(engine.launched) == setup + 1, "the first batch launched")
+        futures.append(serving.submit(Request(2, [5], [6])))        # a host hit: prepared ahead, its copies issued
+        wait_until(lambda: serving.metrics.prefetched._value.get() == 1, "the second batch prepared ahead")
+        futures.append(serving.submit(Request(3, [7], [8])))
+        time.sleep(0.05)
+        assert serving.metrics.regrown._value.get() == 0 and len(serving.queue) == 1
+        serving.computed.set()
+        assert [f.result(WAIT_S).batch_size for f in futures] == [1, 1, 1]
+        assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2], [3]]
