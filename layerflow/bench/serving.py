@@ -329,8 +329,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                     if settings.trace:
                         extra.setdefault("trace", {}).update(
                             t0=t0, intervals=serving.intervals, batches=serving.batches,
-                            requests=[(r.arrival_s, r.answered_s, r.tier, r.batch_size, u == serving.hot_user)
-                                      for r, (_, u) in zip(records, ((t, q.user_id) for t, q in arrivals))])
+                            requests=[(r.arrival_s, r.answered_s, r.tier, r.batch_size, q.user_id)
+                                      for r, (_, q) in zip(records, arrivals)], hot_user=serving.hot_user)
                     runs.append(summarize(records, rate, transport, policy, engine.layout, calibration,
                                           hottest_share(arrivals))
                                 | {"scheduler": serving.timeline()} | extra)

@@ -17,7 +17,7 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `retry`: requests retried alone after a failed batch.
 `intervals` keeps every step as (phase, start, end) on the host clock (serving_copies attributes the copy engine's
 idle time with it), and `batches` every prepared and launched batch as (event, host time, requests, onboarded
-bytes, whether it holds `hot_user`). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
+bytes, whether it holds `hot_user`, its users). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
 too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
 """
 
@@ -45,7 +45,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._collect_waits = 0
         self._placements: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.intervals: list[tuple[str, float, float]] = []
-        self.batches: list[tuple[str, float, int, int, bool]] = []
+        self.batches: list[tuple[str, float, int, int, bool, list[int]]] = []
         self.hot_user: int | None = None
         self._since = time.perf_counter()
         super().__init__(*args, **kwargs)
@@ -98,8 +98,9 @@ class TimedAsyncEngine(AsyncEngine):
         return prepared
 
     def _note(self, event: str, prepared: Prepared) -> None:
-        hot = any(p.user == self.hot_user for p in prepared.batch)
-        self.batches.append((event, time.perf_counter(), len(prepared.batch), prepared.onboard_bytes, hot))
+        users = [p.user for p in prepared.batch]
+        self.batches.append((event, time.perf_counter(), len(users), prepared.onboard_bytes, self.hot_user in users,
+                             users))
 
     def _keep_placements(self, prepared: Prepared) -> None:
         """Each onboarded user's GPU pages and host blocks as they are now (the in-process tier's host pool)."""
