@@ -39,7 +39,7 @@ from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
 from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
-from layerflow.bench.serving_timeline import thread_cpu_s
+from layerflow.bench.serving_timeline import EngineIntervals, thread_cpu_s
 from layerflow.bench.serving_variants import VARIANTS
 from layerflow.bench.stats import percentile
 from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
@@ -283,7 +283,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             timer = PhaseTimer() if settings.profile else None
             if timer is not None:
                 timer.attach(engine)
-            engines.append((copy_thread, engine, copies, timer))
+            steps = EngineIntervals(engine) if settings.trace else None
+            engines.append((copy_thread, engine, copies, timer, steps))
         first = engines[0][1]
         calibration = calibrate(first, workload, visits, device)
         unloaded = None
@@ -293,7 +294,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             for u in visits:
                 first.kv.truncate(u, workload.history_len)
         # Odd blocks take the engines and the variants in reverse order, so none always runs first in its block.
-        for block, (copy_thread, engine, copies, timer), policy, name in (
+        for block, (copy_thread, engine, copies, timer, steps), policy, name in (
                 (block, e, p, v) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
                 for p in settings.policies for v in (settings.variants[::-1] if block % 2 else settings.variants)):
             serving = VARIANTS[name](engine, policy, calibration.bulk_bytes_per_s)
@@ -311,6 +312,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         copies.begin()
                     if timer is not None:
                         timer.start()
+                    if steps is not None:
+                        steps.reset()
                     cpu = thread_cpu_s(THREADS)
                     t0 = time.perf_counter()   # the requests' clock starts here (within microseconds)
                     records = over_http(server.url, arrivals) if transport == "http" \
@@ -328,7 +331,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                             extra["trace"] = {"spans": [asdict(x) for x in spans]}
                     if settings.trace:
                         extra.setdefault("trace", {}).update(
-                            t0=t0, intervals=serving.intervals, batches=serving.batches,
+                            t0=t0, intervals=serving.intervals, engine=steps.intervals, batches=serving.batches,
                             requests=[(r.arrival_s, r.answered_s, r.tier, r.batch_size, q.user_id)
                                       for r, (_, q) in zip(records, arrivals)], hot_user=serving.hot_user)
                     runs.append(summarize(records, rate, transport, policy, engine.layout, calibration,

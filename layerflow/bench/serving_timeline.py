@@ -146,3 +146,32 @@ def thread_cpu_s(names: tuple[str, ...]) -> dict[str, float]:
             except (OSError, AttributeError):   # the thread ended meanwhile, or no such clock here
                 continue
     return found
+
+
+ENGINE_STEPS = (("engine", "prepare"), ("engine", "launch"), ("engine", "collect"), ("kv", "_allocate"),
+                ("kv", "_onboard"), ("kv", "offload_early"), ("kv", "_offload"), ("below", "offload"),
+                ("deferred", "release"), ("kv", "commit"))
+
+
+class EngineIntervals:
+    """Every call of the engine methods in ENGINE_STEPS (on one engine's instances, never their classes) as
+    (owner.method, start, end) on the host clock, for the serving benchmark's traces; `reset()` starts a run."""
+
+    def __init__(self, engine) -> None:
+        self.intervals: list[tuple[str, float, float]] = []
+        owners = {"engine": engine, "kv": engine.kv, "below": engine.kv.below, "deferred": engine.kv.deferred}
+        for owner, method in ENGINE_STEPS:
+            target = owners[owner]
+            setattr(target, method, self._timed(f"{owner}.{method}", getattr(target, method)))
+
+    def reset(self) -> None:
+        self.intervals = []
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.intervals.append((name, start, time.perf_counter()))
+        return call
