@@ -90,6 +90,12 @@ def analyse(run: dict) -> dict:
     hot = sorted((r for r in reqs if r["user"] == run["hot_user"]), key=lambda r: r["arrival"])
     out["hot"] = len(hot)
     out["hot_last_wait"] = hot[-1]["answered"] - hot[-1]["arrival"] if hot else 0.0
+    steps = defaultdict(float)
+    for name, lo, hi in run.get("engine", []):
+        steps[name] += hi - lo
+    n = max(1, len(launches))
+    out["steps_ms"] = {k: v * 1e3 / n for k, v in steps.items()}
+    out["steps_ms"]["offload wait"] = out["steps_ms"].get("kv._offload", 0.0) - out["steps_ms"].get("below.offload", 0.0)
     sizes = [l[1] for l in launches]
     out["mean_batch"] = statistics.mean(sizes) if sizes else 0.0
     return out
@@ -118,6 +124,11 @@ def main() -> None:
               f"({m('tail_batches'):.0f}) | {m('gaps'):.0f} | {ms(p('no work'))} | {ms(p('scheduler'))} | "
               f"{ms(p('prepare+thread'))} | {ms(p('device'))} | {m('batches'):.0f} {m('gpu_only'):.0f} "
               f"({m('gpu_only_small'):.0f}) {m('with_hot'):.0f} | {ms(m('hot_last_wait'))} | {top} |")
+    print("| off. | variant | engine ms per batch (median of runs) |")
+    for (rate, variant), got in sorted(rows.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        names = sorted({k for g in got for k in g["steps_ms"]})
+        each = ", ".join(f"{k} {statistics.median(g['steps_ms'].get(k, 0.0) for g in got):.2f}" for k in names)
+        print(f"| {rate:g} | {variant} | {each} |")
 
 
 if __name__ == "__main__":
