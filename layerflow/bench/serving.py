@@ -40,7 +40,7 @@ from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
 from layerflow.bench.serving_timeline import EngineIntervals, thread_cpu_s
-from layerflow.bench.serving_variants import VARIANTS
+from layerflow.bench.serving_variants import VARIANTS, scheduler
 from layerflow.bench.stats import percentile
 from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
                                         stream_engine)
@@ -297,7 +297,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
         for block, (copy_thread, engine, copies, timer, steps), policy, name in (
                 (block, e, p, v) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
                 for p in settings.policies for v in (settings.variants[::-1] if block % 2 else settings.variants)):
-            serving = VARIANTS[name](engine, policy, calibration.bulk_bytes_per_s)
+            serving = scheduler(name, engine, policy, calibration.bulk_bytes_per_s)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
