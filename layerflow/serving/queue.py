@@ -178,29 +178,34 @@ class RequestQueue:
     def _eligible(self, busy: set[int]) -> tuple[list[Pending], bool]:
         """The batch that can be formed now, and whether it is full (in requests, at its paced share, or the next
         one's tokens). Cancelled requests it reaches leave the queue."""
-        cap, backlog = self.max_batch, 0
+        cap, backlog, longest = self.max_batch, 0, set()
         if self.paced and len(self._items) > self.max_batch:
             backlog = max(self._per_user.values())
             cap = min(cap, -(-len(self._items) // backlog))
+            if backlog > 1:
+                longest = {u for u, n in self._per_user.items() if n == backlog and u not in busy}
+        critical = frozenset(longest)   # taken first: their backlog sets how many batches the queue needs
         first: list[Pending] = []   # each eligible user's oldest request, in queue order
         cancelled: list[Pending] = []
         blocked = set(busy)
         for p in self._items:
-            if p.user in blocked:
+            user = p.user
+            if user in blocked:
                 continue
             if p.future.cancelled():
                 cancelled.append(p)
                 continue
-            blocked.add(p.user)
+            blocked.add(user)
             first.append(p)
-            if backlog <= 1 and len(first) == cap:
+            longest.discard(user)
+            if len(first) >= cap and not longest:   # every longest-backlog user met (their oldest is near the head)
                 break
         for p in cancelled:
             self._remove(p)
-        if backlog > 1:   # the users with the longest backlog first, then the oldest
-            longest = [p for p in first if self._per_user[p.user] == backlog]
-            first = sorted(longest[:cap] + [p for p in first if self._per_user[p.user] != backlog][
-                :max(0, cap - len(longest))], key=lambda p: p.seq)
+        if critical:   # the users with the longest backlog first, then the oldest
+            ahead = [p for p in first if p.user in critical][:cap]
+            rest = [p for p in first if p.user not in critical][:cap - len(ahead)]
+            first = sorted(ahead + rest, key=lambda p: p.seq)
         picked: list[Pending] = []
         tokens = 0
         for p in first[:cap]:
