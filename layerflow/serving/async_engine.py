@@ -188,13 +188,14 @@ class AsyncEngine:
         """The batch prepared ahead onboards nothing and has room, and the batch in flight still computes: a request
         arriving now could still join it (`_regrow_or_poll`)."""
         prepared = self._prepared
-        return (self.prefetch and prepared is not None and not self._retry and not prepared.onboards()
-                and len(prepared.batch) < self.queue.max_batch and not self._flight.computed())
+        return (self.prefetch and prepared is not None and prepared.regrowable and not self._retry
+                and not prepared.onboards() and not self._flight.computed() and len(prepared.batch) < self.queue.share(prepared.batch))
 
     def _regrow_or_poll(self) -> None:
-        """The batch prepared ahead holds GPU hits only: if a request it could take (one more request, within the
-        token cap) arrived since, give it back and prepare it again from the head of the queue, where its requests
-        go back (so it is taken again, with that request at least: it grows each time, so this ends), else pause as
+        """The batch prepared ahead holds GPU hits only and is below its share (`RequestQueue.share` with its
+        requests queued again): if a request it could take (within the token cap) arrived since, give it back and
+        prepare it again from the head of the queue, where its requests go back (so it is taken again, with that
+        request at least: it grows each time, so this ends), else pause as
         `_prefetch_or_poll` does. Why: a batch of GPU hits occupies no copy engine, so a host hit arriving while it
         waits would otherwise wait for the batch after it, whose copies start only after this one's launch, with the
         copy engine idle meanwhile. Giving back a batch of GPU hits moves no KV (its pins and appended pages only)."""
@@ -209,6 +210,8 @@ class AsyncEngine:
         taken = self._take(wait=False)
         if taken:
             self._prepared = self._prepare(taken, prefetch=True)
+            if self._prepared is not None and len(taken) <= len(prepared.batch):
+                self._prepared.regrowable = False   # mixed token sizes took others instead: never churn
         self.metrics.regrown.inc()
 
     def _next_is_due(self, in_flight: InFlight) -> bool:
