@@ -58,7 +58,7 @@ b = found["bound"]
 u = found["unloaded"] or {"p50_ms": 0.0, "p99_ms": 0.0}
 print(f"bound {b['rate']:.1f} req/s ({b['limited_by']}); unloaded p50 {u['p50_ms']:.2f} p99 {u['p99_ms']:.2f} ms; "
       f"hot share {max(r['hot_user_share'] for r in found['runs']):.3f}")
-SCHED = ("prepare ahead", "launch", "collect", "poll", "regrow")
+SCHED = ("prepare ahead", "launch", "collect", "poll")
 ENGINE = ("launch.offload", "prepare", "prepare.alloc", "prepare.onboard", "collect.fetch")
 rows = {}
 for r in found["runs"]:
@@ -70,21 +70,21 @@ for r in found["runs"]:
     rows.setdefault((r["offered_rate"], r["variant"]), []).append(dict(
         rps=r["throughput"], sus=r["sustained_rate"], p50=r["p50_ms"] or 0.0, p99=r["p99_ms"] or 0.0,
         bps=r["batches_per_s"], batch=r["mean_batch"], busy=ci["busy_s"] / span if ci else r["copy_busy"],
-        host=ci["host_late_s"] / span if ci else 0.0, regrow=t["phases"].get("regrow", {"calls": 0})["calls"],
+        host=ci["host_late_s"] / span if ci else 0.0,
         cpu=[cpu_s.get(k, 0.0) / wall for k in ("layerflow-scheduler", "layerflow-copy-issue", "MainThread")],
         phases={k: v / span for k, v in ci["idle_by_phase_s"].items()} if ci else {},
         sched=[t["phases"].get(p, {"s": 0.0})["s"] * 1e3 / batches for p in SCHED],
         engine=[r.get("engine_phases_ms", {}).get(p, 0.0) / batches for p in ENGINE]))
 med = lambda got, k: statistics.median(g[k] for g in got)
 order = sorted(rows.items(), key=lambda kv: (-kv[0][0], variants.index(kv[0][1])))
-print("| off. | variant | req/s | med | /bound | sust | p50 | p99 | b/s | batch | busy | late | regrow | cpu s/c/m |")
+print("| off. | variant | req/s | med | /bound | sust | p50 | p99 | b/s | batch | busy | late | cpu s/c/m |")
 for (rate, v), got in order:
     m = med(got, "rps")
     each = "/".join(f"{g['rps']:.0f}" for g in got)
     cpu_frac = "/".join(f"{statistics.median(g['cpu'][i] for g in got):.2f}" for i in range(3))
     print(f"| {rate:g} | {v} | {each} | {m:.0f} | {m / b['rate']:.3f} | {med(got, 'sus'):.0f} | "
           f"{med(got, 'p50'):.1f} | {med(got, 'p99'):.0f} | {med(got, 'bps'):.0f} | {med(got, 'batch'):.2f} | "
-          f"{med(got, 'busy'):.2f} | {med(got, 'host'):.2f} | {med(got, 'regrow'):.0f} | {cpu_frac} |")
+          f"{med(got, 'busy'):.2f} | {med(got, 'host'):.2f} | {cpu_frac} |")
 print("| off. | variant | sched ms/b " + "/".join(SCHED) + " | eng ms/b " + "/".join(ENGINE) + " | idle by phase |")
 for (rate, v), got in order:
     sched = [statistics.median(g["sched"][i] for g in got) for i in range(len(SCHED))]

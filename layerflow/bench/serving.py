@@ -13,11 +13,16 @@ drift of the machine spreads over every variant). With `copy_paths` every run is
 by the scheduler thread or by a copy thread of their own), loaded with the same histories, and each block runs
 every engine's runs in turn (odd blocks in reverse order).
 
-Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
-batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
+Per run: achieved throughput (answered requests over first arrival to last answer), the sustained rate (answers
+between the 10th and the 90th percentile answer over the time between them: the run's start and its drain left out),
+the ideal server's throughput on the same arrivals and measured costs (layerflow.bench.serving_ideal: no host costs),
+p50/p99 latency, tier mix, mean batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
 onboarded byte at the bulk pinned memcpy rate, each batch at the measured GPU-hit time of its size (no hardware
 counters are read). The bound is the rate at which either saturates, whichever is lower: the copy engine at the bulk
-rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits. Beside it, per run, the cap the
+rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits. An open loop cannot serve more
+than it is offered: below the bound even the ideal server's throughput stays under the offered rate (a run ends with
+its last arrivals' latency), so a fraction of the bound is a claim about the server only at offered rates past it,
+where its queue never empties; below it, compare the throughput with the ideal server's. Beside it, per run, the cap the
 hottest user sets: one request of it per batch, so req/s <= batches/s over its share of the stream.
 """
 
@@ -37,6 +42,7 @@ import torch
 from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
 from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
+from layerflow.bench.serving_ideal import IdealServer
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
 from layerflow.bench.serving_timeline import EngineIntervals, thread_cpu_s
@@ -185,6 +191,15 @@ def hottest_share(arrivals: list[tuple[float, Request]]) -> float:
     return max(Counter(r.user_id for _, r in arrivals).values()) / len(arrivals)
 
 
+def sustained_rate(records: list[Record]) -> float:
+    """Answers per second between the 10th and the 90th percentile answer (0 for fewer than 10 answers)."""
+    times = sorted(r.answered_s for r in records if r.error is None)
+    if len(times) < 10:
+        return 0.0
+    lo, hi = len(times) // 10, len(times) * 9 // 10
+    return (hi - lo) / (times[hi] - times[lo]) if times[hi] > times[lo] else 0.0
+
+
 def summarize(records: list[Record], rate: float, transport: str, policy: str, layout: KVLayout,
               calibration: Calibration, hot_share: float = 1.0) -> dict:
     """One run's figures (see the module docstring); `hot_share`: the hottest user's share of the requests."""
@@ -198,6 +213,7 @@ def summarize(records: list[Record], rate: float, transport: str, policy: str, l
     return {"transport": transport, "policy": policy, "prefetch": policy != "off", "offered_rate": rate,
             "num_requests": len(records),
             "answered": len(ok), "throughput": len(ok) / elapsed if elapsed > 0 else 0.0,
+            "sustained_rate": sustained_rate(records),
             "p50_ms": percentile(latencies, 50) if ok else None, "p99_ms": percentile(latencies, 99) if ok else None,
             "tiers": dict(Counter(r.tier for r in ok)), "errors": dict(Counter(r.error for r in records if r.error)),
             "mean_batch": len(ok) / sum(1 / r.batch_size for r in ok) if ok else 0.0,
@@ -287,6 +303,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             engines.append((copy_thread, engine, copies, timer, steps))
         first = engines[0][1]
         calibration = calibrate(first, workload, visits, device)
+        ideal = IdealServer(calibration.bulk_bytes / calibration.bulk_bytes_per_s * 1e3, dict(calibration.gpu_hit_ms),
+                            weights.config.num_layers)
         unloaded = None
         if settings.unloaded:
             users = [u for _, u in stream(replace(workload, num_requests=settings.unloaded))]
@@ -297,7 +315,7 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
         for block, (copy_thread, engine, copies, timer, steps), policy, name in (
                 (block, e, p, v) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
                 for p in settings.policies for v in (settings.variants[::-1] if block % 2 else settings.variants)):
-            serving = scheduler(name, engine, policy, calibration.bulk_bytes_per_s)
+            serving = scheduler(name, engine, policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
@@ -336,7 +354,8 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                                       for r, (_, q) in zip(records, arrivals)], hot_user=serving.hot_user)
                     runs.append(summarize(records, rate, transport, policy, engine.layout, calibration,
                                           hottest_share(arrivals))
-                                | {"scheduler": serving.timeline()} | extra)
+                                | {"ideal_throughput": ideal.serve(replace(workload, rate=rate))["throughput"],
+                                   "scheduler": serving.timeline()} | extra)
                     _progress(runs[-1])
                     for u in visits:
                         engine.kv.truncate(u, workload.history_len)

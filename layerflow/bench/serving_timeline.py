@@ -10,8 +10,6 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
   in flight;
 - `launch`: `Engine.launch` (buffer fill, graph replay issue, early offload);
 - `poll`: a batch in flight, nothing ready to prepare: paused for an arrival or the next completion poll;
-- `regrow`: a batch of GPU hits prepared ahead given back to take later arrivals (its new take and prepare are
-  counted as `take` and `prepare ahead`);
 - `collect`: `Engine.collect` (waits for the device when the batch has not computed yet: counted in `collect_waits`);
 - `answer`: answering a collected batch's requests (their futures' callbacks run here);
 - `retry`: requests retried alone after a failed batch.
@@ -115,9 +113,6 @@ class TimedAsyncEngine(AsyncEngine):
     def _launch(self, prepared: Prepared) -> None:
         self._note("launch", prepared)
         return self._timed("launch", super()._launch, prepared)
-
-    def _regrow_or_poll(self) -> None:
-        return self._timed("regrow", super()._regrow_or_poll)
 
     def _pause(self) -> None:
         return self._timed("poll", super()._pause)

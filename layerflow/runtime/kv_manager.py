@@ -3,7 +3,8 @@
 The manager owns the GPU's side (histories, page pool, pins, LRU, the batch plan); everything below it is a `KVTier`.
 A batch pins its users, allocates GPU pages for their history after the append, starts ONE onboarding for all its
 host, SSD and remote hits (one signal counter; under a window only the pages read) and, after the launch, offloads
-the pages it wrote. LRU eviction takes only users whose offload finished. A user gone from every tier is a miss,
+the pages it wrote; a user whose previous offload is still in flight then owes this one, issued once that one
+landed (the launch never waits for it). LRU eviction takes only users whose offloads finished, owed ones included. A user gone from every tier is a miss,
 recomputed once from its stored history; one only a shared tier holds is adopted with its manifest's history. A batch
 may be prepared on top of a launched one's uncommitted history (runtime/chains.py: its abort aborts them too).
 """
@@ -46,6 +47,7 @@ class KVManager:
         self.reap_after_launch = reap_after_launch
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
+        self._owed: dict[int, tuple[int, ...]] = {}   # user -> its GPU pages, offloaded once its offload in flight lands
         self.quarantine = Quarantine(gpu)
         self.chains = PlanChains()
         self.deferred = DeferredReleases()   # committed onboardings given back after the next launch
@@ -68,8 +70,7 @@ class KVManager:
         entry = self.users.get(r.user_id)
         if entry is not None and r.user_id in self.gpu and \
                 entry.gpu_first_page > self._first_page(r, len(entry.history)):
-            settle(entry.offload)
-            self._reap_offloads()
+            self._settle(r.user_id)
             self._forget_gpu(r.user_id)
         return self.tier(r.user_id)
 
@@ -86,6 +87,7 @@ class KVManager:
         forgotten (closing it is the caller's choice); GPU-resident users stay hits and are offloaded to the new tier at
         their next batch; the rest become misses."""
         self.deferred.release()
+        self._owed.clear()
         for user in self._offloading:
             settle(self.users[user].offload)
             self.users[user].offload = None
@@ -267,9 +269,11 @@ class KVManager:
     def wait_offloads(self) -> None:
         """Block until every offload landed (benchmarks, shutdown); deferred onboardings stay kept (runtime/deferred.py:
         the next launch gives them back, so a benchmark's untimed wait here does not hide their cost)."""
-        for user in self._offloading:
-            settle(self.users[user].offload)
         self._reap_offloads()
+        while self._offloading:
+            for user in list(self._offloading):
+                settle(self.users[user].offload)
+            self._reap_offloads()   # issues the owed offloads: waited for in the next round
 
     def truncate(self, user: int, num_tokens: int) -> None:
         """Forget a user's history past `num_tokens` (retracted interactions; benchmarks replay one request so);
@@ -278,27 +282,29 @@ class KVManager:
         if entry is None or not 0 <= num_tokens <= len(entry.history):
             have = None if entry is None else len(entry.history)
             raise ValueError(f"user {user}: cannot truncate to {num_tokens} tokens (history has {have})")
+        owed = self._owed.pop(user, None)   # not issued on the untruncated history: owed again after the cut
         settle(entry.offload)
         self._reap_offloads()
         entry.history.truncate(num_tokens)
         self.below.truncate(user, num_tokens)
+        if owed is not None and user in self.gpu:
+            self._owed[user] = owed
 
     def evict_from_gpu(self, user: int) -> None:
         """Drop a user's GPU pages once its host copy is complete (the cpu_hit set-up of the benchmark)."""
-        settle(self.users[user].offload)
-        self._reap_offloads()
+        self._settle(user)
         self.gpu.free(user)
 
     def evict_from_host(self, user: int) -> None:
         """Move a user's host copy down to SSD (or nowhere without one)."""
         self.deferred.release()   # a pinned host copy would stay behind
-        settle(self.users[user].offload)
-        self._reap_offloads()
+        self._settle(user)
         self.below.evict(user)
 
     def drop(self, user: int) -> None:
         """Forget a user everywhere: history, GPU pages and the tier below's copies."""
         self.deferred.release()
+        self._owed.pop(user, None)
         entry = self.users.pop(user, None)
         if entry is not None:
             settle(entry.offload)
@@ -312,7 +318,7 @@ class KVManager:
 
     def _gpu_can_drop(self, user: int) -> bool:
         entry = self.users.get(user)
-        return entry is None or not entry.offloading()
+        return entry is None or not (entry.offloading() or user in self._owed)
 
     def _forget_gpu(self, user: int) -> None:
         if user in self.gpu and not self.gpu.pin_count(user):
@@ -349,8 +355,7 @@ class KVManager:
                 if waitable is None:
                     raise
             waited.add(waitable)
-            settle(self.users[waitable].offload)
-            self._reap_offloads()
+            self._settle(waitable)
 
     @property
     def quarantined_pages(self) -> int:
@@ -361,9 +366,14 @@ class KVManager:
         """Copy the pages this batch wrote down to the tier below (asynchronously)."""
         if not len(entry.history):
             return
-        if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
-            settle(entry.offload)
+        if entry.offloading():   # owed: issued by the first reap after it lands (its bookkeeping must not be lost)
+            self._owed[user] = pages
+            return
+        if entry.offload is not None:  # ended but not reaped
             self._reap_offloads()
+            if entry.offload is not None:   # the reap issued this user's owed offload: owed again, these pages
+                self._owed[user] = pages
+                return
         items = entry.history if isinstance(entry.history, ItemHistory) else None
         entry.offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page, history=items)
         self._offloading.add(user)
@@ -374,3 +384,16 @@ class KVManager:
             self.users[user].offload = None
             self._offloading.discard(user)
         self.below.reap()
+        for user in [u for u in self._owed if u not in self._offloading]:
+            pages = self._owed.pop(user)
+            try:
+                self._offload(user, self.users[user], pages)
+            except (PoolExhausted, ValueError, OSError, TransferError) as e:
+                log.warning("owed offload of user %s not started: %s", user, e)
+
+    def _settle(self, user: int) -> None:
+        """Wait until the user's offloads, its owed one included, have landed."""
+        entry = self.users.get(user)
+        while entry is not None and entry.offload is not None:
+            settle(entry.offload)
+            self._reap_offloads()   # forgets it, and issues the owed one if there is one

@@ -167,8 +167,6 @@ class AsyncEngine:
                     self._prepared = self._prepare(taken, prefetch=False)
             elif self.prefetch and self._prepared is None and not self._deferred and not self._retry:
                 self._prefetch_or_poll()
-            elif self._may_regrow():
-                self._regrow_or_poll()
             else:
                 self._collect()
 
@@ -183,36 +181,6 @@ class AsyncEngine:
             self._collect()
         else:
             self._pause()
-
-    def _may_regrow(self) -> bool:
-        """The batch prepared ahead onboards nothing and has room, and the batch in flight still computes: a request
-        arriving now could still join it (`_regrow_or_poll`)."""
-        prepared = self._prepared
-        return (self.prefetch and prepared is not None and prepared.regrowable and not self._retry
-                and not prepared.onboards() and not self._flight.computed() and len(prepared.batch) < self.queue.share(prepared.batch))
-
-    def _regrow_or_poll(self) -> None:
-        """The batch prepared ahead holds GPU hits only and is below its share (`RequestQueue.share` with its
-        requests queued again): if a request it could take (within the token cap) arrived since, give it back and
-        prepare it again from the head of the queue, where its requests go back (so it is taken again, with that
-        request at least: it grows each time, so this ends), else pause as
-        `_prefetch_or_poll` does. Why: a batch of GPU hits occupies no copy engine, so a host hit arriving while it
-        waits would otherwise wait for the batch after it, whose copies start only after this one's launch, with the
-        copy engine idle meanwhile. Giving back a batch of GPU hits moves no KV (its pins and appended pages only)."""
-        prepared = self._prepared
-        arrived = self.queue.eligible(self._busy())
-        if not arrived or arrived[0].tokens > self.queue.max_tokens - sum(p.tokens for p in prepared.batch):
-            self._pause()
-            return
-        self._prepared = None
-        self.engine.cancel(prepared.plan)
-        self._requeue(prepared.batch)
-        taken = self._take(wait=False)
-        if taken:
-            self._prepared = self._prepare(taken, prefetch=True)
-            if self._prepared is not None and len(taken) <= len(prepared.batch):
-                self._prepared.regrowable = False   # mixed token sizes took others instead: never churn
-        self.metrics.regrown.inc()
 
     def _next_is_due(self, in_flight: InFlight) -> bool:
         """Prepare a partial next batch now? Only while waiting for more requests would idle the copy engine or the

@@ -33,14 +33,12 @@ class DeviceMark:
 
 @dataclass
 class Prepared:
-    """A batch prepared by `Engine.prepare`: its plan, its requests, when it was prepared, its onboarded bytes and
-    whether the scheduler may still give it back to take later arrivals (`AsyncEngine._regrow_or_poll`)."""
+    """A batch prepared by `Engine.prepare`: its plan, its requests, when it was prepared and its onboarded bytes."""
 
     plan: BatchPlan
     batch: list[Pending]
     onboard_bytes: int
     started: float = field(default_factory=time.monotonic)
-    regrowable: bool = True
 
     def onboards(self) -> bool:
         """It copies KV from host or SSD: its copies occupy the copy engine until its layers have landed."""

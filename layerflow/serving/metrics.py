@@ -31,8 +31,6 @@ class ServingMetrics:
                                     registry=r)
         self.prefetched = Counter("layerflow_prefetched_batches", "Batches prepared while another was in flight",
                                   registry=r)
-        self.regrown = Counter("layerflow_regrown_batches", "Batches of GPU hits prepared ahead, given back and "
-                               "prepared again with requests that arrived before the batch ahead computed", registry=r)
         self.prefetch_deferred = Counter("layerflow_prefetch_deferred", "Prefetches put off because the GPU pool "
                                          "could not hold the next batch beside the one in flight", registry=r)
         self.failed_batches = Counter("layerflow_failed_batches", "Batches that failed and had their requests "

@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -163,22 +163,6 @@ class RequestQueue:
                 if self._closed and not self._items:
                     return None
                 self._cond.wait(self._wake_in(now, batch))
-
-    def share(self, extra: Sequence[Pending] = ()) -> int:
-        """The most requests a batch may take (its paced share, module docstring) were `extra` queued too."""
-        with self._cond:
-            queued = len(self._items) + len(extra)
-            if not self.paced or queued <= self.max_batch:
-                return self.max_batch
-            counts = dict(self._per_user)
-            for p in extra:
-                counts[p.user] = counts.get(p.user, 0) + 1
-            return min(self.max_batch, -(-queued // max(counts.values())))
-
-    def eligible(self, busy: set[int]) -> list[Pending]:
-        """The batch `take(busy, wait=False)` would return now, left in the queue."""
-        with self._cond:
-            return self._eligible(busy)[0]
 
     def wait_for_put(self, timeout_s: float) -> None:
         """Block until a request is put or requeued, the queue closes, or `timeout_s` passes (the scheduler's pause

@@ -145,18 +145,3 @@ def test_unpaced_or_no_deeper_than_a_batch_a_queue_goes_out_in_full_batches():
     q = queue_of(*(pending(u) for u in (2, 1, 3, 1)), max_batch=4)
     assert users(q.take(busy=set(), wait=False).batch) == [2, 1, 3]
 
-
-def test_eligible_is_the_batch_take_would_form_left_in_the_queue():
-    q = queue_of(pending(1), pending(2), pending(1), pending(3), max_batch=2)
-    assert users(q.eligible(busy={2})) == [1, 3] and len(q) == 4
-    assert users(q.take(busy={2}, wait=False).batch) == [1, 3] and len(q) == 2
-
-
-def test_the_share_counts_requests_taken_out_as_if_queued_again():
-    q = queue_of(*(pending(u) for u in (1, 2, 1, 3, 1)), max_batch=4)
-    assert q.share() == 2                                   # 5 queued, user 1 has 3: ceil(5 / 3)
-    taken = q.take(busy=set(), wait=False).batch
-    assert users(taken) == [1, 2] and q.share() == 4        # 3 left: no deeper than a batch
-    assert q.share(taken) == 2
-    q.paced = False
-    assert q.share(taken) == 4
