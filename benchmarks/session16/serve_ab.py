@@ -4,8 +4,8 @@ up to 8, Poisson arrivals, guarded, copy thread on, copy timeline); prints a sho
 
 Usage: serve_ab.py OUT_DIR DEVICE REQUESTS BLOCKS VARIANTS RATES JSON_NAME [--trace] [--unloaded N]
 With --trace the runs' raw timelines go to JSON_NAME with "-trace" before ".json" (they stay out of JSON_NAME).
-"sustained" is the answer rate between the 10th and the 90th percentile answer (the run's start and its drain left
-out): past the bound it is the rate the server keeps up while its queue is never empty.
+"sust" is the answer rate between the 10th and the 90th percentile answer (the run's start and its drain left out),
+"ideal" the ideal server's rate on the same arrivals and costs (layerflow.bench.serving_ideal).
 """
 import json
 import statistics
@@ -38,17 +38,6 @@ settings = serving.ServingSettings(workload, rates, ("inprocess",), 2.0, policie
 found = serving.run_serving(settings, device)
 
 
-def sustained(run: dict) -> float:
-    """Answers per second between the 10th and the 90th percentile answer."""
-    times = sorted(r[1] for r in run["trace"]["requests"]) if "trace" in run else []
-    if len(times) < 10:
-        return 0.0
-    lo, hi = len(times) // 10, len(times) * 9 // 10
-    return (hi - lo) / (times[hi] - times[lo]) if times[hi] > times[lo] else 0.0
-
-
-for r in found["runs"]:
-    r["sustained_rate"] = sustained(r)
 traces = [dict(block=r["block"], variant=r["variant"], rate=r["offered_rate"], **r.pop("trace"))
           for r in found["runs"] if "trace" in r]
 serving_report.write_json(settings, found, device, work / name)
@@ -68,7 +57,8 @@ for r in found["runs"]:
     wall = t["wall_s"] or 1.0
     cpu_s = r.get("thread_cpu_s", {})
     rows.setdefault((r["offered_rate"], r["variant"]), []).append(dict(
-        rps=r["throughput"], sus=r["sustained_rate"], p50=r["p50_ms"] or 0.0, p99=r["p99_ms"] or 0.0,
+        rps=r["throughput"], sus=r["sustained_rate"], ideal=r["ideal_throughput"], p50=r["p50_ms"] or 0.0,
+        p99=r["p99_ms"] or 0.0,
         bps=r["batches_per_s"], batch=r["mean_batch"], busy=ci["busy_s"] / span if ci else r["copy_busy"],
         host=ci["host_late_s"] / span if ci else 0.0,
         cpu=[cpu_s.get(k, 0.0) / wall for k in ("layerflow-scheduler", "layerflow-copy-issue", "MainThread")],
@@ -77,12 +67,13 @@ for r in found["runs"]:
         engine=[r.get("engine_phases_ms", {}).get(p, 0.0) / batches for p in ENGINE]))
 med = lambda got, k: statistics.median(g[k] for g in got)
 order = sorted(rows.items(), key=lambda kv: (-kv[0][0], variants.index(kv[0][1])))
-print("| off. | variant | req/s | med | /bound | sust | p50 | p99 | b/s | batch | busy | late | cpu s/c/m |")
+print("| off. | variant | req/s | med | /bound | sust | ideal | p50 | p99 | b/s | batch | busy | late | cpu s/c/m |")
 for (rate, v), got in order:
     m = med(got, "rps")
     each = "/".join(f"{g['rps']:.0f}" for g in got)
     cpu_frac = "/".join(f"{statistics.median(g['cpu'][i] for g in got):.2f}" for i in range(3))
     print(f"| {rate:g} | {v} | {each} | {m:.0f} | {m / b['rate']:.3f} | {med(got, 'sus'):.0f} | "
+          f"{med(got, 'ideal'):.0f} | "
           f"{med(got, 'p50'):.1f} | {med(got, 'p99'):.0f} | {med(got, 'bps'):.0f} | {med(got, 'batch'):.2f} | "
           f"{med(got, 'busy'):.2f} | {med(got, 'host'):.2f} | {cpu_frac} |")
 print("| off. | variant | sched ms/b " + "/".join(SCHED) + " | eng ms/b " + "/".join(ENGINE) + " | idle by phase |")

@@ -96,7 +96,8 @@ def analyse(run: dict) -> dict:
     n = max(1, len(launches))
     out["steps_ms"] = {k: v * 1e3 / n for k, v in steps.items()}
     sm = out["steps_ms"]
-    sm["offload wait"] = sm.get("kv.offload_early", 0.0) - sm.get("below.offload", 0.0) - sm.get("deferred.release", 0.0)
+    sm["offload wait"] = (sm.get("kv.offload_early", 0.0) - sm.get("below.offload", 0.0)
+                          - sm.get("deferred.release", 0.0))
     sizes = [l[1] for l in launches]
     out["mean_batch"] = statistics.mean(sizes) if sizes else 0.0
     return out

@@ -15,16 +15,16 @@ every engine's runs in turn (odd blocks in reverse order).
 
 Per run: achieved throughput (answered requests over first arrival to last answer), the sustained rate (answers
 between the 10th and the 90th percentile answer over the time between them: the run's start and its drain left out),
-the ideal server's throughput on the same arrivals and measured costs (layerflow.bench.serving_ideal: no host costs),
-p50/p99 latency, tier mix, mean batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
-onboarded byte at the bulk pinned memcpy rate, each batch at the measured GPU-hit time of its size (no hardware
-counters are read). The bound is the rate at which either saturates, whichever is lower: the copy engine at the bulk
-rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits. An open loop cannot serve more
-than it is offered: below the bound even the ideal server's throughput stays under the offered rate (a run ends with
-its last arrivals' latency), so a fraction of the bound is a claim about the server only at offered rates past it,
-where its queue never empties; below it, compare the throughput with the ideal server's. Beside it, per run, the cap the
-hottest user sets: one request of it per batch, so req/s <= batches/s over its share of the stream.
-"""
+the ideal server's throughput on the same arrivals and measured costs (layerflow.bench.serving_ideal: no host
+costs), p50/p99 latency, tier mix, mean batch, and the copy engine's and the GPU's busy fractions, estimated from
+figures measured in the same run: each onboarded byte at the bulk pinned memcpy rate, each batch at the measured
+GPU-hit time of its size (no hardware counters are read). The bound is the rate at which either saturates, whichever
+is lower: the copy engine at the bulk rate over the mean onboarded bytes per request, the GPU at full batches of GPU
+hits. An open loop cannot serve more than it is offered: below the bound even the ideal server's throughput stays
+under the offered rate (a run ends with its last arrivals' latency), so a fraction of the bound is a claim about the
+server only at offered rates past it, where its queue never empties; below it, compare the throughput with the ideal
+server's. Beside it, per run, the cap the hottest user sets: one request of it per batch, so req/s <= batches/s over
+its share of the stream. """
 
 from __future__ import annotations
 

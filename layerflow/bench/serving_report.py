@@ -28,7 +28,8 @@ def _policy(run: dict) -> str:
     """The run's policy, its copy path where runs compare them, whether a copy thread issued its copies and its
     scheduler variant other than the library's (layerflow.bench.serving_variants)."""
     return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "") \
-        + (" / copy thread" if run.get("copy_thread") else "") + (f" / {run['variant']}" if run.get("variant", "library") != "library" else "")
+        + (" / copy thread" if run.get("copy_thread") else "") \
+        + (f" / {run['variant']}" if run.get("variant", "library") != "library" else "")
 
 
 PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "regrow", "collect", "answer", "retry")
@@ -98,7 +99,8 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
     for r in results["runs"]:
         rows.append(f"| {r['transport']} | {_policy(r)} | {r['offered_rate']:g} | "
                     f"{r['throughput']:.1f} | {r['throughput'] / b['rate']:.3f} | {r['sustained_rate']:.1f} | "
-                    f"{r['ideal_throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | {_errors(r)} | "
+                    f"{r['ideal_throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | "
+                    f"{_errors(r)} | "
                     f"{r['mean_batch']:.2f} | {r['copy_busy']:.2f} | {r['sm_busy']:.2f} | {r['batches_per_s']:.1f} | "
                     f"{r['hot_user_cap']:.1f} |")
     gpu_ms = ", ".join(f"{size}: {ms:.2f}" for size, ms in sorted(cal.gpu_hit_ms.items()))

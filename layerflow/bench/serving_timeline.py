@@ -14,9 +14,9 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `answer`: answering a collected batch's requests (their futures' callbacks run here);
 - `retry`: requests retried alone after a failed batch.
 `intervals` keeps every step as (phase, start, end) on the host clock (serving_copies attributes the copy engine's
-idle time with it), and `batches` every prepared and launched batch as (event, host time, requests, onboarded
-bytes, whether it holds `hot_user`, its users). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
-too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
+idle time with it), and `batches` every prepared and launched batch as (event, host time, requests, onboarded bytes,
+whether it holds `hot_user`, its users). With the in-process tier, each onboarded user's placement (its GPU pages
+and host blocks) is kept too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
 """
 
 from __future__ import annotations
