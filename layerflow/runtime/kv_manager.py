@@ -6,12 +6,6 @@ host, SSD and remote hits (one signal counter; under a window only the pages rea
 the pages it wrote. LRU eviction takes only users whose offload finished. A user gone from every tier is a miss,
 recomputed once from its stored history; one only a shared tier holds is adopted with its manifest's history. A batch
 may be prepared on top of a launched one's uncommitted history (runtime/chains.py: its abort aborts them too).
-
-A launch never waits for a user's previous offload: while one is in flight the user owes the next (its pages are
-kept), issued by the first launch after it landed (one offload then covers every batch owed: the tier copies from
-the first page the host lacks); an owed user is not evicted, and a truncation, an eviction or the shutdown waits for
-both. Why: under serving the hottest user is in nearly every batch, and the launch's wait for its
-last offload (queued on the copy thread behind onboardings) was ~1.5-2 ms of every batch on the H200.
 """
 
 from __future__ import annotations
@@ -52,7 +46,6 @@ class KVManager:
         self.reap_after_launch = reap_after_launch
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
-        self._owed: dict[int, tuple[int, ...]] = {}   # user -> GPU pages, offloaded once its offload in flight lands
         self.quarantine = Quarantine(gpu)
         self.chains = PlanChains()
         self.deferred = DeferredReleases()   # committed onboardings given back after the next launch
@@ -75,7 +68,8 @@ class KVManager:
         entry = self.users.get(r.user_id)
         if entry is not None and r.user_id in self.gpu and \
                 entry.gpu_first_page > self._first_page(r, len(entry.history)):
-            self._settle(r.user_id)
+            settle(entry.offload)
+            self._reap_offloads()
             self._forget_gpu(r.user_id)
         return self.tier(r.user_id)
 
@@ -92,7 +86,6 @@ class KVManager:
         forgotten (closing it is the caller's choice); GPU-resident users stay hits and are offloaded to the new tier at
         their next batch; the rest become misses."""
         self.deferred.release()
-        self._owed.clear()
         for user in self._offloading:
             settle(self.users[user].offload)
             self.users[user].offload = None
@@ -205,10 +198,6 @@ class KVManager:
             self._reap_offloads()
         for b in range(len(plan.requests)):
             self._record(plan, b)
-        if self._owed:
-            self._reap_offloads()
-            for user in [u for u in self._owed if u not in self._offloading]:
-                self._offload_owed(user)
 
     def commit(self, plan: BatchPlan) -> None:
         """The block succeeded (`offload_early` recorded its users): release its onboarding (signalled; or keep it for
@@ -278,8 +267,9 @@ class KVManager:
     def wait_offloads(self) -> None:
         """Block until every offload landed (benchmarks, shutdown); deferred onboardings stay kept (runtime/deferred.py:
         the next launch gives them back, so a benchmark's untimed wait here does not hide their cost)."""
-        for user in list(self._offloading) + list(self._owed):
-            self._settle(user)
+        for user in self._offloading:
+            settle(self.users[user].offload)
+        self._reap_offloads()
 
     def truncate(self, user: int, num_tokens: int) -> None:
         """Forget a user's history past `num_tokens` (retracted interactions; benchmarks replay one request so);
@@ -288,29 +278,27 @@ class KVManager:
         if entry is None or not 0 <= num_tokens <= len(entry.history):
             have = None if entry is None else len(entry.history)
             raise ValueError(f"user {user}: cannot truncate to {num_tokens} tokens (history has {have})")
-        owed = self._owed.pop(user, None)   # not issued on the untruncated history: owed again after the cut
         settle(entry.offload)
         self._reap_offloads()
         entry.history.truncate(num_tokens)
         self.below.truncate(user, num_tokens)
-        if owed is not None and user in self.gpu:
-            self._owed[user] = owed
 
     def evict_from_gpu(self, user: int) -> None:
         """Drop a user's GPU pages once its host copy is complete (the cpu_hit set-up of the benchmark)."""
-        self._settle(user)
+        settle(self.users[user].offload)
+        self._reap_offloads()
         self.gpu.free(user)
 
     def evict_from_host(self, user: int) -> None:
         """Move a user's host copy down to SSD (or nowhere without one)."""
         self.deferred.release()   # a pinned host copy would stay behind
-        self._settle(user)
+        settle(self.users[user].offload)
+        self._reap_offloads()
         self.below.evict(user)
 
     def drop(self, user: int) -> None:
         """Forget a user everywhere: history, GPU pages and the tier below's copies."""
         self.deferred.release()
-        self._owed.pop(user, None)
         entry = self.users.pop(user, None)
         if entry is not None:
             settle(entry.offload)
@@ -324,7 +312,7 @@ class KVManager:
 
     def _gpu_can_drop(self, user: int) -> bool:
         entry = self.users.get(user)
-        return entry is None or not (entry.offloading() or user in self._owed)
+        return entry is None or not entry.offloading()
 
     def _forget_gpu(self, user: int) -> None:
         if user in self.gpu and not self.gpu.pin_count(user):
@@ -356,13 +344,13 @@ class KVManager:
             try:
                 return self.gpu.allocate(user, tokens, can_drop=self._gpu_can_drop).pages
             except PoolExhausted:
-                waitable = next((u for u in self.gpu.users() if (u in self._offloading or u in self._owed)
-                                 and u not in waited
+                waitable = next((u for u in self.gpu.users() if u in self._offloading and u not in waited
                                  and u != user and not self.gpu.pin_count(u)), None)
                 if waitable is None:
                     raise
             waited.add(waitable)
-            self._settle(waitable)
+            settle(self.users[waitable].offload)
+            self._reap_offloads()
 
     @property
     def quarantined_pages(self) -> int:
@@ -373,12 +361,9 @@ class KVManager:
         """Copy the pages this batch wrote down to the tier below (asynchronously)."""
         if not len(entry.history):
             return
-        if entry.offloading():   # owed, issued after it lands (its bookkeeping must not be lost)
-            self._owed[user] = pages
-            return
-        if entry.offload is not None:  # ended but not reaped
+        if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
+            settle(entry.offload)
             self._reap_offloads()
-        self._owed.pop(user, None)   # this offload covers what was owed
         items = entry.history if isinstance(entry.history, ItemHistory) else None
         entry.offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page, history=items)
         self._offloading.add(user)
@@ -389,20 +374,3 @@ class KVManager:
             self.users[user].offload = None
             self._offloading.discard(user)
         self.below.reap()
-
-    def _offload_owed(self, user: int) -> None:
-        """Issue the user's owed offload (its offload before it has landed and was reaped)."""
-        pages = self._owed.pop(user)
-        try:
-            self._offload(user, self.users[user], pages)
-        except (PoolExhausted, ValueError, OSError, TransferError) as e:
-            log.warning("owed offload of user %s not started: %s", user, e)
-
-    def _settle(self, user: int) -> None:
-        """Wait until the user's offloads, its owed one included, have landed."""
-        entry = self.users.get(user)
-        while entry is not None and (entry.offload is not None or user in self._owed):
-            settle(entry.offload)
-            self._reap_offloads()
-            if entry.offload is None and user in self._owed:
-                self._offload_owed(user)
