@@ -32,7 +32,7 @@ def _policy(run: dict) -> str:
         + (f" / {run['variant']}" if run.get("variant", "library") != "library" else "")
 
 
-PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "regrow", "collect", "answer", "retry")
+PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")
 
 
 def scheduler_table(runs: list[dict]) -> list[str]:
