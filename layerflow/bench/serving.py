@@ -13,13 +13,18 @@ drift of the machine spreads over every variant). With `copy_paths` every run is
 by the scheduler thread or by a copy thread of their own), loaded with the same histories, and each block runs
 every engine's runs in turn (odd blocks in reverse order).
 
-Per run: achieved throughput (answered requests over first arrival to last answer), p50/p99 latency, tier mix, mean
-batch, and the copy engine's and the GPU's busy fractions, estimated from figures measured in the same run: each
-onboarded byte at the bulk pinned memcpy rate, each batch at the measured GPU-hit time of its size (no hardware
-counters are read). The bound is the rate at which either saturates, whichever is lower: the copy engine at the bulk
-rate over the mean onboarded bytes per request, the GPU at full batches of GPU hits. Beside it, per run, the cap the
-hottest user sets: one request of it per batch, so req/s <= batches/s over its share of the stream.
-"""
+Per run: achieved throughput (answered requests over first arrival to last answer), the sustained rate (answers
+between the 10th and the 90th percentile answer over the time between them: the run's start and its drain left out),
+the ideal server's throughput on the same arrivals and measured costs (layerflow.bench.serving_ideal: no host
+costs), p50/p99 latency, tier mix, mean batch, and the copy engine's and the GPU's busy fractions, estimated from
+figures measured in the same run: each onboarded byte at the bulk pinned memcpy rate, each batch at the measured
+GPU-hit time of its size (no hardware counters are read). The bound is the rate at which either saturates, whichever
+is lower: the copy engine at the bulk rate over the mean onboarded bytes per request, the GPU at full batches of GPU
+hits. An open loop cannot serve more than it is offered: below the bound even the ideal server's throughput stays
+under the offered rate (a run ends with its last arrivals' latency), so a fraction of the bound is a claim about the
+server only at offered rates past it, where its queue never empties; below it, compare the throughput with the ideal
+server's. Beside it, per run, the cap the hottest user sets: one request of it per batch, so req/s <= batches/s over
+its share of the stream. """
 
 from __future__ import annotations
 
@@ -37,9 +42,11 @@ import torch
 from layerflow.bench.phases import PhaseTimer
 from layerflow.bench.probes import CudaTransferTimer, HostTransferTimer
 from layerflow.bench.serving_copies import TimelineCopyEngine, idle_attribution
+from layerflow.bench.serving_ideal import IdealServer
 from layerflow.bench.serving_issue import IssueTimedCopyEngine, summarize_issue
 from layerflow.bench.serving_load import TRANSPORTS, Record, in_process, over_http
-from layerflow.bench.serving_timeline import TimedAsyncEngine
+from layerflow.bench.serving_timeline import EngineIntervals, thread_cpu_s
+from layerflow.bench.serving_variants import VARIANTS, scheduler
 from layerflow.bench.stats import percentile
 from layerflow.bench.throughput import (ThroughputSettings, load_users, pool_config, returning_visits, stream,
                                         stream_engine)
@@ -56,6 +63,7 @@ from layerflow.transfer.cuda_copy import CopyPath
 from layerflow.transfer.issue_thread import IssueThreadCopyEngine
 
 CALIBRATION_ITERS = 5
+THREADS = ("MainThread", "layerflow-scheduler", "layerflow-copy-issue")   # whose CPU time each run reports
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,9 @@ class ServingSettings:
     many alternated blocks repeat every run; `unloaded`: how many requests of the stream are first served one at a
     time (each sent once the last was answered) for the unloaded latency (0: none); `copy_threads`: the Config
     `copy_thread` values compared, one engine each (the copies issued by the scheduler thread or by a copy thread,
-    layerflow.transfer.issue_thread)."""
+    layerflow.transfer.issue_thread); `variants`: the scheduler behaviours compared on each engine, alternated in every
+    block (layerflow.bench.serving_variants.VARIANTS; "library" is the AsyncEngine as it is); `trace`: each run also
+    keeps its raw timeline (scheduler steps, onboarding spans, batches, requests) under "trace"."""
 
     workload: ThroughputSettings
     rates: tuple[float, ...]
@@ -81,6 +91,8 @@ class ServingSettings:
     blocks: int = 1
     unloaded: int = 0
     copy_threads: tuple[bool, ...] = (True,)
+    variants: tuple[str, ...] = ("library",)
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -100,6 +112,9 @@ class ServingSettings:
         if self.copy_paths and True in self.copy_threads:
             raise ValueError(f"copy_paths={self.copy_paths!r} with a copy thread: the issue is timed on the calling "
                              f"thread")
+        if not self.variants or any(v not in VARIANTS for v in self.variants) \
+                or len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"variants={self.variants!r}: expected distinct names of {tuple(VARIANTS)}")
         if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
             raise ValueError(f"blocks={self.blocks!r}: must be an integer >= 1")
         if isinstance(self.unloaded, bool) or not isinstance(self.unloaded, int) or self.unloaded < 0:
@@ -116,7 +131,8 @@ class ServingSettings:
         return {"workload": workload, "rates": list(self.rates), "transports": list(self.transports),
                 "max_wait_ms": self.max_wait_ms, "policies": list(self.policies), "profile": self.profile,
                 "copy_paths": list(self.copy_paths), "copy_timeline": self.copy_timeline, "blocks": self.blocks,
-                "unloaded": self.unloaded, "copy_threads": list(self.copy_threads)}
+                "unloaded": self.unloaded, "copy_threads": list(self.copy_threads), "variants": list(self.variants),
+                "trace": self.trace}
 
 
 GPU_DEFAULTS = dict(preset="hstu-bench", history_len=4096, append_len=16, num_candidates=256, gpu_users=16,
@@ -175,6 +191,15 @@ def hottest_share(arrivals: list[tuple[float, Request]]) -> float:
     return max(Counter(r.user_id for _, r in arrivals).values()) / len(arrivals)
 
 
+def sustained_rate(records: list[Record]) -> float:
+    """Answers per second between the 10th and the 90th percentile answer (0 for fewer than 10 answers)."""
+    times = sorted(r.answered_s for r in records if r.error is None)
+    if len(times) < 10:
+        return 0.0
+    lo, hi = len(times) // 10, len(times) * 9 // 10
+    return (hi - lo) / (times[hi] - times[lo]) if times[hi] > times[lo] else 0.0
+
+
 def summarize(records: list[Record], rate: float, transport: str, policy: str, layout: KVLayout,
               calibration: Calibration, hot_share: float = 1.0) -> dict:
     """One run's figures (see the module docstring); `hot_share`: the hottest user's share of the requests."""
@@ -188,6 +213,7 @@ def summarize(records: list[Record], rate: float, transport: str, policy: str, l
     return {"transport": transport, "policy": policy, "prefetch": policy != "off", "offered_rate": rate,
             "num_requests": len(records),
             "answered": len(ok), "throughput": len(ok) / elapsed if elapsed > 0 else 0.0,
+            "sustained_rate": sustained_rate(records),
             "p50_ms": percentile(latencies, 50) if ok else None, "p99_ms": percentile(latencies, 99) if ok else None,
             "tiers": dict(Counter(r.tier for r in ok)), "errors": dict(Counter(r.error for r in records if r.error)),
             "mean_batch": len(ok) / sum(1 / r.batch_size for r in ok) if ok else 0.0,
@@ -227,6 +253,7 @@ def _progress(run: dict) -> None:
     p99 = "-" if run["p99_ms"] is None else f"{run['p99_ms']:.2f}"
     path = f", copy path {run['copy_path']}" if "copy_path" in run else ""
     path += ", copy thread" if run.get("copy_thread") else ""
+    path += f", {run['variant']}" if "variant" in run else ""
     print(f"policy {run['policy']}{path}, {run['transport']}, {run['offered_rate']:g}/s: "
           f"{run['throughput']:.1f} req/s, p99 {p99} ms, mean batch {run['mean_batch']:.2f}, copy busy "
           f"{run['copy_busy']:.2f}", file=sys.stderr, flush=True)
@@ -272,26 +299,30 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
             timer = PhaseTimer() if settings.profile else None
             if timer is not None:
                 timer.attach(engine)
-            engines.append((copy_thread, engine, copies, timer))
+            steps = EngineIntervals(engine) if settings.trace else None
+            engines.append((copy_thread, engine, copies, timer, steps))
         first = engines[0][1]
         calibration = calibrate(first, workload, visits, device)
+        ideal = IdealServer(calibration.bulk_bytes / calibration.bulk_bytes_per_s * 1e3, dict(calibration.gpu_hit_ms),
+                            weights.config.num_layers)
         unloaded = None
         if settings.unloaded:
             users = [u for _, u in stream(replace(workload, num_requests=settings.unloaded))]
             unloaded = unloaded_latency(first, [visits[u] for u in users])
             for u in visits:
                 first.kv.truncate(u, workload.history_len)
-        # Odd blocks take the engines in reverse order, so neither mode always runs first in its block.
-        for block, (copy_thread, engine, copies, timer), policy in (
-                (block, e, p) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
-                for p in settings.policies):
-            serving = TimedAsyncEngine(engine, policy=policy)
+        # Odd blocks take the engines and the variants in reverse order, so none always runs first in its block.
+        for block, (copy_thread, engine, copies, timer, steps), policy, name in (
+                (block, e, p, v) for block in range(settings.blocks) for e in (engines[::-1] if block % 2 else engines)
+                for p in settings.policies for v in (settings.variants[::-1] if block % 2 else settings.variants)):
+            serving = scheduler(name, engine, policy)
             server = BackgroundServer(serving) if "http" in settings.transports else None
             try:
                 for path, transport, rate in itertools.product(settings.copy_paths or (None,), settings.transports,
                                                                settings.rates):
                     arrivals = [(t, visits[u]) for t, u in stream(replace(workload, rate=rate))]
                     serving.reset()
+                    serving.hot_user = Counter(r.user_id for _, r in arrivals).most_common(1)[0][0]
                     if settings.copy_paths:
                         copies.path = CopyPath[path.upper()]
                         copies.records.clear()
@@ -299,18 +330,32 @@ def run_serving(settings: ServingSettings, device: torch.device) -> dict:
                         copies.begin()
                     if timer is not None:
                         timer.start()
+                    if steps is not None:
+                        steps.reset()
+                    cpu = thread_cpu_s(THREADS)
+                    t0 = time.perf_counter()   # the requests' clock starts here (within microseconds)
                     records = over_http(server.url, arrivals) if transport == "http" \
                         else in_process(serving, arrivals)
-                    extra = {"block": block, "copy_thread": copy_thread}
+                    cpu = {k: v - cpu.get(k, 0.0) for k, v in thread_cpu_s(THREADS).items()}
+                    extra = {"block": block, "copy_thread": copy_thread, "variant": name, "thread_cpu_s": cpu}
                     if timer is not None:
                         extra["engine_phases_ms"] = timer.stop()
                     if settings.copy_paths:
                         extra |= {"copy_path": path, "issue": summarize_issue(copies.records)}
                     elif copies is not None:
-                        extra["copy_idle"] = idle_attribution(copies.spans(), serving.intervals)
+                        spans = copies.spans()
+                        extra["copy_idle"] = idle_attribution(spans, serving.intervals)
+                        if settings.trace:
+                            extra["trace"] = {"spans": [asdict(x) for x in spans]}
+                    if settings.trace:
+                        extra.setdefault("trace", {}).update(
+                            t0=t0, intervals=serving.intervals, engine=steps.intervals, batches=serving.batches,
+                            requests=[(r.arrival_s, r.answered_s, r.tier, r.batch_size, q.user_id)
+                                      for r, (_, q) in zip(records, arrivals)], hot_user=serving.hot_user)
                     runs.append(summarize(records, rate, transport, policy, engine.layout, calibration,
                                           hottest_share(arrivals))
-                                | {"scheduler": serving.timeline()} | extra)
+                                | {"ideal_throughput": ideal.serve(replace(workload, rate=rate))["throughput"],
+                                   "scheduler": serving.timeline()} | extra)
                     _progress(runs[-1])
                     for u in visits:
                         engine.kv.truncate(u, workload.history_len)

@@ -25,9 +25,11 @@ def _errors(run: dict) -> str:
 
 
 def _policy(run: dict) -> str:
-    """The run's policy, its copy path where runs compare them, and whether a copy thread issued its copies."""
+    """The run's policy, its copy path where runs compare them, whether a copy thread issued its copies and its
+    scheduler variant other than the library's (layerflow.bench.serving_variants)."""
     return run["policy"] + (f" / {run['copy_path']}" if "copy_path" in run else "") \
-        + (" / copy thread" if run.get("copy_thread") else "")
+        + (" / copy thread" if run.get("copy_thread") else "") \
+        + (f" / {run['variant']}" if run.get("variant", "library") != "library" else "")
 
 
 PHASES = ("idle", "take", "prepare", "prepare ahead", "launch", "poll", "collect", "answer", "retry")
@@ -91,11 +93,14 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
     head = (f"### Serving on {where}: {w.preset} model, {w.num_users} users (Zipf {w.zipf}), GPU pool for "
             f"{w.gpu_users}, {w.history_len} cached + {w.append_len} appended per visit, {w.num_candidates} "
             f"candidates, batches up to {w.batch_size}, {w.num_requests} Poisson arrivals per rate")
-    rows = ["| transport | policy | offered/s | req/s | p50 ms | p99 ms | gpu/host/ssd/none | errors | mean batch | "
-            "copy busy | GPU busy | batches/s | hot-user cap |", "|---" * 13 + "|"]
+    rows = ["| transport | policy | offered/s | req/s | of bound | sustained | ideal | p50 ms | p99 ms | "
+            "gpu/host/ssd/none | errors | mean batch | copy busy | GPU busy | batches/s | hot-user cap |",
+            "|---" * 16 + "|"]
     for r in results["runs"]:
         rows.append(f"| {r['transport']} | {_policy(r)} | {r['offered_rate']:g} | "
-                    f"{r['throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | {_errors(r)} | "
+                    f"{r['throughput']:.1f} | {r['throughput'] / b['rate']:.3f} | {r['sustained_rate']:.1f} | "
+                    f"{r['ideal_throughput']:.1f} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | {_tiers(r)} | "
+                    f"{_errors(r)} | "
                     f"{r['mean_batch']:.2f} | {r['copy_busy']:.2f} | {r['sm_busy']:.2f} | {r['batches_per_s']:.1f} | "
                     f"{r['hot_user_cap']:.1f} |")
     gpu_ms = ", ".join(f"{size}: {ms:.2f}" for size, ms in sorted(cal.gpu_hit_ms.items()))
@@ -106,7 +111,10 @@ def markdown(settings: ServingSettings, results: dict, where: str) -> str:
             f"{b['gpu_rate']:.1f} req/s). GPU-hit batch ms by size: {gpu_ms}. Busy fractions are estimates from "
             f"these measured figures, not hardware counters. Hot-user cap: the hottest user (share "
             f"{max(r['hot_user_share'] for r in results['runs']):.3f} of a run's requests) has one request per batch, "
-            f"so req/s <= batches/s / its share.")
+            f"so req/s <= batches/s / its share. Sustained: answers between the 10th and 90th percentile answer "
+            f"over their time. Ideal: the ideal server (layerflow/bench/serving_ideal.py, no host costs) on the same "
+            f"arrivals and measured costs; an open loop serves at most what it is offered, so below the bound compare "
+            f"req/s with it, and read a fraction of the bound as the server's only at offered rates past it.")
     unloaded = results.get("unloaded")
     if unloaded:
         foot += (f" Unloaded ({unloaded['requests']} requests one at a time): p50 {unloaded['p50_ms']:.2f} ms, "

@@ -14,12 +14,14 @@ is the scheduler outside its steps (loop bookkeeping). Phases:
 - `answer`: answering a collected batch's requests (their futures' callbacks run here);
 - `retry`: requests retried alone after a failed batch.
 `intervals` keeps every step as (phase, start, end) on the host clock (serving_copies attributes the copy engine's
-idle time with it). With the in-process tier, each onboarded user's placement (its GPU pages and host blocks) is kept
-too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
+idle time with it), and `batches` every prepared and launched batch as (event, host time, requests, onboarded bytes,
+whether it holds `hot_user`, its users). With the in-process tier, each onboarded user's placement (its GPU pages
+and host blocks) is kept too, outside the timed steps: `timeline()["user_runs"]` is the histogram of their runs.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -41,6 +43,8 @@ class TimedAsyncEngine(AsyncEngine):
         self._collect_waits = 0
         self._placements: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.intervals: list[tuple[str, float, float]] = []
+        self.batches: list[tuple[str, float, int, int, bool, list[int]]] = []
+        self.hot_user: int | None = None
         self._since = time.perf_counter()
         super().__init__(*args, **kwargs)
 
@@ -50,6 +54,7 @@ class TimedAsyncEngine(AsyncEngine):
         self._collect_waits = 0
         self._placements = []
         self.intervals = []
+        self.batches = []
         self._since = time.perf_counter()
 
     def timeline(self) -> dict:
@@ -87,7 +92,13 @@ class TimedAsyncEngine(AsyncEngine):
         prepared = self._timed(phase, super()._prepare, batch, prefetch)
         if prepared is not None:
             self._keep_placements(prepared)
+            self._note("prepared", prepared)
         return prepared
+
+    def _note(self, event: str, prepared: Prepared) -> None:
+        users = [p.user for p in prepared.batch]
+        self.batches.append((event, time.perf_counter(), len(users), prepared.onboard_bytes, self.hot_user in users,
+                             users))
 
     def _keep_placements(self, prepared: Prepared) -> None:
         """Each onboarded user's GPU pages and host blocks as they are now (the in-process tier's host pool)."""
@@ -100,6 +111,7 @@ class TimedAsyncEngine(AsyncEngine):
                 self._placements.append((pages, host.pages(r.user_id)))
 
     def _launch(self, prepared: Prepared) -> None:
+        self._note("launch", prepared)
         return self._timed("launch", super()._launch, prepared)
 
     def _pause(self) -> None:
@@ -115,3 +127,46 @@ class TimedAsyncEngine(AsyncEngine):
 
     def _retry_alone(self, batch: list[Pending]) -> None:
         return self._timed("retry", super()._retry_alone, batch)
+
+
+def thread_cpu_s(names: tuple[str, ...]) -> dict[str, float]:
+    """CPU seconds so far of each live thread named in `names` (Linux: its pthread CPU clock), summed per name.
+    A thread's CPU time includes what it spins without the GIL (the fetch's done-word wait)."""
+    found: dict[str, float] = {}
+    for thread in threading.enumerate():
+        if thread.name in names and thread.ident is not None:
+            try:
+                clock = time.pthread_getcpuclockid(thread.ident)
+                found[thread.name] = found.get(thread.name, 0.0) + time.clock_gettime(clock)
+            except (OSError, AttributeError):   # the thread ended meanwhile, or no such clock here
+                continue
+    return found
+
+
+ENGINE_STEPS = (("engine", "prepare"), ("engine", "launch"), ("engine", "collect"), ("kv", "_allocate"),
+                ("kv", "_onboard"), ("kv", "offload_early"), ("kv", "_offload"), ("below", "offload"),
+                ("deferred", "release"), ("kv", "commit"))
+
+
+class EngineIntervals:
+    """Every call of the engine methods in ENGINE_STEPS (on one engine's instances, never their classes) as
+    (owner.method, start, end) on the host clock, for the serving benchmark's traces; `reset()` starts a run."""
+
+    def __init__(self, engine) -> None:
+        self.intervals: list[tuple[str, float, float]] = []
+        owners = {"engine": engine, "kv": engine.kv, "below": engine.kv.below, "deferred": engine.kv.deferred}
+        for owner, method in ENGINE_STEPS:
+            target = owners[owner]
+            setattr(target, method, self._timed(f"{owner}.{method}", getattr(target, method)))
+
+    def reset(self) -> None:
+        self.intervals = []
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.intervals.append((name, start, time.perf_counter()))
+        return call

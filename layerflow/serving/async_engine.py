@@ -2,7 +2,8 @@
 
 The scheduler is the only caller of the engine's steps. Its rules, in the order it applies them:
 - Batches come from the queue (layerflow.serving.queue: arrival order, one request per user, busy users skipped,
-  capped in requests and query tokens, held back up to `serve_max_wait_ms` to fill).
+  capped in requests and query tokens, paced by the longest per-user backlog while the queue is deeper than a batch,
+  held back up to `serve_max_wait_ms` to fill).
 - Prefetch, policy "guarded" (`serve_prefetch`, on by default: chained, on the H200 it served 8-11% more than
   "off" at 720-800 req/s offered): while batch N computes, the scheduler keeps admitting requests and prepares batch
   N+1 (its KV placed, its onboarding issued on the copy engine) as soon as the queue holds a full batch, or at once

@@ -165,3 +165,19 @@ def test_bad_copy_thread_modes_are_refused(copy_threads):
         ServingSettings(workload(), (1.0,), copy_threads=copy_threads)
     with pytest.raises(ValueError, match="with a copy thread"):
         ServingSettings(workload(), (1.0,), copy_paths=("runs",), copy_threads=(False, True))
+
+
+def test_variants_alternate_on_one_engine_and_each_run_has_its_trace_sustained_and_ideal_rates():
+    settings = ServingSettings(workload(num_requests=24, rate=400.0, gpu_users=2, batch_size=2), (400.0,),
+                               ("inprocess",), policies=("guarded",), blocks=2, variants=("s15", "library"),
+                               trace=True)
+    data = run_serving(settings, CPU)
+    assert [(r["block"], r["variant"]) for r in data["runs"]] == [(0, "s15"), (0, "library"), (1, "library"),
+                                                                    (1, "s15")]
+    for r in data["runs"]:
+        assert r["answered"] == 24 and r["sustained_rate"] > 0 and r["ideal_throughput"] > 0
+        trace = r["trace"]
+        assert len(trace["requests"]) == 24 and trace["batches"] and trace["intervals"] and trace["engine"]
+        assert set(r["thread_cpu_s"]) >= {"MainThread", "layerflow-scheduler"}
+    with pytest.raises(ValueError, match="variants="):
+        ServingSettings(workload(), (1.0,), variants=("eager",))

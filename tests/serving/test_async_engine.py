@@ -440,8 +440,9 @@ def test_a_failed_batch_in_flight_takes_the_batch_chained_on_it_back_to_the_queu
         with pytest.raises(TransferError, match="injected failure found at the collect"):
             futures[0].result(WAIT_S)
         scores = [f.result(WAIT_S).scores for f in futures[1:]]
-        assert [[r.user_id for r in b] for b in engine.launched[setup + 1:]] == [[1, 2, 3], [1], [2], [3], [2]]
-        # [1, 2, 3] behind the blocker, and user 2's next request chained behind [1, 2, 3] (then aborted)
+        assert [[r.user_id for r in b] for b in engine.launched[setup + 1:]] == [[1, 2], [1], [2], [3, 2]]
+        # [1, 2] behind the blocker (paced: user 2's two requests need two batches, so the four queued go two a
+        # batch, user 2's first), [3, 2] chained behind it (then aborted, and launched after the retries)
         assert serving.metrics.prefetched._value.get() == 2
         assert engine.kv.gpu.num_pinned == 0
     expected = sequential_scores(weights, [history(1, 40), history(2, 40), history(3, 40), Request(2, [2], [3]),
@@ -488,4 +489,5 @@ def test_behind_an_onboarding_batch_a_partial_one_is_prepared_only_once_it_compu
         assert first.result(WAIT_S).tier is Tier.HOST and second.result(WAIT_S).batch_size == 1
         assert serving.metrics.prefetched._value.get() == 1
         assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
+
 

@@ -125,3 +125,23 @@ def test_a_cancelled_request_behind_busy_users_leaves_once_a_batch_reaches_it():
     assert len(q) == 2
     assert users(q.take(busy=set(), wait=False).batch) == [3]   # reached: it leaves, the next user goes
     assert len(q) == 0
+
+
+def test_paced_a_deep_queue_goes_out_in_shares_of_its_longest_backlog_that_user_first():
+    # 9 queued, user 1 has 3 of them: three batches are needed anyway, so each takes 3, user 1's oldest among them
+    q = queue_of(*(pending(u) for u in (2, 3, 4, 5, 1, 6, 1, 7, 1)), max_batch=8)
+    first = q.take(busy=set(), wait=False, full_only=True).batch
+    assert users(first) == [2, 3, 1]
+    assert users(q.take(busy={1}, wait=False).batch) == [4, 5, 6, 7]   # 6 left, no deeper than a batch: unpaced
+    assert users(q.take(busy=set(), wait=False).batch) == [1]
+    assert users(q.take(busy=set(), wait=False).batch) == [1]
+
+
+def test_unpaced_or_no_deeper_than_a_batch_a_queue_goes_out_in_full_batches():
+    items = [pending(u) for u in (2, 3, 4, 5, 1, 6, 1, 7, 1)]
+    q = queue_of(*items, max_batch=8)
+    q.paced = False
+    assert users(q.take(busy=set(), wait=False).batch) == [2, 3, 4, 5, 1, 6, 7]
+    q = queue_of(*(pending(u) for u in (2, 1, 3, 1)), max_batch=4)
+    assert users(q.take(busy=set(), wait=False).batch) == [2, 1, 3]
+
