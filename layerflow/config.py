@@ -55,6 +55,7 @@ class Config:
     serve_max_queue: int = 1024
     serve_deadline_ms: float = 1000.0
     serve_prefetch: bool = True
+    serve_paced_batches: bool = True
     # Issue the in-process tier's default copy engine's copies on a thread of their own, off the scheduler thread
     # (layerflow.transfer.issue_thread; not applied with waitvalue signals and an SSD or remote tier, nor to a copy
     # engine given to the Engine: runtime/tiers.py).
@@ -223,6 +224,7 @@ _CHECKS: dict[str, Callable[[str, object], object]] = {
     "serve_max_queue": _int_in(1, MAX_SERVE_QUEUE),
     "serve_deadline_ms": _size(MAX_SERVE_DEADLINE_MS, positive=False),
     "serve_prefetch": _bool,
+    "serve_paced_batches": _bool,
     "copy_thread": _bool,
 }
 

@@ -91,7 +91,8 @@ class AsyncEngine:
         self.default_deadline_s = config.serve_deadline_ms / 1e3 if config.serve_deadline_ms > 0 else None
         max_batch = min(config.serve_max_batch_size, max(b.max_batch for b in engine.buckets))
         max_tokens = max(b.max_tokens for b in engine.buckets)
-        self.queue = RequestQueue(config.serve_max_queue, max_batch, max_tokens, config.serve_max_wait_ms / 1e3)
+        self.queue = RequestQueue(config.serve_max_queue, max_batch, max_tokens, config.serve_max_wait_ms / 1e3,
+                                  paced=config.serve_paced_batches)
         self._flight: InFlight | None = None
         self._prepared: Prepared | None = None
         self._retry: list[Pending] = []

@@ -24,7 +24,8 @@ READY = "layerflow serve: listening on"
 
 # Flags that override a config key of the serving layer: flag dest -> config key.
 OVERRIDES = {"max_batch_size": "serve_max_batch_size", "max_wait_ms": "serve_max_wait_ms",
-             "max_queue": "serve_max_queue", "deadline_ms": "serve_deadline_ms", "prefetch": "serve_prefetch"}
+             "max_queue": "serve_max_queue", "deadline_ms": "serve_deadline_ms", "prefetch": "serve_prefetch",
+             "paced_batches": "serve_paced_batches"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                           "(config: serve_deadline_ms)")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare the next batch while one computes (config: serve_prefetch, default on)")
+    parser.add_argument("--paced-batches", action=argparse.BooleanOptionalAction, default=None,
+                        help="while the queue is deeper than a batch, size batches by the deepest user's backlog "
+                             "(config: serve_paced_batches, default on)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
 
 

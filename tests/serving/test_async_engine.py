@@ -491,3 +491,9 @@ def test_behind_an_onboarding_batch_a_partial_one_is_prepared_only_once_it_compu
         assert [[r.user_id for r in b] for b in engine.launched[setup:]] == [[1], [2]]
 
 
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_serve_paced_batches_sets_how_the_schedulers_queue_sizes_batches(weights, paced):
+    with HeldEngine(weights, config(serve_paced_batches=paced)) as engine, AsyncEngine(engine) as serving:
+        assert serving.queue.paced is paced

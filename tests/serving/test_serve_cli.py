@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from layerflow.serving.cli import READY, add_arguments
+from layerflow.serving.cli import READY, add_arguments, serving_config
 from tests.serving.helpers import WAIT_S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,3 +76,13 @@ def test_help_documents_every_serve_flag(capsys):
     for action in actions:
         assert action.help, action.dest
         assert all(opt in text for opt in action.option_strings), action.option_strings
+
+
+def test_serving_flags_override_the_config_files_keys_and_reach_the_queue(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"serve_paced_batches": True, "serve_max_batch_size": 4}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    unpaced = serving_config(parser.parse_args(["--config", str(config), "--no-paced-batches"]))
+    assert (unpaced.serve_paced_batches, unpaced.serve_max_batch_size) == (False, 4)
+    assert serving_config(parser.parse_args(["--config", str(config)])).serve_paced_batches is True
