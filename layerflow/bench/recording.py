@@ -88,5 +88,8 @@ class BenchCopyEngine:
     def issue_deferred(self) -> None:
         self.inner.issue_deferred()
 
+    def order_onboards_after(self, transfers: Sequence[Transfer]) -> None:
+        self.inner.order_onboards_after(transfers)
+
     def close(self) -> None:
         self.inner.close()

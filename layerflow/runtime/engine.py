@@ -359,6 +359,13 @@ class Engine:
         bucket = batch.bucket if isinstance(batch, StagedBatch) else self._bucket(batch.batch_size,
                                                                                   sum(batch.query_lens))
         bufs = self._bufs(bucket)
+        if plan.reuse_fences:   # offloads still reading pages this block writes: it runs after them
+            stream = 0
+            if self.device.type == "cuda":
+                index = torch.cuda.current_device() if self.device.index is None else self.device.index
+                stream = torch._C._cuda_getCurrentRawStream(index)
+            for fence in plan.reuse_fences:
+                fence.order_before(stream)
         bufs.fill(batch, plan.page_rows)
         wait = self.no_wait
         if plan.handle is not None:

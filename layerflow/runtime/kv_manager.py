@@ -3,9 +3,11 @@
 The manager owns the GPU's side (histories, page pool, pins, LRU, the batch plan); everything below it is a `KVTier`.
 A batch pins its users, allocates GPU pages for their history after the append, starts ONE onboarding for all its
 host, SSD and remote hits (one signal counter; under a window only the pages read) and, after the launch, offloads
-the pages it wrote. LRU eviction takes only users whose offload finished. A user gone from every tier is a miss,
-recomputed once from its stored history; one only a shared tier holds is adopted with its manifest's history. A batch
-may be prepared on top of a launched one's uncommitted history (runtime/chains.py: its abort aborts them too).
+the pages it wrote. LRU eviction takes only users whose offload finished, unless the tier `orders_reuse`: then the
+batch given an evicted user's pages has its onboarding and block ordered after that offload on the device
+(`BatchPlan.reuse_fences`). A user gone from every tier is a miss, recomputed once from its stored history; one only a
+shared tier holds is adopted with its manifest's history. A batch may be prepared on top of a launched one's
+uncommitted history (runtime/chains.py: its abort aborts them too).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from layerflow.runtime.quarantine import Quarantine
 from layerflow.runtime.request import EmbeddingRequest, Request
 from layerflow.tier.allocator import PoolExhausted
 from layerflow.tier.base import KVTier, Load, Tier, settle
+from layerflow.tier.copies import AllOf
 from layerflow.tier.gpu_pool import GpuKVPool
+from layerflow.transfer.copy_engine import Transfer
 from layerflow.transfer.errors import TransferError
 
 __all__ = ["BatchPlan", "KVManager", "Tier", "UserEntry"]
@@ -46,6 +50,7 @@ class KVManager:
         self.reap_after_launch = reap_after_launch
         self.users: dict[int, UserEntry] = {}
         self._offloading: set[int] = set()   # users whose entry holds an offload not yet reaped
+        self._fences: list[tuple[frozenset[int], Transfer]] = []   # pages freed while their offload was in flight
         self.quarantine = Quarantine(gpu)
         self.chains = PlanChains()
         self.deferred = DeferredReleases()   # committed onboardings given back after the next launch
@@ -90,6 +95,7 @@ class KVManager:
             settle(self.users[user].offload)
             self.users[user].offload = None
         self._offloading.clear()
+        self._fences.clear()
         self.below = below
 
     # ---- a batch ------------------------------------------------------------------------------
@@ -123,7 +129,7 @@ class KVManager:
             for u, tier, c, new in zip(users, tiers, cached, appended):
                 if tier is not Tier.GPU:
                     self._forget_gpu(u)
-                pages = self._allocate(u, c + len(new))
+                pages = self._allocate(u, c + len(new), plan.reuse_fences)
                 if tier is not Tier.GPU:
                     self.gpu.pin(u)
                     pinned.append(u)
@@ -331,14 +337,20 @@ class KVManager:
                 loads.append(Load(r.user_id, tier, cached, pages[first:last], first_page=first))
         if loads:
             self.deferred.before_onboard(loads, self.below.signals.num_counters)
-            plan.onboarding = self.below.onboard(loads, self.layerwise)
+            plan.onboarding = self.below.onboard(loads, self.layerwise, after=plan.reuse_fences)
 
-    def _allocate(self, user: int, tokens: int) -> tuple[int, ...]:
-        """GPU pages for `tokens` tokens of `user`, evicting LRU users whose offload landed. When the pool is short,
-        wait for the offloads of users eviction could then take, least recently used first, retrying after each; then
-        a PoolExhausted names the sizes (the caller can retry later, or shed load). A pinned user's offload is never
-        waited for: its pages stay taken either way, and under serving it is the batch in flight's, whose offload
-        lands only after that batch computes (a prepare ahead would wait for the device)."""
+    def _allocate(self, user: int, tokens: int, fences: list[Transfer]) -> tuple[int, ...]:
+        """GPU pages for `tokens` tokens of `user`, evicting LRU users whose offload landed, or (`orders_reuse`) any
+        unpinned LRU user: the in-flight offloads still reading the pages it gets are added to `fences`. When the
+        pool is short, wait for the offloads of users eviction could then take, least recently used first, retrying
+        after each; then a PoolExhausted names the sizes (the caller can retry later, or shed load). A pinned user's
+        offload is never waited for: its pages stay taken either way, and under serving it is the batch in flight's,
+        whose offload lands only after that batch computes (a prepare ahead would wait for the device)."""
+        if self.below.orders_reuse:
+            got = self.gpu.allocate(user, tokens, can_drop=_always, on_evict=self._fence_pages)
+            if self._fences and got.new:
+                fences.extend(t for pages, t in self._fences if not pages.isdisjoint(got.new) and t not in fences)
+            return got.pages
         waited: set[int] = set()   # a transfer that timed out stays not done: never wait for it twice
         while True:
             try:
@@ -352,6 +364,12 @@ class KVManager:
             settle(self.users[waitable].offload)
             self._reap_offloads()
 
+    def _fence_pages(self, victim: int) -> None:
+        """Before an evicted user's pages are freed: remember the offload still reading them."""
+        entry = self.users.get(victim)
+        if entry is not None and entry.offloading():
+            self._fences.append((frozenset(self.gpu.pages(victim)), entry.offload))
+
     @property
     def quarantined_pages(self) -> int:
         """GPU pages held back from failed onboardings whose producer has not ended yet."""
@@ -361,11 +379,16 @@ class KVManager:
         """Copy the pages this batch wrote down to the tier below (asynchronously)."""
         if not len(entry.history):
             return
-        if entry.offload is not None:  # in flight, or ended but not reaped: its bookkeeping must not be lost
-            settle(entry.offload)
+        earlier = entry.offload
+        if earlier is not None and not self.below.orders_reuse:
+            settle(earlier)   # in flight, or ended but not reaped: its bookkeeping must not be lost
             self._reap_offloads()
+            earlier = None
         items = entry.history if isinstance(entry.history, ItemHistory) else None
-        entry.offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page, history=items)
+        offload = self.below.offload(user, len(entry.history), pages, entry.gpu_first_page, history=items)
+        if earlier is not None and not earlier.done():   # the user's offloads in flight, all of them
+            offload = AllOf([*(earlier.transfers if isinstance(earlier, AllOf) else [earlier]), offload])
+        entry.offload = offload
         self._offloading.add(user)
 
     def _reap_offloads(self) -> None:
@@ -373,4 +396,10 @@ class KVManager:
         for user in [u for u in self._offloading if self.users[u].offload.done()]:
             self.users[user].offload = None
             self._offloading.discard(user)
+        if self._fences:
+            self._fences = [(pages, t) for pages, t in self._fences if not t.done()]
         self.below.reap()
+
+
+def _always(user: int) -> bool:
+    return True

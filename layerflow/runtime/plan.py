@@ -36,6 +36,7 @@ class BatchPlan:
     onboarding: Onboarding | None = None
     recorded: dict[int, int] = field(default_factory=dict)   # batch index -> history length before this batch
     first_pages: dict[int, int] = field(default_factory=dict)   # batch index -> first GPU page onboarded
+    reuse_fences: list[Transfer] = field(default_factory=list)   # offloads still reading pages it was given
     aborted: bool = False
 
     @property

@@ -104,7 +104,7 @@ class RemoteTier(KVTier):
             log.warning("adopting user %s from the transfer server failed: %s", user, e)
             return None
 
-    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
+    def onboard(self, loads: Sequence[Load], layerwise: bool, after: Sequence[Transfer] = ()) -> Onboarding:
         handle, done = self.client.onboard_many([(load.user, load.gpu_pages, load.first_page) for load in loads],
                                                 layerwise)
         return _RemoteOnboarding(handle, done, self.client.timeout_s)

@@ -83,14 +83,19 @@ class KVTier(ABC):
     """Host memory (and SSD) below the GPU pool. Called from the manager's thread only."""
 
     signals: LayerSignals
+    # Its onboardings can be ordered after offloads on the copy engine (`onboard(after=...)`), without the caller
+    # waiting: a GPU page whose offload is still in flight may then be given to another user, and a user may have
+    # several offloads in flight (they land in order). False: the KV manager waits for them on the host.
+    orders_reuse: bool = False
 
     @abstractmethod
     def locate(self, user: int, tokens: int) -> Tier:
         """HOST or SSD if the tier holds the K/V of `user`'s first `tokens` tokens, else NONE."""
 
     @abstractmethod
-    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
-        """Copy every load's tokens into its GPU pages, all users on one signal counter."""
+    def onboard(self, loads: Sequence[Load], layerwise: bool, after: Sequence[Transfer] = ()) -> Onboarding:
+        """Copy every load's tokens into its GPU pages, all users on one signal counter; `after` (only where
+        `orders_reuse`): offloads still reading some of those pages, which the copies must follow."""
 
     def adopt(self, user: int) -> tuple[int, list[int]] | None:
         """`(tokens, item history)` of a user this host does not know but a shared tier holds (another host computed

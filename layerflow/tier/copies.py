@@ -37,6 +37,14 @@ class AllOf(Transfer):
     def error(self) -> BaseException | None:
         return next((t.error for t in self.transfers if t.error is not None), None)
 
+    @property
+    def issued(self) -> bool:
+        return all(t.issued for t in self.transfers)
+
+    def order_before(self, stream: int) -> None:
+        for t in self.transfers:
+            t.order_before(stream)
+
 
 def drain(transfers: Sequence[Transfer], timeout: float | None) -> None:
     """Let transfers already in flight end (their errors were or will be reported elsewhere)."""

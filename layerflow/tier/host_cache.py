@@ -250,7 +250,8 @@ class HostCache:
             return OffloadSlot(blocks, first)
 
     def end_offload(self, user: User, ok: bool) -> None:
-        """The offload's copies ended; a failed one leaves no host copy. Writing through, the remote write takes
+        """The offload's copies ended; a failed one leaves no host copy (nor does a later offload of the user that
+        overlapped it: it copied only the pages after the failed one's). Writing through, the remote write takes
         over the offload's pin."""
         with self._lock:
             if ok and self.remote_write == WRITE_THROUGH and self._write_remote(user, pinned=True):
@@ -259,8 +260,8 @@ class HostCache:
             if not ok:
                 log.warning("offload of user %r failed; its host copy is dropped", user)
                 self._host_tokens.pop(user, None)
-                if not self.host.pin_count(user):
-                    self.host.free(user)
+            if user not in self._host_tokens and user in self.host and not self.host.pin_count(user):
+                self.host.free(user)
 
     # ---- forgetting ---------------------------------------------------------------------------
 

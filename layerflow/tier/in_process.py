@@ -47,19 +47,31 @@ class _LocalOnboarding(Onboarding):
 
 class InProcessTier(KVTier):
     """`cache` holds the KV, `engine` copies between `gpu_kv` (the GPU pool's layers) and the cache's host blocks;
-    `close()` closes the engine only if the tier `owns_engine`."""
+    `close()` closes the engine only if the tier `owns_engine`.
+
+    Its copies are all this process's engine's, so it `orders_reuse`: an onboarding waits on the copy engine for the
+    offloads it is ordered after and for its own users' offloads still in flight (a user evicted from the GPU right
+    after its batch), and a user's offloads may overlap (one D2H order: the later one, which rewrites the last
+    partial page, lands last). With a remote store written through, a user's offloads still go one at a time: the
+    remote write at an offload's end sends the host copy of the newest history."""
+
+    orders_reuse = True
 
     def __init__(self, cache: HostCache, layout: KVLayout, gpu_kv: Sequence[torch.Tensor], engine: CopyEngine,
                  signals: LayerSignals, timeout_s: float, owns_engine: bool = True) -> None:
         self.cache, self.engine, self.signals, self.owns_engine = cache, engine, signals, owns_engine
         self.copier = GroupCopier(engine, layout, gpu_kv, cache.host.blocks, timeout_s)
-        self._offloads: dict[int, Transfer] = {}
+        self._offloads: dict[int, list[Transfer]] = {}   # per user, in the order they were issued
 
     def locate(self, user: int, tokens: int) -> Tier:
         tier, held = self.cache.lookup(user)
         return tier if tokens > 0 and held >= tokens else Tier.NONE
 
-    def onboard(self, loads: Sequence[Load], layerwise: bool) -> Onboarding:
+    def onboard(self, loads: Sequence[Load], layerwise: bool, after: Sequence[Transfer] = ()) -> Onboarding:
+        waited = [t for t in after if not t.done()]
+        waited += [t for load in loads for t in self._offloads.get(load.user, ()) if not t.done()]
+        if waited:
+            self.engine.order_onboards_after(waited)
         try:
             pinned = self.cache.pin_for_onboard([(load.user, load.first_page, len(load.gpu_pages)) for load in loads])
         except LookupError as e:
@@ -90,9 +102,8 @@ class InProcessTier(KVTier):
     def offload(self, user: int, tokens: int, gpu_pages: Sequence[int], valid_from: int = 0,
                 history: Sequence[int] | None = None) -> Transfer:
         """Copies only the pages from the first one the host copy does not hold yet."""
-        if user in self._offloads:  # one offload per user at a time, each reaped (and unpinned) once
-            settle(self._offloads[user])
-            self.reap()
+        if self.cache.remote is not None and user in self._offloads:
+            self._settle_user(user)
         slot = self.cache.begin_offload(user, tokens, valid_from, history)
         n = -(-tokens // self.cache.page_size)
         try:
@@ -100,18 +111,20 @@ class InProcessTier(KVTier):
         except BaseException:
             self.cache.end_offload(user, ok=False)
             raise
-        self._offloads[user] = transfer
+        self._offloads.setdefault(user, []).append(transfer)
         return transfer
 
     def reap(self) -> None:
-        """Unpin the host blocks of finished offloads; a failed offload leaves no host copy."""
-        for user, transfer in list(self._offloads.items()):
-            if transfer.done():
+        """Unpin the host blocks of finished offloads, each user's in order; a failed one leaves no host copy."""
+        for user, transfers in list(self._offloads.items()):
+            while transfers and transfers[0].done():
+                self.cache.end_offload(user, ok=transfers.pop(0).error is None)
+            if not transfers:
                 del self._offloads[user]
-                self.cache.end_offload(user, ok=transfer.error is None)
 
     def _settle_user(self, user: int) -> None:
-        settle(self._offloads.get(user))
+        for transfer in self._offloads.get(user, ()):
+            settle(transfer)
         self.reap()
 
     def truncate(self, user: int, tokens: int) -> None:
@@ -129,8 +142,9 @@ class InProcessTier(KVTier):
         return self.cache.usage()
 
     def close(self) -> None:
-        for transfer in self._offloads.values():
-            settle(transfer)
+        for transfers in self._offloads.values():
+            for transfer in transfers:
+                settle(transfer)
         self.reap()
         if self.owns_engine:
             self.engine.close()

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from layerflow.transfer.copy_plan import CopyPlan, Run, plan_runs, single_run
+from layerflow.transfer.errors import TransferError
 from layerflow.transfer.signals.base import SignalHandle
 
 
@@ -38,6 +39,21 @@ class Transfer(ABC):
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise TransferError on failure or when `timeout` seconds pass first."""
+
+    @property
+    def issued(self) -> bool:
+        """Its copies were handed to the device (a transfer queued on an issue thread may not be yet)."""
+        return True
+
+    def order_before(self, stream: int) -> None:
+        """Work queued on CUDA stream `stream` (a raw handle) after this call runs after this transfer's copies.
+        This default blocks the caller until the transfer ended, which is right for any engine (the CPU path's
+        workers need it); a CUDA transfer makes the stream wait on the device instead. A failure is not raised here:
+        the transfer's own waiters see it."""
+        try:
+            self.wait()
+        except TransferError:
+            pass
 
 
 @dataclass(frozen=True)
@@ -204,6 +220,14 @@ class CopyEngine(ABC):
         """Issue what an onboarding left for later (an engine that issues a lead of layers first, cuda_copy.py): the
         caller calls it once the work it wanted to start first (its batch's launch) is issued; the default has
         nothing deferred."""
+
+    def order_onboards_after(self, transfers: Sequence[Transfer]) -> None:
+        """Onboardings asked for after this call start only once `transfers` ended: an offload still reading GPU
+        pages that an onboarding is about to overwrite (their user was evicted while its offload was in flight), or
+        writing the host blocks it reads. This default waits on the caller's thread; an engine with streams or
+        workers of its own orders on them instead, and the caller goes on."""
+        for t in transfers:
+            Transfer.order_before(t, 0)
 
     @abstractmethod
     def _onboard(self, job: CopyJob) -> Transfer: ...

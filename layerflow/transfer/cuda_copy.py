@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from itertools import pairwise
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -59,23 +59,36 @@ class CudaTransfer(Transfer):
         self._event: rt.cudaEvent_t | None = None
         self._finished = False
         self._pending: Callable[[], None] | None = None   # issues this transfer's deferred layers (its engine's)
+        self._lock = threading.Lock()   # the event is given back by `done` on one thread, waited on by another
 
     def done(self) -> bool:
         if self._finished:
             return True
         if self._pending is not None:
             self._pending()
-        if self._event is not None:
-            try:
-                if not cuda_api.query(self._event):
-                    return False
-            except TransferError as exc:
-                self.error = self.error or exc
-            self._pool.give(self._event)
-            self._event = None
-        self._finished = True
-        self._keep = None
+        with self._lock:
+            if self._event is not None:
+                try:
+                    if not cuda_api.query(self._event):
+                        return False
+                except TransferError as exc:
+                    self.error = self.error or exc
+                self._pool.give(self._event)
+                self._event = None
+            self._finished = True
+            self._keep = None
         return True
+
+    def order_before(self, stream: int) -> None:
+        """`stream` waits on the device for the event after the last copy; a transfer with layers still deferred
+        (an onboarding's lead) is waited for on the host, as the default does."""
+        with self._lock:
+            if self._finished:
+                return
+            if self._event is not None:
+                cuda_api.stream_wait(stream, self._event)
+                return
+        super().order_before(stream)
 
     def wait(self, timeout: float | None = None) -> None:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -244,6 +257,12 @@ class CudaCopyEngine(CopyEngine):
             check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
             cuda_api.destroy_stream(stream)
         self._pool.close()
+
+    def order_onboards_after(self, transfers: Sequence[Transfer]) -> None:
+        """The H2D stream waits for `transfers` on the device (call on the issuing thread, like the copies)."""
+        cuda_api.set_device(self.device)
+        for t in transfers:
+            t.order_before(self.h2d_stream)
 
     def _onboard(self, job: CopyJob) -> Transfer:
         return self._issue(job, self.h2d_stream, to_gpu=True)

@@ -13,7 +13,9 @@ What still holds:
   themselves, on the copy stream, so a graph launched before its onboarding was issued just waits longer on the GPU.
 - Onboardings go first: a queued onboarding is issued before any queued offload (each kind in its order), because
   the next batch's copies are what the copy engine waits for, while an offload only has to land before its user's
-  pages are reused, which the KV manager waits for (it evicts only users whose offload finished).
+  pages are reused. The exception: an onboarding ordered after offloads (`order_onboards_after`: it overwrites
+  pages of a user evicted while its offload was in flight) has those offloads, and any queued before them, issued
+  first, so the inner engine can order it after them on the device.
 - An offload waits for the work queued on the caller's current stream when it was asked for (CUDA: an event recorded
   there by the caller, waited by the issue thread's current stream, which the inner engine orders its offload after).
 - The inner engine is only ever used from the issue thread, until `close()`, which drains the queue first.
@@ -35,7 +37,7 @@ import time
 import weakref
 from collections import deque
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -61,6 +63,17 @@ class IssuedTransfer(Transfer):
 
     def done(self) -> bool:
         return self._issued.is_set() and (self._inner is None or self._inner.done())
+
+    @property
+    def issued(self) -> bool:
+        return self._issued.is_set() and (self._inner is None or self._inner.issued)
+
+    def order_before(self, stream: int) -> None:
+        """Waits on the host until the issue thread issued it (never call it there for a transfer still queued),
+        then orders `stream` as the inner transfer does; one that failed to issue moved nothing to wait for."""
+        self._issued.wait()
+        if self._inner is not None:
+            self._inner.order_before(stream)
 
     def wait(self, timeout: float | None = None) -> None:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -137,6 +150,16 @@ class _IssueQueue:
                 raise TransferError("copy engine closed: no transfer can be issued")
             (self._onboards if onboard else self._offloads).append(work)
             self._cond.notify()
+
+    def run_offloads_until(self, ready: Callable[[], bool]) -> None:
+        """On the thread, from inside a job: run queued offloads, oldest first, until `ready()` or none is left (an
+        onboarding ordered after offloads that are still queued behind it)."""
+        while not ready():
+            with self._cond:
+                if not self._offloads:
+                    return
+                work = self._offloads.popleft()
+            work()
 
     def idle(self) -> bool:
         """Nothing queued and nothing running: the inner engine is free for the caller's thread until it submits."""
@@ -224,6 +247,24 @@ class IssueThreadCopyEngine(CopyEngine):
             self.inner.issue_deferred()
         else:
             self._queue.submit(self.inner.issue_deferred, onboard=True)
+
+    def order_onboards_after(self, transfers: Sequence[Transfer]) -> None:
+        """Queued with the onboardings, so it reaches the inner engine right before the next one: the offloads it
+        orders after that are still queued here are issued first (they are small and wait for no onboarding), then
+        the inner engine orders its onboardings after them. If that fails, the thread waits for them instead:
+        an onboarding must never overwrite pages an offload still reads."""
+        waited = list(transfers)
+        if self.inline and self._queue.idle():
+            self.inner.order_onboards_after(waited)
+            return
+        self._queue.submit(partial(self._order_after, waited), onboard=True)
+
+    def _order_after(self, transfers: list[Transfer]) -> None:
+        self._queue.run_offloads_until(lambda: all(t.issued for t in transfers))
+        try:
+            self.inner.order_onboards_after(transfers)
+        except Exception:  # noqa: BLE001 - any failure to order on the device falls back to the host's wait
+            CopyEngine.order_onboards_after(self, transfers)
 
     def _onboard(self, job: CopyJob) -> Transfer:
         if self.inline and self._queue.idle():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -58,6 +59,11 @@ class ThreadCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._stop()
+
+    def order_onboards_after(self, transfers: Sequence[Transfer]) -> None:
+        """The H2D worker waits for `transfers` before the onboardings asked for after this call (FIFO)."""
+        waited = list(transfers)
+        self._h2d.submit(lambda: CopyEngine.order_onboards_after(self, waited))
 
     def _onboard(self, job: CopyJob) -> Transfer:
         transfer = ThreadTransfer(job)

@@ -16,6 +16,7 @@ from layerflow.cli import build_parser
 from layerflow.model import HSTUWeights
 from layerflow.model.config import PRESETS
 from layerflow.runtime.engine import Engine
+from layerflow.runtime.kv_manager import Tier
 from layerflow.runtime.request import Request
 from layerflow.tier.layout import KVLayout
 from tests.serving.helpers import MODEL, WAIT_S, config
@@ -181,3 +182,21 @@ def test_variants_alternate_on_one_engine_and_each_run_has_its_trace_sustained_a
         assert set(r["thread_cpu_s"]) >= {"MainThread", "layerflow-scheduler"}
     with pytest.raises(ValueError, match="variants="):
         ServingSettings(workload(), (1.0,), variants=("eager",))
+
+
+def test_the_host_waits_variant_turns_ordered_reuse_off_on_its_engines_tier_only_and_serves_the_same_scores():
+    from layerflow.bench.serving_variants import scheduler
+
+    requests = [Request(u % 5, list(range(16 * u, 16 * u + 16)), [3, 4]) for u in range(15)]   # a page a visit
+    scores = {}
+    with Engine(HSTUWeights.init(MODEL, seed=0), config(gpu_pages=7, serve_max_batch_size=2)) as engine:
+        tier = engine.kv.below
+        for name in ("host-waits", "library"):
+            with scheduler(name, engine, "guarded") as serving:
+                assert tier.orders_reuse is (name == "library") and type(tier).orders_reuse
+                scores[name] = [f.result(WAIT_S) for f in [serving.submit(r) for r in requests]]
+            for u in range(5):
+                engine.kv.truncate(u, 0)
+    assert {s.tier for s in scores["library"]} >= {Tier.HOST}   # users were evicted and came back from the host
+    for a, b in zip(scores["host-waits"], scores["library"]):
+        assert torch.allclose(a.scores, b.scores, atol=1e-5, rtol=1e-5)

@@ -92,6 +92,23 @@ def test_queued_onboardings_go_before_queued_offloads_each_in_order_on_the_issue
                             [("h2d", 5), ("h2d", 2), ("h2d", 9), ("d2h", 4), ("d2h", 7)]]
 
 
+def test_an_onboarding_ordered_after_a_queued_offload_has_that_offload_issued_first(engine, inner):
+    """Issue 19: `order_onboards_after` overrides "onboardings first" for the offloads it names (an evicted user's
+    pages the next onboarding overwrites), so on a CUDA engine the H2D stream can wait for their event."""
+    gpu, host = make_tensors()
+    inner.gate.clear()
+    first = engine.onboard(gpu, host, [5], [5])   # taken by the thread at once: it waits at the gate
+    offload = engine.offload(gpu, host, [4], [1])
+    later = engine.offload(gpu, host, [6], [2])
+    engine.order_onboards_after([offload])
+    onboard = engine.onboard(gpu, host, [4], [4])   # overwrites the page the offload reads
+    inner.gate.set()
+    for t in (first, offload, later, onboard):
+        t.wait(5)
+    assert [(d, p) for _, d, p in inner.issued] == [("h2d", 5), ("d2h", 4), ("h2d", 4), ("d2h", 6)]
+    assert offload.issued and onboard.issued
+
+
 def test_a_call_returns_before_its_copies_are_issued(engine, inner):
     gpu, host = make_tensors()
     inner.gate.clear()
@@ -230,3 +247,40 @@ def test_gpu_offload_waits_for_the_callers_stream_and_onboard_signals_each_layer
     finally:
         engine.close()
         ring.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threaded", [False, True], ids=["cuda", "issue-thread"])
+def test_gpu_an_onboarding_and_a_block_ordered_after_an_offload_wait_for_it_on_the_device(threaded):
+    """Issue 19: an offload held behind ~tens of ms of work on a side stream still reads the old pages, although the
+    onboarding into them and a kernel writing them were issued right after it (ordered, not host-waited)."""
+    from layerflow.transfer.cuda_copy import CudaCopyEngine
+
+    cuda = CudaCopyEngine()
+    engine = IssueThreadCopyEngine(cuda, torch.device("cuda"), owns_inner=False) if threaded else cuda
+    try:
+        gpu, host = make_tensors("cuda", pages=16, blocks=16, layers=3, page=32, heads=2, dim=64)
+        for layer in gpu:
+            layer.copy_(torch.randn_like(layer))
+        old = [layer.cpu() for layer in gpu]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            offload = engine.offload(gpu, host, [1, 2, 5], [0, 1, 2])
+        engine.order_onboards_after([offload])
+        onboard = engine.onboard(gpu, host, [1, 2], [8, 9])   # overwrites two of the pages the offload reads
+        offload.order_before(torch.cuda.current_stream().cuda_stream)
+        gpu[0][5].fill_(-1.0)   # a kernel on the caller's stream writing the third
+        onboard.wait(10)
+        offload.wait(10)
+        for layer in range(3):
+            for page, block in [(1, 0), (2, 1), (5, 2)]:
+                assert torch.equal(host[block, layer], old[layer][page]), (layer, page)
+            for page, block in [(1, 8), (2, 9)]:
+                assert torch.equal(gpu[layer][page].cpu(), host[block, layer]), (layer, page)
+        assert bool((gpu[0][5] == -1.0).all())
+    finally:
+        engine.close()
+        if threaded:
+            cuda.close()
